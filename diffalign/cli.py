@@ -1,0 +1,89 @@
+"""Command-line entry points ``diffalign-train`` and ``diffalign-eval`` (Hydra).
+
+The configs ship inside the package (``diffalign/configs``; the repository's top-level ``configs/`` and ``recipes/``
+point there), so both commands work from a clone and from an installed wheel. Config-group options come from the
+YAML files and, for plugins, from Python entry points registered into Hydra's ConfigStore before Hydra starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from diffalign.plugins import register_configs
+
+CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
+ASSET_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def asset_path(name: str) -> str:
+    """Absolute path of a shipped asset (``${diffalign_asset:tiny_sd}`` in configs).
+
+    Raises:
+        FileNotFoundError: when the asset is missing (the message says how to rebuild it).
+    """
+    path = ASSET_DIR / name
+    if not path.exists():
+        raise FileNotFoundError(f"shipped asset {name!r} not found at {path}; reinstall diffalign or rebuild it with "
+                                "`python scripts/pretrain_tiny_world.py all`")
+    return str(path)
+
+
+def _setup() -> None:
+    if not OmegaConf.has_resolver("diffalign_asset"):
+        OmegaConf.register_new_resolver("diffalign_asset", asset_path)
+    register_configs()
+
+
+def _train_main(cfg: DictConfig) -> None:
+    from diffalign.validation import validate_train_config
+
+    validate_train_config(cfg)  # before any model is loaded
+    from diffalign.train.preference import train as run
+
+    run(cfg)
+
+
+def _eval_main(cfg: DictConfig) -> None:
+    from diffalign.validation import validate_eval_config
+
+    validate_eval_config(cfg)
+    if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
+        raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; pass a "
+                                "checkpoint-<step> folder of a diffalign-train run (or its final/ folder)")
+    if cfg.checkpoint is None and not cfg.include_base:
+        raise ValueError("nothing to evaluate: pass checkpoint=<folder> or include_base=true")
+
+    from hydra.utils import instantiate
+
+    from diffalign.evaluate import EvalConfig, evaluate_policy, select_prompts
+    from diffalign.plugins import build_reward
+    from diffalign.world.prompts import load_prompts
+
+    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
+               for name, node in cfg.reward.items()}
+    ecfg = EvalConfig(**{k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k != "enabled"})
+    rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
+    policy = instantiate(cfg.model)
+    variants = {"base": True} if cfg.include_base else {}
+    if cfg.checkpoint is not None:
+        policy.load_lora_weights(cfg.checkpoint)
+        variants["checkpoint"] = False
+    metrics = evaluate_policy(policy, rows, rewards, ecfg, Path(cfg.output_dir), variants)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "variants"}, indent=2))
+    print(f"[diffalign] eval written to {cfg.output_dir}")
+
+
+def train() -> None:
+    """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
+    _setup()
+    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
+
+
+def evaluate() -> None:
+    """``diffalign-eval``: evaluate the base model and/or a checkpoint on a prompt set."""
+    _setup()
+    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()

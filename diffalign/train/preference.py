@@ -1,0 +1,199 @@
+"""Training loop for offline and semi-online preference data (Diffusion-DPO; SePPO and DDSPO plug in here too).
+
+``main(cfg)`` → setup → train → evaluate. The loop is written out (no Trainer class): one optimizer step per
+``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` pairs, gradient clipping, an LR
+schedule with warmup, trackers, and atomic checkpoints every ``trainer.checkpointing_steps`` holding the LoRA (diffusers
+format), optimizer, scheduler, RNG, noise-generator and data-sampler state, so ``resume=latest`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from diffalign.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from diffalign.data.preference import ResumableSampler
+from diffalign.evaluate import EvalConfig, evaluate_policy, select_prompts
+from diffalign.plugins import build_reward
+from diffalign.types import PreferenceBatch
+from diffalign.world.prompts import load_prompts
+
+
+def _flat_hparams(cfg: DictConfig) -> dict:
+    """Scalar leaves of the config, flattened with '/' for the trackers."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}/")
+        elif isinstance(node, (int, float, str, bool)):
+            out[prefix[:-1]] = node
+        elif node is not None:
+            out[prefix[:-1]] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
+    """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
+    if kind not in ("constant_with_warmup", "cosine"):
+        raise ValueError(f"trainer.lr_scheduler must be 'constant_with_warmup' or 'cosine', got {kind!r}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant_with_warmup":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Runs a preference fine-tuning job described by `cfg` (see ``configs/train.yaml``); returns the final metrics.
+
+    Raises:
+        ValueError: when the selected method does not consume preference pairs (its ``data_flow`` is not "pairs").
+    """
+    # ------------------------------------------------------------------------------------------------------------------
+    # 1. setup: accelerator, seeds, policy, objective, data, optimizer
+    # ------------------------------------------------------------------------------------------------------------------
+    t_start = time.time()
+    output_dir = Path(cfg.output_dir)
+    tr = cfg.trainer
+    log_with = None if tr.log_with in (None, "none") else tr.log_with
+    accelerator = Accelerator(
+        gradient_accumulation_steps=tr.gradient_accumulation_steps,
+        mixed_precision=tr.mixed_precision,
+        log_with=log_with,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        cpu=tr.cpu,
+    )
+    set_seed(cfg.seed)
+    objective = instantiate(cfg.method)
+    if getattr(objective, "data_flow", None) != "pairs":
+        raise ValueError(f"method={cfg.method._target_} consumes {getattr(objective, 'data_flow', '?')!r} data; the "
+                         "preference loop runs methods whose data_flow is 'pairs'")
+    policy = instantiate(cfg.model)
+    policy.to(accelerator.device)
+    dataset = instantiate(cfg.data)
+    sampler = ResumableSampler(len(dataset), tr.batch_size, seed=cfg.seed, shuffle=True, drop_last=True)
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
+                                  weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
+    lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, tr.max_steps, tr.lr_scheduler)
+    policy.unet, optimizer, lr_scheduler = accelerator.prepare(policy.unet, optimizer, lr_scheduler)
+    noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
+               for name, node in cfg.reward.items()}
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
+                                  OmegaConf.to_container(cfg, resolve=True))
+    n_trainable = sum(p.numel() for p in params)
+    effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
+    accelerator.print(f"[diffalign] {n_trainable / 1e6:.3f}M trainable parameters; {tr.max_steps} optimizer steps × "
+                      f"{effective} pairs (batch {tr.batch_size} × accumulation {tr.gradient_accumulation_steps} × "
+                      f"{accelerator.num_processes} processes); {len(dataset)} pairs; output {output_dir}")
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # 2. resume
+    # ------------------------------------------------------------------------------------------------------------------
+    global_step = 0
+    if cfg.resume is not None:
+        ckpt = latest_checkpoint(output_dir) if cfg.resume == "latest" else Path(cfg.resume)
+        if ckpt is None:
+            accelerator.print(f"[diffalign] resume=latest: no checkpoint in {output_dir}, starting from scratch")
+        else:
+            state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
+            policy.load_lora_weights(ckpt)
+            global_step = state["global_step"]
+            sampler.load_state_dict(state["sampler"])
+            noise_generator.set_state(torch.tensor(state["noise_generator"], dtype=torch.uint8))
+            accelerator.print(f"[diffalign] resumed from {ckpt} at step {global_step}")
+
+    def write_checkpoint(step: int) -> Path:
+        return save_checkpoint(
+            output_dir, step, lora_dir_writer=policy.save_lora_weights, optimizer=optimizer,
+            lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
+            state={"global_step": step, "epoch": sampler.state_dict()["epoch"], "sampler": sampler.state_dict(),
+                   "noise_generator": noise_generator.get_state().tolist()},
+        )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # 3. train
+    # ------------------------------------------------------------------------------------------------------------------
+    policy.unet.train()
+    progress = tqdm(total=tr.max_steps, initial=global_step, desc="train", disable=not accelerator.is_main_process)
+    history = []
+    t_train = time.time()
+    while global_step < tr.max_steps:
+        sums: dict[str, float] = {}
+        for _ in range(tr.gradient_accumulation_steps):
+            batch_data = dataset.collate(sampler.next_batch())
+            with torch.no_grad():
+                latents_w = policy.encode_images(batch_data["images_w"].to(accelerator.device))
+                latents_l = policy.encode_images(batch_data["images_l"].to(accelerator.device))
+                embeds = policy.encode_prompts(batch_data["prompts"], do_classifier_free_guidance=False)
+            batch = PreferenceBatch(latents_w, latents_l, batch_data["prompts"], embeds, batch_data["ids"])
+            with accelerator.accumulate(policy.unet), accelerator.autocast():
+                loss, metrics = objective(policy, batch, generator=noise_generator)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {global_step}; lower "
+                                             "trainer.learning_rate or method.beta, or use mixed_precision=no")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and tr.max_grad_norm is not None:
+                    accelerator.clip_grad_norm_(params, tr.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for k, v in metrics.items():
+                if torch.is_tensor(v) and v.numel() == 1:
+                    sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
+        global_step += 1
+        sums["lr"] = lr_scheduler.get_last_lr()[0]
+        history.append({"step": global_step, **sums})
+        accelerator.log(sums, step=global_step)
+        progress.update(1)
+        progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
+        if tr.checkpointing_steps and global_step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
+            write_checkpoint(global_step)
+    progress.close()
+    train_seconds = time.time() - t_train
+    if accelerator.is_main_process and (not tr.checkpointing_steps or global_step % tr.checkpointing_steps != 0):
+        write_checkpoint(global_step)
+    final_dir = output_dir / "final"
+    if accelerator.is_main_process:
+        policy.save_lora_weights(final_dir)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # 4. evaluate base vs fine-tuned
+    # ------------------------------------------------------------------------------------------------------------------
+    results = {"global_step": global_step, "train_seconds": train_seconds, "final_lora": str(final_dir),
+               "history_tail": history[-5:]}
+    if cfg.eval.enabled and accelerator.is_main_process:
+        t_eval = time.time()
+        policy.unet.eval()
+        ecfg = EvalConfig(**{k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items()
+                             if k != "enabled"})
+        rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
+        results["eval"] = evaluate_policy(policy, rows, rewards, ecfg, output_dir / "eval",
+                                          {"base": True, "finetuned": False}, log=accelerator.print)
+        results["eval_seconds"] = time.time() - t_eval
+    results["total_seconds"] = time.time() - t_start
+    if accelerator.is_main_process:
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
+    accelerator.end_training()
+    return results

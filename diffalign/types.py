@@ -1,0 +1,122 @@
+"""Data containers that flow between diffalign's parts.
+
+Shapes are documented per field. ``B`` is the batch, ``K`` the number of denoising steps, ``C, H, W`` the
+latent channels/height/width in the model's native layout, ``L`` the text length and ``D`` the text width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptEmbeds:
+    """Encoded prompts.
+
+    Attributes:
+        prompt_embeds: `(B, L, D)` conditional token embeddings.
+        negative_prompt_embeds: `(B, L, D)` unconditional/negative token embeddings, or `None` when classifier-free
+            guidance is off. Classifier-free guidance batches are always built in the order ``[negative, positive]``
+            (``torch.cat([negative_prompt_embeds, prompt_embeds])``), the order diffusers pipelines use.
+        pooled_prompt_embeds: `(B, D')` pooled embeddings for models that take them (SDXL, SD3); `None` for SD1.x/2.x.
+        negative_pooled_prompt_embeds: `(B, D')` or `None`, same order rule as the token embeddings.
+    """
+
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor | None = None
+    pooled_prompt_embeds: torch.Tensor | None = None
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def index(self, idx: torch.Tensor | slice | list[int]) -> "PromptEmbeds":
+        """Selects rows `idx` of every tensor."""
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return PromptEmbeds(
+            pick(self.prompt_embeds),
+            pick(self.negative_prompt_embeds),
+            pick(self.pooled_prompt_embeds),
+            pick(self.negative_pooled_prompt_embeds),
+        )
+
+    def repeat_interleave(self, n: int) -> "PromptEmbeds":
+        """Repeats each row `n` times: rows ``[p0, p1]`` become ``[p0]*n + [p1]*n``."""
+        rep = lambda t: None if t is None else t.repeat_interleave(n, dim=0)  # noqa: E731
+        return PromptEmbeds(
+            rep(self.prompt_embeds),
+            rep(self.negative_prompt_embeds),
+            rep(self.pooled_prompt_embeds),
+            rep(self.negative_pooled_prompt_embeds),
+        )
+
+
+@dataclass
+class Trajectory:
+    """One unrolled sampling run.
+
+    Attributes:
+        latents: `(B, K+1, C, H, W)`; ``latents[:, 0]`` is the initial noise, ``latents[:, k+1]`` is the sample after
+            step ``k`` (so ``latents[:, k]`` is x_t and ``latents[:, k+1]`` is x_{t-1} for ``timesteps[k]``).
+        timesteps: `(K,)` int64 scheduler timesteps, e.g. ``[981, 961, ..., 1]`` for 50 SD DDIM steps.
+        log_probs: `(B, K)` float32 log-probability of each transition under the sampling policy (reduced as the
+            sampler documents); 0 where ``std`` is 0 (a deterministic step).
+        trainable: `(K,)` bool, False for steps whose std is 0 (no log-prob is defined there).
+        prompt_embeds: the `PromptEmbeds` used, one row per sample.
+        images: `(B, 3, H_px, W_px)` float32 decoded images in [0, 1], or `None` if not decoded.
+        prompts: the `B` prompt strings.
+        guidance_scale: the classifier-free guidance scale used in the rollout.
+        eta: the DDIM/SDE noise level used.
+    """
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    log_probs: torch.Tensor
+    trainable: torch.Tensor
+    prompt_embeds: PromptEmbeds
+    images: torch.Tensor | None
+    prompts: list[str]
+    guidance_scale: float
+    eta: float
+
+    @property
+    def next_latents(self) -> torch.Tensor:
+        """`(B, K, C, H, W)` the sample after each step: ``next_latents[:, k] == latents[:, k + 1]``."""
+        return self.latents[:, 1:]
+
+
+@dataclass
+class PreferenceBatch:
+    """Offline or semi-online preference pairs.
+
+    Attributes:
+        latents_w: `(B, C, H, W)` clean latents x_0 of the winning images (already scaled by the VAE scaling factor).
+        latents_l: `(B, C, H, W)` clean latents of the losing images.
+        prompts: the `B` prompts.
+        prompt_embeds: encoded prompts (conditional only; preference losses use the unguided forward).
+        ids: optional `(B,)` int64 data ids (used to check data order on resume).
+    """
+
+    latents_w: torch.Tensor
+    latents_l: torch.Tensor
+    prompts: list[str]
+    prompt_embeds: PromptEmbeds
+    ids: torch.Tensor | None = None
+
+
+@dataclass
+class RewardOutput:
+    """What a reward returns.
+
+    Attributes:
+        scores: `(B,)` float32 scores (higher is better).
+        info: extra per-sample values, e.g. ``{"correct": (B,) bool tensor, "details": list}``.
+        maps: optional dense per-pixel scores `(B, H, W)` or per-frame-pixel `(B, F, H, W)`.
+    """
+
+    scores: torch.Tensor
+    info: dict[str, Any] = field(default_factory=dict)
+    maps: torch.Tensor | None = None

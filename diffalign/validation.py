@@ -1,0 +1,57 @@
+"""Checks of a composed run config, done before any model is loaded (errors name the field and the fix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from diffalign.world.prompts import load_prompts
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+def _positive(cfg: DictConfig, key: str, value, strict: bool = True) -> None:
+    if value is None or (value <= 0 if strict else value < 0):
+        raise ValueError(f"{key} must be {'>' if strict else '>='} 0, got {value}")
+
+
+def validate_train_config(cfg: DictConfig) -> None:
+    """Raises ValueError / FileNotFoundError for a bad training config. Checks: method.beta > 0,
+    num_inference_steps >= 1 (sampler and eval), trainer sizes and learning rate, mixed precision, the data and eval
+    prompt files (exist, non-empty), at least one reward, and the resume target."""
+    method = cfg.get("method") or {}
+    if "beta" in method:
+        _positive(cfg, "method.beta", method.beta)
+    for key in ("sampler", "eval"):
+        node = cfg.get(key) or {}
+        if "num_inference_steps" in node and (node.num_inference_steps is None or node.num_inference_steps < 1):
+            raise ValueError(f"{key}.num_inference_steps must be >= 1, got {node.num_inference_steps}")
+    t = cfg.trainer
+    for k in ("max_steps", "batch_size", "gradient_accumulation_steps", "learning_rate"):
+        _positive(cfg, f"trainer.{k}", t[k])
+    if t.checkpointing_steps is not None and t.checkpointing_steps < 1:
+        raise ValueError(f"trainer.checkpointing_steps must be >= 1 or null, got {t.checkpointing_steps}")
+    if t.mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"trainer.mixed_precision must be one of {MIXED_PRECISION}, got {t.mixed_precision!r}")
+    if not cfg.get("reward"):
+        raise ValueError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
+    if "prompts" in cfg.data:
+        load_prompts(cfg.data.prompts)
+    if cfg.eval.enabled:
+        validate_eval_config(cfg)
+    resume = cfg.get("resume")
+    if resume not in (None, "latest") and not Path(resume).is_dir():
+        raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder; use resume=latest or a path to a "
+                                "checkpoint-<step> folder")
+
+
+def validate_eval_config(cfg: DictConfig) -> None:
+    """Checks the ``eval`` node: steps >= 1, a non-empty prompt file, at least one seed, batch size >= 1."""
+    e = cfg.eval
+    if e.num_inference_steps is None or e.num_inference_steps < 1:
+        raise ValueError(f"eval.num_inference_steps must be >= 1, got {e.num_inference_steps}")
+    if not e.seeds:
+        raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
+    _positive(cfg, "eval.batch_size", e.batch_size)
+    load_prompts(e.prompts)

@@ -1,0 +1,118 @@
+"""Prompts of the shapes world in GenEval's metadata format, split into train and held-out.
+
+Each row is ``{"tag": ..., "include": [...], "prompt": ...}`` as in GenEval's ``evaluation_metadata.jsonl``; for
+position prompts the subject entry carries ``"position": [relation, anchor_index]``.
+
+Tags and templates:
+
+=============  ==========================================  ======================
+tag            example                                     split
+=============  ==========================================  ======================
+single_object  "a circle"                                  held-out only
+colors         "a red circle"                              4 of 12 held-out
+counting       "two circles", "three blue squares"         8 of 30 held-out
+two_object     "a circle and a square"                     circle+triangle held-out
+color_attr     "a red circle and a green triangle"         held-out object pairs
+position       "a red circle left of a green triangle"     held-out object pairs
+=============  ==========================================  ======================
+
+`HELDOUT_PAIRS` lists 10 of the 66 unordered pairs of (colour, shape) object types; every color_attr and position
+caption using one of them is held out entirely (compositional generalisation). No caption is in both splits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from diffalign.world.render import COLORS, RELATIONS, SHAPES, caption
+
+TAGS = ("single_object", "colors", "counting", "two_object", "color_attr", "position")
+TYPES = [(c, s) for c in COLORS for s in SHAPES]
+_rng = np.random.default_rng(2024)
+_ALL_PAIRS = list(itertools.combinations(TYPES, 2))
+HELDOUT_PAIRS = frozenset(frozenset(_ALL_PAIRS[i]) for i in _rng.choice(len(_ALL_PAIRS), size=10, replace=False))
+TRAIN_TAG_WEIGHTS = {"colors": 0.15, "counting": 0.2, "two_object": 0.1, "color_attr": 0.2, "position": 0.35}
+PROMPT_DIR = Path(__file__).parent / "prompts"
+
+
+def _obj(color: str | None, shape: str, count: int = 1) -> dict:
+    e = {"class": shape, "count": count}
+    if color:
+        e["color"] = color
+    return e
+
+
+def _row(tag: str, include: list[dict]) -> dict:
+    spec = {"tag": tag, "include": include}
+    spec["prompt"] = caption(spec)
+    return spec
+
+
+def all_prompts() -> dict[str, list[dict]]:
+    """Every prompt of the world, by split: ``{"train": [...], "heldout": [...]}`` (deterministic order)."""
+    train: list[dict] = []
+    held: list[dict] = []
+    for s in SHAPES:
+        held.append(_row("single_object", [_obj(None, s)]))
+    for i, (c, s) in enumerate(TYPES):
+        (held if i % 3 == list(COLORS).index(c) % 3 else train).append(_row("colors", [_obj(c, s)]))
+    counting = [(n, c, s) for n in (2, 3) for c in [None, *COLORS] for s in SHAPES]
+    for i, (n, c, s) in enumerate(counting):
+        (held if i % 4 == 1 else train).append(_row("counting", [_obj(c, s, n)]))
+    for s1, s2 in itertools.permutations(SHAPES, 2):
+        (held if {s1, s2} == {"circle", "triangle"} else train).append(_row("two_object", [_obj(None, s1),
+                                                                                            _obj(None, s2)]))
+    for a, b in itertools.permutations(TYPES, 2):
+        dest = held if frozenset((a, b)) in HELDOUT_PAIRS else train
+        dest.append(_row("color_attr", [_obj(*a), _obj(*b)]))
+        for rel in RELATIONS:
+            subj = _obj(*a)
+            subj["position"] = [rel, 0]
+            dest.append(_row("position", [_obj(*b), subj]))
+    return {"train": train, "heldout": held}
+
+
+def load_prompts(split_or_path: str) -> list[dict]:
+    """Rows of a GenEval-style jsonl file, or of the shipped split ``"train"`` / ``"heldout"``.
+
+    Raises:
+        FileNotFoundError: when the path does not exist (the message says which splits ship with the package).
+        ValueError: when the file holds no prompts or a row lacks a ``prompt`` field.
+    """
+    path = PROMPT_DIR / f"{split_or_path}.jsonl" if split_or_path in ("train", "heldout") else Path(split_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist; set data.prompts to a jsonl/txt file or "
+                                "to one of the shipped splits 'train' / 'heldout'")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
+        if "prompt" not in row:
+            raise ValueError(f"{path}:{n}: row has no 'prompt' field")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"prompt file {str(path)!r} holds no prompts; add at least one line")
+    return rows
+
+
+def write_prompt_files(directory: Path = PROMPT_DIR) -> None:
+    """Writes ``train.jsonl`` and ``heldout.jsonl`` (the shipped files are made by this function)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, rows in all_prompts().items():
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def sample_train_specs(n: int, seed: int, rows: list[dict] | None = None) -> list[dict]:
+    """`n` train prompts drawn with `TRAIN_TAG_WEIGHTS` per tag, uniformly within a tag; deterministic in `seed`."""
+    rows = rows if rows is not None else all_prompts()["train"]
+    by_tag = {t: [r for r in rows if r["tag"] == t] for t in TAGS}
+    tags = [t for t in TRAIN_TAG_WEIGHTS if by_tag[t]]
+    p = np.array([TRAIN_TAG_WEIGHTS[t] for t in tags])
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(tags), size=n, p=p / p.sum())
+    return [by_tag[tags[k]][rng.integers(len(by_tag[tags[k]]))] for k in picks]

@@ -1,0 +1,320 @@
+"""Trains the tiny world's shipped models from scratch, with fixed seeds (maintenance tool; never imported).
+
+Stages (run in this order; ``all`` runs them in sequence):
+
+* ``vae``  — tiny `AutoencoderKL` (32×32×3 ↔ 8×8×4), L1 + MSE + 1e-6·KL; measures its `scaling_factor` and the
+  verifier's accuracy on reconstructions.
+* ``unet`` — tiny `UNet2DConditionModel` (ε-prediction, SD1.5 noise schedule) trained jointly with a tiny
+  `CLIPTextModel` on pre-encoded latents, 10% caption dropout for classifier-free guidance, EMA 0.999; then assembles
+  and saves a `StableDiffusionPipeline` folder.
+* ``clip`` — tiny open_clip model (custom config, the world's word-level tokenizer), contrastive loss on renders and
+  captions.
+
+Full reproduction of the shipped models (about 40 minutes on 2 CPU cores)::
+
+    python scripts/pretrain_tiny_world.py all --out diffalign/assets
+
+Smoke run (a few steps; used by the tests)::
+
+    python scripts/pretrain_tiny_world.py all --out /tmp/tw --vae-steps 2 --unet-steps 2 --clip-steps 2 \
+        --num-latents 64 --eval-images 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from diffalign.world.prompts import all_prompts, sample_train_specs
+from diffalign.world.render import render_spec, to_tensor
+from diffalign.world.tokenizer import build_tokenizer
+from diffalign.world.verifier import verify
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def render_batch(specs: list[dict], seed: int) -> torch.Tensor:
+    return to_tensor(np.stack([render_spec(s, seed * 100003 + i) for i, s in enumerate(specs)]))
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.05):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# VAE
+# ----------------------------------------------------------------------------------------------------------------------
+def build_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, sample_size=32, norm_num_groups=8, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 64), mid_block_add_attention=False,
+    )
+
+
+def train_vae(args) -> None:
+    torch.manual_seed(0)
+    vae = build_vae()
+    log(f"vae params {sum(p.numel() for p in vae.parameters()) / 1e6:.3f}M, {args.vae_steps} steps")
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(100, args.vae_steps))
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    for step in range(args.vae_steps):
+        x = render_batch(sample_train_specs(32, seed=10_000 + step), seed=10_000 + step) * 2 - 1
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        rec = vae.decode(z).sample
+        # foreground pixels (the objects) weigh 4x more: their edges decide the verifier's shape reading
+        weight = 1.0 + 3.0 * (x.amax(dim=1, keepdim=True) > -0.3).float()
+        loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.vae_steps - 1:
+            log(f"vae step {step} loss {loss.item():.4f} ({(step + 1) / (time.time() - t0):.2f} it/s)")
+    vae.eval()
+    with torch.no_grad():
+        specs = sample_train_specs(512, seed=999)
+        x = render_batch(specs, seed=999) * 2 - 1
+        lat = torch.cat([vae.encode(x[i:i + 128]).latent_dist.mean for i in range(0, len(x), 128)])
+        scaling = float(1.0 / lat.std())
+    vae.register_to_config(scaling_factor=scaling)
+    acc, psnr = eval_vae(vae, args.eval_images)
+    log(f"vae scaling_factor {scaling:.4f}; reconstructions: verifier accuracy {acc:.4f}, PSNR {psnr:.2f} dB")
+    out = Path(args.work) / "vae"
+    vae.save_pretrained(out)
+    (Path(args.work) / "vae_metrics.json").write_text(json.dumps(
+        {"verifier_accuracy_on_reconstructions": acc, "psnr_db": psnr, "scaling_factor": scaling,
+         "steps": args.vae_steps, "minutes": (time.time() - t0) / 60}, indent=2))
+
+
+@torch.no_grad()
+def eval_vae(vae, n: int) -> tuple[float, float]:
+    rows = all_prompts()["heldout"] + all_prompts()["train"]
+    rng = np.random.default_rng(123)
+    specs = [rows[i] for i in rng.choice(len(rows), size=n)]
+    x = render_batch(specs, seed=123)
+    rec = torch.cat([vae.decode(vae.encode(x[i:i + 128] * 2 - 1).latent_dist.mean).sample for i in range(0, n, 128)])
+    rec = ((rec + 1) / 2).clamp(0, 1)
+    mse = F.mse_loss(rec, x).item()
+    imgs = (rec.permute(0, 2, 3, 1).numpy() * 255 + 0.5).astype(np.uint8)
+    acc = float(np.mean([verify(im, s).correct for im, s in zip(imgs, specs)]))
+    return acc, 10 * math.log10(1.0 / mse)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# UNet + text encoder
+# ----------------------------------------------------------------------------------------------------------------------
+def build_text_encoder(tokenizer):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=tokenizer.model_max_length, projection_dim=64, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    ))
+
+
+def build_unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(48, 96), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16,
+    )
+
+
+def sd_scheduler_config() -> dict:
+    return dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                prediction_type="epsilon", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+
+
+def train_unet(args) -> None:
+    from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
+    from diffusers.training_utils import EMAModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL.from_pretrained(Path(args.work) / "vae").eval()
+    tokenizer = build_tokenizer()
+    text_encoder, unet = build_text_encoder(tokenizer), build_unet()
+    log(f"unet params {sum(p.numel() for p in unet.parameters()) / 1e6:.3f}M, text encoder "
+        f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M")
+    # 1. pre-encode latents (posterior mean and std) of renders of train prompts
+    t0 = time.time()
+    specs = sample_train_specs(args.num_latents, seed=1)
+    means, stds = [], []
+    with torch.no_grad():
+        for i in range(0, len(specs), 256):
+            x = render_batch(specs[i:i + 256], seed=1 + i) * 2 - 1
+            d = vae.encode(x).latent_dist
+            means.append(d.mean)
+            stds.append(d.std)
+    means, stds = torch.cat(means), torch.cat(stds)
+    ids = tokenizer([s["prompt"] for s in specs], padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids
+    empty = tokenizer([""], padding="max_length", max_length=tokenizer.model_max_length, return_tensors="pt").input_ids
+    log(f"encoded {len(specs)} latents in {time.time() - t0:.0f}s")
+    # 2. train
+    noise_scheduler = DDPMScheduler(**{k: v for k, v in sd_scheduler_config().items() if k != "set_alpha_to_one"})
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(200, args.unet_steps, floor=0.1))
+    ema_unet = EMAModel(unet.parameters(), decay=0.999)
+    ema_text = EMAModel(text_encoder.parameters(), decay=0.999)
+    gen = torch.Generator().manual_seed(0)
+    t0, running = time.time(), None
+    for step in range(args.unet_steps):
+        idx = torch.randint(len(specs), (args.unet_batch,), generator=gen)
+        lat = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen)) * vae.config.scaling_factor
+        tok = ids[idx].clone()
+        drop = torch.rand(len(idx), generator=gen) < 0.1
+        tok[drop] = empty
+        noise = torch.randn(lat.shape, generator=gen)
+        t = torch.randint(0, 1000, (len(idx),), generator=gen)
+        pred = unet(noise_scheduler.add_noise(lat, noise, t), t, text_encoder(tok)[0]).sample
+        loss = F.mse_loss(pred, noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        ema_unet.step(unet.parameters())
+        ema_text.step(text_encoder.parameters())
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if step % 100 == 0 or step == args.unet_steps - 1:
+            log(f"unet step {step} loss {running:.4f} ({(step + 1) / (time.time() - t0):.2f} it/s)")
+    minutes = (time.time() - t0) / 60
+    ema_unet.copy_to(unet.parameters())
+    ema_text.copy_to(text_encoder.parameters())
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet.eval(),
+        scheduler=DDIMScheduler(**sd_scheduler_config()), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    out = Path(args.work) / "tiny_sd"
+    pipe.save_pretrained(out, safe_serialization=True)
+    (Path(args.work) / "unet_metrics.json").write_text(json.dumps(
+        {"steps": args.unet_steps, "batch": args.unet_batch, "minutes": minutes, "final_loss": running}, indent=2))
+    log(f"saved pipeline to {out}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLIP
+# ----------------------------------------------------------------------------------------------------------------------
+def train_clip(args) -> None:
+    from diffalign.rewards.tiny_clip import build_tiny_clip, tokenize
+
+    torch.manual_seed(0)
+    model = build_tiny_clip()
+    log(f"clip params {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M, {args.clip_steps} steps")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(100, args.clip_steps))
+    tokenizer = build_tokenizer()
+    t0 = time.time()
+    for step in range(args.clip_steps):
+        specs = sample_train_specs(128, seed=50_000 + step)
+        x = render_batch(specs, seed=50_000 + step)
+        text = tokenize(tokenizer, [s["prompt"] for s in specs])
+        img_f, txt_f, scale = model(model_normalize(x), text)
+        logits = scale * img_f @ txt_f.T
+        # the same caption may appear twice in a batch: every matching caption is a positive
+        same = torch.tensor([[a["prompt"] == b["prompt"] for b in specs] for a in specs], dtype=torch.float32)
+        target = same / same.sum(1, keepdim=True)
+        loss = 0.5 * (torch.sum(-target * logits.log_softmax(1), 1).mean()
+                      + torch.sum(-target * logits.T.log_softmax(1), 1).mean())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.clip_steps - 1:
+            log(f"clip step {step} loss {loss.item():.4f} ({(step + 1) / (time.time() - t0):.2f} it/s)")
+    model.eval()
+    out = Path(args.work) / "tiny_clip"
+    out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "open_clip_model.safetensors")
+    acc = eval_clip(model, tokenizer, args.eval_images)
+    (Path(args.work) / "clip_metrics.json").write_text(json.dumps(
+        {"heldout_pair_accuracy": acc, "steps": args.clip_steps, "minutes": (time.time() - t0) / 60}, indent=2))
+    log(f"clip held-out matched-vs-mismatched caption accuracy {acc:.4f}")
+
+
+def model_normalize(x: torch.Tensor) -> torch.Tensor:
+    from diffalign.rewards.tiny_clip import normalize
+
+    return normalize(x)
+
+
+@torch.no_grad()
+def eval_clip(model, tokenizer, n: int) -> float:
+    from diffalign.rewards.tiny_clip import tokenize
+    from diffalign.world.render import corrupt_spec
+
+    held = all_prompts()["heldout"]
+    rng = np.random.default_rng(7)
+    specs = [held[i] for i in rng.choice(len(held), size=n)]
+    x = render_batch(specs, seed=7)
+    wrong = [corrupt_spec(s, i)[0] for i, s in enumerate(specs)]
+    from diffalign.world.render import caption
+
+    img_f = model.encode_image(model_normalize(x), normalize=True)
+    right_f = model.encode_text(tokenize(tokenizer, [s["prompt"] for s in specs]), normalize=True)
+    wrong_f = model.encode_text(tokenize(tokenizer, [caption(s) for s in wrong]), normalize=True)
+    return float(((img_f * right_f).sum(-1) > (img_f * wrong_f).sum(-1)).float().mean())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=["vae", "unet", "clip", "all"])
+    p.add_argument("--out", default="diffalign/assets", help="where the finished models are copied")
+    p.add_argument("--work", default="runs/pretrain", help="scratch folder for stage outputs")
+    p.add_argument("--vae-steps", type=int, default=3000)
+    p.add_argument("--unet-steps", type=int, default=2800)
+    p.add_argument("--unet-batch", type=int, default=64)
+    p.add_argument("--num-latents", type=int, default=60_000)
+    p.add_argument("--clip-steps", type=int, default=1500)
+    p.add_argument("--eval-images", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    stages = ["vae", "unet", "clip"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        {"vae": train_vae, "unet": train_unet, "clip": train_clip}[stage](args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tiny_sd", "tiny_clip"):
+        if (Path(args.work) / name).exists() and ("unet" in stages if name == "tiny_sd" else "clip" in stages):
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(Path(args.work) / name, out / name)
+            log(f"copied {name} to {out / name}")
+    metrics = {f.stem: json.loads(f.read_text()) for f in Path(args.work).glob("*_metrics.json")}
+    (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main()
