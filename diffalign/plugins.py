@@ -59,6 +59,10 @@ def register_configs() -> dict[str, list[str]]:
     Rewards are stored with ``package="reward.<name>"`` so that the multi-select ``reward=[a,b]`` composes to
     ``cfg.reward.a`` and ``cfg.reward.b``; models and methods use their group as package (``cfg.model``,
     ``cfg.method``). Calling it again re-stores the same nodes.
+
+    Raises:
+        ValueError: if two distributions declare the same name in one group (both are named).
+        ImportError: if an entry point cannot be loaded (named, with its value).
     """
     store, stored = ConfigStore.instance(), {}
     for group, config_group in GROUPS.items():
@@ -79,6 +83,7 @@ def build_reward(name: str, **kwargs: Any) -> Any:
     Raises:
         ValueError: if `name` is not registered (the message lists the available names).
         omegaconf.errors.ConfigKeyError: if a kwarg is not a field of the reward's config.
+        hydra.errors.InstantiationException: wrapping any error of the reward's constructor (e.g. a bad value).
     """
     config = OmegaConf.merge(
         OmegaConf.structured(_load("diffalign.rewards", name, _entry_points("diffalign.rewards"))), kwargs
@@ -95,6 +100,8 @@ def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | 
     Raises:
         ValueError: if `cfg_reward` is empty, a name is not a registered reward (the message lists the available
             names), or `weights` does not give exactly one weight per reward.
+        omegaconf.errors.ConfigKeyError: if a node has a field its config does not.
+        hydra.errors.InstantiationException: wrapping any error of a reward's constructor.
     """
     if not cfg_reward:
         raise ValueError("no reward selected; set e.g. reward=[jpeg_compressibility].")

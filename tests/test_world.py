@@ -37,12 +37,16 @@ def test_captions_and_metadata_agree():
     for row in ROWS:
         assert caption(row) == row["prompt"]
         assert parse_caption(row["prompt"]) == row
-    assert parse_caption("two blue squares") == {"tag": "counting", "prompt": "two blue squares",
-                                                 "include": [{"class": "square", "count": 2, "color": "blue"}]}
+    assert parse_caption("two blue squares") == {
+        "tag": "counting",
+        "prompt": "two blue squares",
+        "include": [{"class": "square", "count": 2, "color": "blue"}],
+    }
     # GenEval's position convention: the subject carries ["relation", anchor index]
     assert parse_caption("a red circle above a green triangle")["include"] == [
         {"class": "triangle", "count": 1, "color": "green"},
-        {"class": "circle", "count": 1, "color": "red", "position": ["above", 0]}]
+        {"class": "circle", "count": 1, "color": "red", "position": ["above", 0]},
+    ]
     with pytest.raises(ValueError, match="not a shapes-world prompt"):
         parse_caption("a photo of a dog")
 
@@ -53,8 +57,11 @@ def test_splits_disjoint_cover_every_tag_and_hold_out_pairs():
     assert not train & held
     assert {r["tag"] for r in ALL["heldout"]} == set(TAGS)
     # a held-out object pair never appears together in a train caption
-    held_pairs = {frozenset((e["color"], e["class"]) for e in r["include"]) for r in ALL["heldout"]
-                  if r["tag"] in ("color_attr", "position")}
+    held_pairs = {
+        frozenset((e["color"], e["class"]) for e in r["include"])
+        for r in ALL["heldout"]
+        if r["tag"] in ("color_attr", "position")
+    }
     for r in ALL["train"]:
         if r["tag"] in ("color_attr", "position"):
             assert frozenset((e["color"], e["class"]) for e in r["include"]) not in held_pairs
@@ -83,13 +90,16 @@ def test_verifier_on_ground_truth_renders_per_tag():
         assert np.mean(oks) >= 0.99, (tag, np.mean(oks))
 
 
-@pytest.mark.parametrize("prompt,wrong,failed", [
-    ("a red circle", "a green circle", "color/0"),
-    ("two blue squares", "three blue squares", "count/0"),
-    ("a yellow triangle", "a yellow square", "count/0"),
-    ("a red circle left of a green triangle", "a red circle right of a green triangle", "position/1"),
-    ("a circle and a square", "a circle and a triangle", "count/1"),
-])
+@pytest.mark.parametrize(
+    "prompt,wrong,failed",
+    [
+        ("a red circle", "a green circle", "color/0"),
+        ("two blue squares", "three blue squares", "count/0"),
+        ("a yellow triangle", "a yellow square", "count/0"),
+        ("a red circle left of a green triangle", "a red circle right of a green triangle", "position/1"),
+        ("a circle and a square", "a circle and a triangle", "count/1"),
+    ],
+)
 def test_verifier_rejects_other_scenes_naming_the_failed_constraint(prompt, wrong, failed):
     spec = parse_caption(prompt)
     for seed in range(20):
@@ -101,8 +111,9 @@ def test_verifier_rejects_other_scenes_naming_the_failed_constraint(prompt, wron
 
 def test_verifier_counts_extra_objects_and_dense_score():
     spec = parse_caption("a red circle")
-    img = render([SceneObject("circle", "red", 8, 8, 5, (220, 40, 40)),
-                  SceneObject("square", "blue", 24, 24, 5, (50, 90, 235))])
+    img = render(
+        [SceneObject("circle", "red", 8, 8, 5, (220, 40, 40)), SceneObject("square", "blue", 24, 24, 5, (50, 90, 235))]
+    )
     v = verify(img, spec)
     # constraints: count/0 ok, color/0 ok, no_extra fails -> 2/3
     assert v.failed == ["no_extra"] and v.score == pytest.approx(2 / 3)

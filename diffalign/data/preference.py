@@ -9,6 +9,7 @@ for ``image_0``: 1 → image_0 wins, 0 → image_1 wins, 0.5 → tie. Images are
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -82,7 +83,7 @@ class PreferencePairs:
                     f"preference row {row_id} lacks keys {missing}; each row needs {list(_REQUIRED_KEYS)}."
                 )
             label = row["label_0"]
-            if isinstance(label, bool) or not isinstance(label, (int, float)) or float(label) not in (0.0, 0.5, 1.0):
+            if isinstance(label, bool) or not isinstance(label, numbers.Real) or float(label) not in (0.0, 0.5, 1.0):
                 raise ValueError(
                     f"preference row {row_id} has label_0={label!r}; expected 1 (image_0 wins), 0 (image_1 wins) or "
                     "0.5 (tie). Fix or filter the row."
@@ -143,11 +144,13 @@ class ResumableSampler:
 
     Epoch ``e`` uses the permutation ``torch.randperm(num_items, generator=torch.Generator().manual_seed(seed + e))``
     (or ``0..num_items-1`` without shuffle), cut into consecutive batches. Iterating yields the *remaining* batches
-    of the current epoch and then advances to the next epoch, so a training loop reads::
+    of the current epoch and then advances to the next epoch, so an epoch-based loop reads::
 
         while sampler.epoch < num_epochs:
             for indices in sampler:
                 ...  # train; save sampler.state_dict() with the checkpoint
+
+    and a step-based loop calls `next_batch()` once per micro-batch.
 
     The position counts a batch as consumed as soon as it is yielded, so a state saved while processing it resumes
     at the following batch.
@@ -197,6 +200,24 @@ class ResumableSampler:
             yield order[start : start + self.batch_size]
         self.epoch += 1
         self.position = 0
+
+    def next_batch(self) -> list[int]:
+        """The next batch, moving on to the next epoch when the current one is exhausted (for step-based loops).
+
+        Interleaves exactly with iteration: ``next_batch()`` after a state where ``position == len(self)`` starts
+        epoch ``epoch + 1`` at its first batch.
+
+        Returns:
+            `list[int]`: `batch_size` dataset indices (fewer only for the last batch of an epoch without
+            `drop_last`).
+        """
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        order = self.epoch_order(self.epoch)
+        start = self.position * self.batch_size
+        self.position += 1
+        return order[start : start + self.batch_size]
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position"}``: the current epoch and the number of its batches already yielded."""

@@ -18,7 +18,7 @@ from diffalign.objectives.common import per_sample_mse
 from diffalign.types import PreferenceBatch
 
 if TYPE_CHECKING:
-    from diffalign.models.stable_diffusion import StableDiffusionPolicy
+    from diffalign.models.base import DiffusionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -170,16 +170,17 @@ class DiffusionDPO(nn.Module):
 
     def forward(
         self,
-        policy: StableDiffusionPolicy,
+        policy: DiffusionPolicy,
         batch: PreferenceBatch,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Computes the Diffusion-DPO loss for a batch of pairs.
 
         Args:
-            policy (`StableDiffusionPolicy` or any object with the same interface):
-                Provides ``predict(latents, timesteps, prompt_embeds, guidance_scale)``, ``add_noise``,
-                ``training_target``, the ``reference()`` context manager and ``scheduler``.
+            policy (`DiffusionPolicy`, e.g. `StableDiffusionPolicy`):
+                Only ``predict(latents, timesteps, prompt_embeds, guidance_scale)``, ``add_noise``,
+                ``training_target``, the ``reference()`` context manager and ``scheduler.config.num_train_timesteps``
+                are used.
             batch (`PreferenceBatch`):
                 ``latents_w``/``latents_l`` of shape `(B, C, H, W)` (scaled VAE latents) and `B` prompt embeddings.
             generator (`torch.Generator`, *optional*):

@@ -1,0 +1,83 @@
+"""The policy interface every model adapter implements (one file per diffusers family in `diffalign/models/`).
+
+Samplers, objectives and training loops use only these members, so a new model family is added by writing one
+adapter. Latents keep the model's native layout, documented by each adapter (`(B, C, h, w)` for SD1.x/2.x).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from diffalign.types import PromptEmbeds
+
+
+@runtime_checkable
+class DiffusionPolicy(Protocol):
+    """A text-to-image (or video) diffusion model seen as a policy: it encodes prompts, predicts, and decodes.
+
+    Attributes:
+        scheduler: the diffusers scheduler the samplers step with (e.g. `DDIMScheduler`).
+        prediction_type: what `predict` returns: "epsilon", "v_prediction" (VP models) or "flow" (rectified flow).
+    """
+
+    scheduler: object
+
+    @property
+    def prediction_type(self) -> str: ...
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def encode_prompts(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None = None,
+        do_classifier_free_guidance: bool = True,
+        num_images_per_prompt: int = 1,
+    ) -> PromptEmbeds:
+        """Encodes `len(prompts)` prompts into `len(prompts) * num_images_per_prompt` rows, ``[p0]*n + [p1]*n``."""
+        ...
+
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor | int,
+        prompt_embeds: PromptEmbeds,
+        guidance_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Returns the (guided) model output, same shape as `latents`; CFG batches are ``[negative, positive]``."""
+        ...
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """Forward process x_t from clean latents x_0 and noise."""
+        ...
+
+    def training_target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The regression target of `predict` for the denoising loss (ε, v, or ε − x_0 for flows)."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents → float32 images `(B, 3, H, W)` (or videos `(B, F, 3, H, W)`) in [0, 1]."""
+        ...
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] → scaled latents."""
+        ...
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Every parameter the optimizer updates (all float32)."""
+        ...
+
+    def reference(self) -> AbstractContextManager:
+        """Context under which `predict` is the frozen reference model (e.g. the LoRA adapter disabled)."""
+        ...

@@ -1,0 +1,195 @@
+"""The one unrolled denoising loop: sample a batch with DDIM (η ≥ 0) and record the trajectory and per-step log-probs.
+
+With η = 0 and the same scheduler, steps, guidance and generators, the images equal those of
+`StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/test_rollout.py); with η > 0 they
+equal the pipeline's `eta=η` output too, since the per-step noise is drawn from the same generators in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from diffusers import DDIMScheduler
+from diffusers.utils.torch_utils import randn_tensor
+
+from diffalign.models.base import DiffusionPolicy
+from diffalign.samplers.ddim_logprob import ddim_step
+from diffalign.types import PromptEmbeds, Trajectory
+
+
+def rollout(
+    policy: DiffusionPolicy,
+    prompts: list[str],
+    *,
+    num_inference_steps: int = 20,
+    guidance_scale: float = 4.0,
+    eta: float = 1.0,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    negative_prompts: list[str] | None = None,
+    latents: torch.Tensor | None = None,
+    prompt_embeds: PromptEmbeds | None = None,
+    decode: bool = True,
+    reduction: str = "mean",
+    callback: Callable[[dict[str, Any]], None] | None = None,
+    enable_grad: bool = False,
+) -> Trajectory:
+    """Samples `len(prompts)` images with DDIM and records the trajectory (DDPO, arXiv:2305.13301, §4.3).
+
+    Each step k draws x_{t'} ~ N(μ_θ(x_t), s_t² I) with `diffalign.samplers.ddim_logprob.ddim_step` (ALGORITHMS.md
+    §1.3(i)) and stores its log-probability; the model output is guided with `guidance_scale` exactly as the
+    policy-gradient objective will recompute it (`recompute_log_probs`). Runs under `torch.no_grad()` unless
+    `enable_grad=True` (backpropagation through the sampler).
+
+    Args:
+        policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (e.g. `StableDiffusionPolicy`).
+        prompts (`list[str]`): `B` prompts, one per sample (repeat a prompt for several samples of it).
+        num_inference_steps (`int`, defaults to 20): K ≥ 1 DDIM steps (`scheduler.set_timesteps(K)` is called).
+        guidance_scale (`float`, defaults to 4.0): classifier-free guidance w ≥ 1 (1 disables it).
+        eta (`float`, defaults to 1.0): DDIM noise level η; 0 gives deterministic DDIM, whose log-probs are 0.
+        generator (`torch.Generator` or list of `B`, *optional*): noise source for the initial latents and every
+            step; with one generator per image, image k depends only on generator k (FIELD_CASES C15).
+        negative_prompts (`list[str]`, *optional*): `B` negative prompts or one for all; default "".
+        latents (`torch.Tensor`, *optional*): `(B, C, h, w)` initial noise (multiplied by `init_noise_sigma`, as the
+            pipeline does); drawn with `randn_tensor` when not given.
+        prompt_embeds (`PromptEmbeds`, *optional*): precomputed embeddings, `B` rows (with negatives if w > 1).
+        decode (`bool`, defaults to True): decode the final latents to images.
+        reduction (`str`, defaults to "mean"): log-prob reduction over latent elements, "mean" or "sum".
+        callback (`Callable[[dict], None]`, *optional*): called after every step with ``{"i", "t", "x", "x_next",
+            "model_output", "mean", "std", "log_prob"}`` (k-diffusion style).
+        enable_grad (`bool`, defaults to False): keep the autograd graph through the whole loop.
+
+    Returns:
+        `Trajectory` with float32 `latents` `(B, K+1, C, h, w)` (``latents[:, 0]`` the initial noise), `timesteps`
+        `(K,)` equal to `scheduler.timesteps`, `log_probs` `(B, K)` float32, `trainable` `(K,)` (False where the step
+        std is 0), `images` `(B, 3, H, W)` in [0, 1] or `None`.
+
+    Raises:
+        ValueError: if `num_inference_steps < 1`, a generator list, `latents` or `prompt_embeds` does not match the
+            batch.
+        TypeError: if the policy's scheduler is not a `DDIMScheduler`.
+    """
+    # 1. check the arguments
+    batch_size = len(prompts)
+    if num_inference_steps < 1:
+        raise ValueError(f"`num_inference_steps` must be >= 1, got {num_inference_steps}.")
+    if isinstance(generator, list) and len(generator) != batch_size:
+        raise ValueError(
+            f"Got a list of {len(generator)} generators for {batch_size} prompts; pass one generator per image"
+            f" ({batch_size}) or a single generator."
+        )
+    if prompt_embeds is not None and len(prompt_embeds) != batch_size:
+        raise ValueError(
+            f"`prompt_embeds` has {len(prompt_embeds)} rows for {batch_size} prompts; pass one per prompt."
+        )
+    scheduler = policy.scheduler
+    if not isinstance(scheduler, DDIMScheduler):
+        raise TypeError(f"`rollout` steps with DDIM; the policy's scheduler is a {type(scheduler).__name__}.")
+    shape = (batch_size, *policy.latent_shape)
+    if latents is not None and tuple(latents.shape) != shape:
+        raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
+
+    with torch.set_grad_enabled(enable_grad):
+        # 2. encode the prompts (negatives only with guidance)
+        if prompt_embeds is None:
+            prompt_embeds = policy.encode_prompts(
+                prompts, negative_prompts, do_classifier_free_guidance=guidance_scale > 1
+            )
+
+        # 3. timesteps, e.g. [981, 961, ..., 1] for 50 SD steps
+        device = policy.device
+        scheduler.set_timesteps(num_inference_steps, device=device)
+        timesteps = scheduler.timesteps
+
+        # 4. initial noise, drawn as `StableDiffusionPipeline.prepare_latents` draws it
+        if latents is None:
+            latents = randn_tensor(shape, generator=generator, device=device, dtype=policy.dtype)
+        latents = (latents.to(device) * scheduler.init_noise_sigma).float()
+
+        # 5. denoise, recording x_t, log π(x_{t'} | x_t) and the step std
+        all_latents, log_probs, stds = [latents], [], []
+        for i, t in enumerate(timesteps):
+            model_output = policy.predict(latents, t, prompt_embeds, guidance_scale)
+            step = ddim_step(scheduler, model_output, t, latents, eta=eta, generator=generator, reduction=reduction)
+            if callback is not None:
+                callback(
+                    {
+                        "i": i,
+                        "t": t,
+                        "x": latents,
+                        "x_next": step.prev_sample,
+                        "model_output": model_output,
+                        "mean": step.mean,
+                        "std": step.std,
+                        "log_prob": step.log_prob,
+                    }
+                )
+            latents = step.prev_sample
+            all_latents.append(latents)
+            log_probs.append(step.log_prob)
+            stds.append(step.std.reshape(-1)[0])
+
+        # 6. decode
+        images = policy.decode(latents) if decode else None
+
+    return Trajectory(
+        latents=torch.stack(all_latents, dim=1),
+        timesteps=timesteps.clone(),
+        log_probs=torch.stack(log_probs, dim=1),
+        trainable=torch.stack(stds) > 0,
+        prompt_embeds=prompt_embeds,
+        images=images,
+        prompts=list(prompts),
+        guidance_scale=guidance_scale,
+        eta=eta,
+    )
+
+
+def recompute_log_probs(
+    policy: DiffusionPolicy,
+    trajectory: Trajectory,
+    step_indices: Sequence[int] | torch.Tensor,
+    *,
+    guidance_scale: float | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Re-evaluates log π_θ(x_{k+1} | x_k) of stored transitions with the policy's current parameters.
+
+    The stored next latent is scored (not resampled), the guidance and η are the rollout's, and each step runs the
+    same batch the rollout ran, so before any update the result equals `trajectory.log_probs[:, step_indices]` and
+    the PPO ratio exp(new − old) is 1 (DESIGN.md §6). Gradients flow to the trainable parameters unless called under
+    `torch.no_grad()`; call it with one index at a time to backpropagate step by step.
+
+    Args:
+        policy (`DiffusionPolicy`): the policy that produced `trajectory` (possibly updated since).
+        trajectory (`Trajectory`): a rollout with η > 0.
+        step_indices (`Sequence[int]` or `torch.Tensor`): `S` step indices k in [0, K).
+        guidance_scale (`float`, *optional*): defaults to `trajectory.guidance_scale`.
+        reduction (`str`, defaults to "mean"): must be the reduction the rollout used.
+
+    Returns:
+        `torch.Tensor` `(B, S)` float32; 0 at steps whose std is 0 (`trajectory.trainable[k]` False).
+
+    Raises:
+        ValueError: if the trajectory was sampled with η = 0 or an index is outside [0, K).
+    """
+    num_steps = len(trajectory.timesteps)
+    indices = [int(k) for k in step_indices]
+    if trajectory.eta <= 0:
+        raise ValueError("The trajectory was sampled with eta=0 (deterministic), so it has no log-probs; use eta > 0.")
+    if any(k < 0 or k >= num_steps for k in indices):
+        raise ValueError(f"`step_indices` {indices} must lie in [0, {num_steps}) for a {num_steps}-step trajectory.")
+    scheduler = policy.scheduler
+    if scheduler.num_inference_steps != num_steps:
+        scheduler.set_timesteps(num_steps, device=policy.device)
+    guidance_scale = trajectory.guidance_scale if guidance_scale is None else guidance_scale
+    log_probs = []
+    for k in indices:
+        sample, next_sample, t = trajectory.latents[:, k], trajectory.latents[:, k + 1], trajectory.timesteps[k]
+        model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale)
+        step = ddim_step(
+            scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample, reduction=reduction
+        )
+        log_probs.append(step.log_prob)
+    return torch.stack(log_probs, dim=1)

@@ -1,0 +1,155 @@
+"""Hydra configuration, bad-input errors, and short end-to-end training runs on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.validation import validate_train_config
+
+GROUPS = {g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
+          for g in ("model", "method", "sampler", "trainer", "data", "eval", "recipe")}
+
+
+def compose_cfg(overrides: list[str], name: str = "train"):
+    _setup()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides, return_hydra_config=False)
+
+
+def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
+    return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
+            "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
+            "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_group_option_composes(group):
+    assert GROUPS[group], group
+    for option in GROUPS[group]:
+        cfg = compose_cfg([f"{group}={option}"])
+        if group not in ("recipe",):
+            assert cfg[group] is not None
+        OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_rewards_are_multi_select_and_eval_config_composes():
+    cfg = compose_cfg(["reward=[geneval_shapes,jpeg_compressibility]"])
+    assert set(cfg.reward) == {"geneval_shapes", "jpeg_compressibility"}
+    assert cfg.reward.jpeg_compressibility.quality == 95
+    ecfg = compose_cfg(["checkpoint=null"], name="evaluate")
+    assert ecfg.eval.prompts == "heldout" and "geneval_shapes" in ecfg.reward
+
+
+def test_default_is_the_tiny_world_recipe():
+    cfg = compose_cfg([])
+    assert cfg.model._target_.endswith("StableDiffusionPolicy.from_pretrained")
+    assert Path(cfg.model.pretrained_model_name_or_path).is_dir()
+    assert cfg.data._target_.endswith("ShapesPairs") and cfg.eval.prompts == "heldout"
+
+
+def test_commas_inside_quoted_prompt_values():
+    cfg = compose_cfg(['+sample.prompt="a red circle, two blue squares"'])
+    assert cfg.sample.prompt == "a red circle, two blue squares"
+
+
+@pytest.mark.parametrize("override,field", [
+    ("method.beta=0", "method.beta"),
+    ("method.beta=-5", "method.beta"),
+    ("sampler.num_inference_steps=0", "sampler.num_inference_steps"),
+    ("eval.num_inference_steps=0", "eval.num_inference_steps"),
+    ("data.prompts=/nonexistent/prompts.jsonl", "data.prompts"),
+    ("eval.prompts=/nonexistent/prompts.jsonl", "eval.prompts"),
+    ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+    ("trainer.max_steps=0", "trainer.max_steps"),
+])
+def test_bad_input_is_rejected_with_the_field_named(override, field):
+    cfg = compose_cfg([override])
+    with pytest.raises((ValueError, FileNotFoundError), match=field.split(".")[-1]):
+        validate_train_config(cfg)
+
+
+def test_empty_prompt_file_is_rejected(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        validate_train_config(compose_cfg([f"eval.prompts={empty}"]))
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+
+
+def test_cli_errors_before_any_model_is_loaded(tmp_path):
+    # unknown method: Hydra names the group and lists the options
+    res = _cli(["method=nope", f"output_dir={tmp_path / 'a'}"], tmp_path)
+    assert res.returncode != 0 and "method" in res.stderr and "diffusion_dpo" in res.stderr
+    # beta <= 0: our validation, before the (absent) model path would be touched
+    res = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
+                f"output_dir={tmp_path / 'b'}"], tmp_path)
+    assert res.returncode != 0 and "method.beta must be > 0" in res.stderr
+    assert "does/not/exist" not in res.stderr
+    res = _cli(["reward=[nope]", f"output_dir={tmp_path / 'c'}"], tmp_path)
+    assert res.returncode != 0 and "reward" in res.stderr and "geneval_shapes" in res.stderr
+    # a comma without quotes is ambiguous without --multirun; no training step runs
+    res = _cli(["+sample.prompt=a,b", f"output_dir={tmp_path / 'd'}"], tmp_path)
+    assert res.returncode != 0 and not list((tmp_path / "d").glob("checkpoint-*"))
+
+
+def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffusers(tmp_path):
+    from diffalign.models.tiny_random import build_tiny_random_pipeline, build_tiny_random_policy
+    from diffalign.train.preference import train
+
+    initial = build_tiny_random_policy(seed=0).lora_state_dict()
+    results = train(compose_cfg(smoke_overrides(tmp_path, steps=2)))
+    assert results["global_step"] == 2
+    final = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    assert set(final) == set(initial) and len(final) > 0
+    for key, value in initial.items():
+        assert not torch.equal(final[key], value), f"{key} did not change"
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+    # the saved LoRA in a plain diffusers pipeline gives the run's policy's images
+    policy = build_tiny_random_policy(seed=0)
+    policy.load_lora_weights(tmp_path / "final")
+    pipe = build_tiny_random_pipeline(seed=0)
+    pipe.load_lora_weights(tmp_path / "final")
+    kwargs = dict(num_inference_steps=3, guidance_scale=3.0, output_type="pt")
+    ours = policy.to_pipeline()(["a red circle"], generator=torch.Generator().manual_seed(3), **kwargs).images
+    theirs = pipe(["a red circle"], generator=torch.Generator().manual_seed(3), **kwargs).images
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    base = build_tiny_random_pipeline(seed=0)(["a red circle"], generator=torch.Generator().manual_seed(3),
+                                              **kwargs).images
+    assert not torch.allclose(ours, base, atol=1e-4)
+
+
+def test_resume_continues_exactly(tmp_path):
+    from diffalign.train.preference import train
+
+    train(compose_cfg(smoke_overrides(tmp_path / "a", steps=4)))
+    train(compose_cfg(smoke_overrides(tmp_path / "b", steps=2)))
+    train(compose_cfg(smoke_overrides(tmp_path / "b", steps=4) + ["resume=latest"]))
+    a = load_file(tmp_path / "a" / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "pytorch_lora_weights.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    sa = json.loads((tmp_path / "a" / "checkpoint-4" / "trainer_state.json").read_text())
+    sb = json.loads((tmp_path / "b" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert sa == sb

@@ -1,0 +1,207 @@
+"""Entry-point plugins → Hydra ConfigStore, multi-select rewards, and a third-party reward end to end."""
+
+import copy
+import dataclasses
+import importlib.metadata
+import inspect
+import textwrap
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import InstantiationException
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+from diffalign import plugins
+from diffalign.rewards.base import Reward
+from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
+
+REAL_ENTRY_POINTS = importlib.metadata.entry_points
+IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+PLUGIN_SOURCE = textwrap.dedent(
+    '''
+    from dataclasses import dataclass
+
+    import torch
+
+    from diffalign.types import RewardOutput
+
+
+    class Brightness:
+        """Third-party reward: scale · mean pixel value."""
+
+        differentiable = True
+        name = "brightness"
+
+        def __init__(self, scale: float = 1.0):
+            self.scale = scale
+
+        def __call__(self, images, prompts, metadata=None):
+            return RewardOutput(scores=self.scale * images.flatten(1).mean(1).float())
+
+
+    @dataclass
+    class BrightnessConfig:
+        _target_: str = "diffalign_test_plugin.Brightness"
+        scale: float = 1.0
+    '''
+)
+
+
+@pytest.fixture(autouse=True)
+def isolated_config_groups():
+    """Restores the ConfigStore's reward/model/method groups after each test, so fake plugins do not leak.
+
+    Only these groups are restored: Hydra registers its own nodes (``hydra/...``) lazily on first use.
+    """
+    store = ConfigStore.instance()
+    saved = {group: copy.deepcopy(store.repo[group]) for group in plugins.GROUPS.values() if group in store.repo}
+    yield
+    for group in plugins.GROUPS.values():
+        store.repo.pop(group, None)
+    store.repo.update(saved)
+
+
+def fake_distribution(tmp_path, dist_name: str, entry_points_txt: str) -> importlib.metadata.Distribution:
+    """A real `PathDistribution` (dist-info folder) so entry points carry their distribution name."""
+    info = tmp_path / "dists" / f"{dist_name}-0.1.dist-info"  # not on sys.path: found only via the monkeypatch
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points_txt)
+    return importlib.metadata.PathDistribution(info)
+
+
+def add_entry_points(monkeypatch, *dists):
+    """Makes `importlib.metadata.entry_points(group=...)` return the installed entry points plus those of `dists`."""
+
+    def entry_points(*, group):
+        extra = [ep for dist in dists for ep in dist.entry_points if ep.group == group]
+        return list(REAL_ENTRY_POINTS(group=group)) + extra
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "config.yaml").write_text("defaults:\n  - _self_\n  - reward: [jpeg_compressibility]\n\nseed: 0\n")
+    return conf
+
+
+def test_builtin_rewards_are_discovered():
+    configs = plugins.entry_point_configs("diffalign.rewards")
+    assert configs["jpeg_compressibility"] is JpegCompressibilityConfig
+    assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(configs)
+
+
+@pytest.mark.parametrize("name", sorted(ep.name for ep in REAL_ENTRY_POINTS(group="diffalign.rewards")))
+def test_config_fields_match_init_signature(name):
+    config_class = plugins.entry_point_configs("diffalign.rewards")[name]
+    fields = {f.name: f for f in dataclasses.fields(config_class) if f.name != "_target_"}
+    reward_class = get_class(config_class._target_)
+    params = {n: p for n, p in inspect.signature(reward_class.__init__).parameters.items() if n != "self"}
+    assert set(fields) == set(params), f"{config_class.__name__} fields {sorted(fields)} vs __init__ {sorted(params)}"
+    for field_name, field in fields.items():
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        assert default == params[field_name].default, field_name
+    assert isinstance(plugins.build_reward(name), Reward)
+
+
+def test_multiselect_rewards_nest_under_their_names(config_dir):
+    plugins.register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        default = compose("config")
+        both = compose(
+            "config",
+            overrides=[
+                "reward=[jpeg_compressibility,jpeg_incompressibility]",
+                "reward.jpeg_incompressibility.quality=80",
+            ],
+        )
+    assert list(default.reward) == ["jpeg_compressibility"]
+    assert default.reward.jpeg_compressibility.quality == 95
+    assert list(both.reward) == ["jpeg_compressibility", "jpeg_incompressibility"]
+    assert both.reward.jpeg_incompressibility.quality == 80 and both.reward.jpeg_compressibility.quality == 95
+    assert "quality" not in both.reward  # options did not merge into one node
+
+    combined = plugins.build_rewards(both.reward, weights={"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5})
+    assert isinstance(combined, WeightedSum)
+    assert isinstance(combined.rewards["jpeg_incompressibility"], JpegIncompressibility)
+    assert combined.rewards["jpeg_incompressibility"].quality == 80
+    expected = (
+        JpegCompressibility()(IMAGES, ["a", "b"]).scores + 0.5 * JpegIncompressibility(80)(IMAGES, ["a", "b"]).scores
+    )
+    torch.testing.assert_close(combined(IMAGES, ["a", "b"]).scores, expected)
+
+
+def test_register_configs_stores_groups_with_packages():
+    stored = plugins.register_configs()
+    assert "jpeg_compressibility" in stored["reward"] and set(stored) == {"reward", "model", "method"}
+    node = ConfigStore.instance().load("reward/jpeg_compressibility.yaml")
+    assert node.package == "reward.jpeg_compressibility"
+    assert OmegaConf.to_container(node.node) == {"_target_": JpegCompressibilityConfig._target_, "quality": 95}
+
+
+def test_third_party_reward_end_to_end(tmp_path, monkeypatch, config_dir):
+    (tmp_path / "diffalign_test_plugin.py").write_text(PLUGIN_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dist = fake_distribution(
+        tmp_path, "diffalign-test-plugin", "[diffalign.rewards]\nbrightness = diffalign_test_plugin:BrightnessConfig\n"
+    )
+    add_entry_points(monkeypatch, dist)
+
+    assert plugins.register_configs()["reward"].count("brightness") == 1
+    assert ConfigStore.instance().load("reward/brightness.yaml").provider == "diffalign-test-plugin"
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = compose("config", overrides=["reward=[brightness,jpeg_compressibility]", "reward.brightness.scale=3.0"])
+    assert cfg.reward.brightness.scale == 3.0
+
+    combined = plugins.build_rewards(cfg.reward)
+    out = combined(IMAGES, ["a", "b"])
+    brightness = 3.0 * IMAGES.flatten(1).mean(1)
+    torch.testing.assert_close(out.info["scores/brightness"], brightness)
+    torch.testing.assert_close(out.scores, brightness + JpegCompressibility()(IMAGES, ["a", "b"]).scores)
+    assert plugins.build_reward("brightness", scale=2.0).scale == 2.0
+    assert plugins.build_rewards({"brightness": None}).rewards["brightness"].scale == 1.0
+
+
+def test_duplicate_entry_point_names_raise_naming_both(tmp_path, monkeypatch):
+    first = fake_distribution(tmp_path, "first-dist", "[diffalign.rewards]\nclip = a.mod:ClipConfig\n")
+    second = fake_distribution(tmp_path, "second-dist", "[diffalign.rewards]\nclip = b.mod:OtherClipConfig\n")
+    add_entry_points(monkeypatch, first, second)
+    with pytest.raises(ValueError, match="'clip'.*first-dist.*second-dist"):
+        plugins.register_configs()
+    with pytest.raises(ValueError, match="first-dist.*second-dist"):
+        plugins.entry_point_configs()
+
+
+def test_unknown_reward_lists_available():
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*jpeg_compressibility"):
+        plugins.build_reward("nope")
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*jpeg_incompressibility"):
+        plugins.build_rewards({"nope": {}})
+
+
+def test_build_rewards_validates_fields_and_weights():
+    with pytest.raises(ConfigKeyError, match="qualty"):
+        plugins.build_rewards({"jpeg_compressibility": {"qualty": 3}})
+    with pytest.raises(ValueError, match="one weight per selected reward"):
+        plugins.build_rewards({"jpeg_compressibility": {}}, weights={"jpeg_incompressibility": 1.0})
+    with pytest.raises(ValueError, match="no reward selected"):
+        plugins.build_rewards({})
+    with pytest.raises(InstantiationException, match="reward.jpeg_compressibility.quality"):
+        plugins.build_reward("jpeg_compressibility", quality=0)
+
+
+def test_unloadable_entry_point_names_it(tmp_path, monkeypatch):
+    dist = fake_distribution(tmp_path, "broken-dist", "[diffalign.rewards]\nbroken = not_a_module_xyz:Config\n")
+    add_entry_points(monkeypatch, dist)
+    with pytest.raises(ImportError, match="'broken'.*not_a_module_xyz"):
+        plugins.build_reward("broken")
+    assert isinstance(plugins.build_reward("jpeg_compressibility"), JpegCompressibility)  # others still load
