@@ -86,6 +86,29 @@ def _read_state(directory: Path, stem: str) -> dict[str, Any]:
     return _unflatten(json.loads((directory / f"{stem}.json").read_text()), tensors)
 
 
+def write_state(state: dict[str, Any], directory: str | os.PathLike, stem: str) -> None:
+    """Writes a nested state (tensors, JSON values, dicts, lists, tuples) as ``<stem>.json`` plus
+    ``<stem>.safetensors`` (always written, possibly empty) in `directory`; used for extra state inside a checkpoint
+    folder, e.g. the reference pool (``reference_state.*``) from a `save_checkpoint` `lora_dir_writer`.
+
+    Raises:
+        TypeError: if a value is neither a tensor nor JSON-serialisable.
+    """
+    _write_state(state, Path(directory), stem, always_tensors=True)
+
+
+def read_state(directory: str | os.PathLike, stem: str) -> dict[str, Any]:
+    """Reads back a `write_state` state (tensors on CPU, read with safetensors; nothing is unpickled).
+
+    Raises:
+        FileNotFoundError: if ``<stem>.json`` is missing in `directory`.
+    """
+    directory = Path(directory)
+    if not (directory / f"{stem}.json").is_file():
+        raise FileNotFoundError(f"{directory} has no {stem}.json; was it written by a run with this state?")
+    return _read_state(directory, stem)
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for filename in filenames:

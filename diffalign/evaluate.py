@@ -136,9 +136,9 @@ def summarize(scored: dict[str, dict], records: list[dict]) -> dict:
 def compare(scored_a: dict, scored_b: dict, label_a: str, label_b: str) -> dict:
     """Paired differences b − a (same prompts and seeds): mean, standard error and their ratio, per reward."""
     out = {}
-    for name in scored_a:
-        key = "correct" if "correct" in scored_a[name] else "scores"
-        diff = [float(b) - float(a) for a, b in zip(scored_a[name][key], scored_b[name][key])]
+    for name, entry_a in scored_a.items():
+        key = "correct" if "correct" in entry_a else "scores"
+        diff = [float(b) - float(a) for a, b in zip(entry_a[key], scored_b[name][key])]
         m, se = _mean_se(diff)
         metric = "accuracy" if key == "correct" else "mean"
         out[f"{name}/{metric}_gain"] = {"gain": m, "se": se, "gain_over_se": m / se if se > 0 else float("inf"),

@@ -33,9 +33,9 @@ class PromptEmbeds:
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
 
-    def index(self, idx: torch.Tensor | slice | list[int]) -> "PromptEmbeds":
+    def index(self, idx: torch.Tensor | slice | list[int]) -> PromptEmbeds:
         """Selects rows `idx` of every tensor."""
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        pick = lambda t: None if t is None else t[idx]
         return PromptEmbeds(
             pick(self.prompt_embeds),
             pick(self.negative_prompt_embeds),
@@ -43,9 +43,9 @@ class PromptEmbeds:
             pick(self.negative_pooled_prompt_embeds),
         )
 
-    def repeat_interleave(self, n: int) -> "PromptEmbeds":
+    def repeat_interleave(self, n: int) -> PromptEmbeds:
         """Repeats each row `n` times: rows ``[p0, p1]`` become ``[p0]*n + [p1]*n``."""
-        rep = lambda t: None if t is None else t.repeat_interleave(n, dim=0)  # noqa: E731
+        rep = lambda t: None if t is None else t.repeat_interleave(n, dim=0)
         return PromptEmbeds(
             rep(self.prompt_embeds),
             rep(self.negative_prompt_embeds),
@@ -102,6 +102,23 @@ class PreferenceBatch:
 
     latents_w: torch.Tensor
     latents_l: torch.Tensor
+    prompts: list[str]
+    prompt_embeds: PromptEmbeds
+    ids: torch.Tensor | None = None
+
+
+@dataclass
+class WinnerBatch:
+    """Winning images only (SePPO's off-policy data, plain fine-tuning on winners).
+
+    Attributes:
+        latents_w: `(B, C, H, W)` clean latents x_0 of the winning images (already scaled by the VAE scaling factor).
+        prompts: the `B` prompts.
+        prompt_embeds: encoded prompts (conditional only).
+        ids: optional `(B,)` int64 data ids.
+    """
+
+    latents_w: torch.Tensor
     prompts: list[str]
     prompt_embeds: PromptEmbeds
     ids: torch.Tensor | None = None

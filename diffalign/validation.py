@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from diffalign.world.prompts import load_prompts
 
@@ -19,7 +19,8 @@ def _positive(cfg: DictConfig, key: str, value, strict: bool = True) -> None:
 def validate_train_config(cfg: DictConfig) -> None:
     """Raises ValueError / FileNotFoundError for a bad training config. Checks: method.beta > 0,
     num_inference_steps >= 1 (sampler and eval), trainer sizes and learning rate, mixed precision, the data and eval
-    prompt files (exist, non-empty), at least one reward, and the resume target."""
+    prompt files (exist, non-empty), data files/folders (``data.path``, ``data.captions``), a named reference
+    checkpoint (``reference.path``), at least one reward, and the resume target."""
     method = cfg.get("method") or {}
     if "beta" in method:
         _positive(cfg, "method.beta", method.beta)
@@ -38,6 +39,18 @@ def validate_train_config(cfg: DictConfig) -> None:
         raise ValueError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
     if "prompts" in cfg.data:
         load_prompts(cfg.data.prompts)
+    for key in ("path", "captions"):  # Pick-a-Pic files / folders, winner-folder captions
+        if OmegaConf.is_missing(cfg.data, key):  # (`key in cfg.data` is False for a missing ??? value)
+            raise ValueError(f"data.{key} is required for data={cfg.data._target_.rsplit('.', 1)[-1]}; pass "
+                             f"data.{key}=<file or folder>")
+        if key in cfg.data and not Path(cfg.data[key]).exists():
+            raise FileNotFoundError(f"data.{key}={cfg.data[key]!r} does not exist")
+    reference = cfg.get("reference") or OmegaConf.create({})
+    if OmegaConf.is_missing(reference, "path"):
+        raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder>")
+    if "path" in reference and not (Path(reference.path) / "pytorch_lora_weights.safetensors").is_file():
+        raise FileNotFoundError(f"reference.path={reference.path!r} holds no pytorch_lora_weights.safetensors; "
+                                "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
     if cfg.eval.enabled:
         validate_eval_config(cfg)
     resume = cfg.get("resume")

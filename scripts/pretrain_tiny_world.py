@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from diffalign.world.prompts import all_prompts, sample_train_specs
-from diffalign.world.render import render_spec, to_tensor
+from diffalign.world.render import caption, corrupt_spec, render_spec, to_tensor
 from diffalign.world.tokenizer import build_tokenizer
 from diffalign.world.verifier import verify
 
@@ -147,8 +147,8 @@ def build_unet():
 
 
 def sd_scheduler_config() -> dict:
-    return dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                prediction_type="epsilon", clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                "prediction_type": "epsilon", "clip_sample": False, "set_alpha_to_one": False, "steps_offset": 1}
 
 
 def train_unet(args) -> None:
@@ -236,14 +236,18 @@ def train_clip(args) -> None:
     for step in range(args.clip_steps):
         specs = sample_train_specs(128, seed=50_000 + step)
         x = render_batch(specs, seed=50_000 + step)
-        text = tokenize(tokenizer, [s["prompt"] for s in specs])
+        # hard negatives: each image's caption corrupted (swapped relation, count off by one, other shape/colour)
+        hard = [caption(corrupt_spec(s, 50_000 * step + i)[0]) for i, s in enumerate(specs)]
+        text = tokenize(tokenizer, [s["prompt"] for s in specs] + hard)
         img_f, txt_f, scale = model(model_normalize(x), text)
-        logits = scale * img_f @ txt_f.T
+        logits = scale * img_f @ txt_f.T  # (B, 2B): true captions, then hard negatives
         # the same caption may appear twice in a batch: every matching caption is a positive
-        same = torch.tensor([[a["prompt"] == b["prompt"] for b in specs] for a in specs], dtype=torch.float32)
+        same = torch.tensor([[a["prompt"] == b for b in [s["prompt"] for s in specs] + hard] for a in specs],
+                            dtype=torch.float32)
         target = same / same.sum(1, keepdim=True)
+        n = len(specs)
         loss = 0.5 * (torch.sum(-target * logits.log_softmax(1), 1).mean()
-                      + torch.sum(-target * logits.T.log_softmax(1), 1).mean())
+                      + torch.sum(-target[:, :n].T * logits[:, :n].T.log_softmax(1), 1).mean())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -271,15 +275,11 @@ def model_normalize(x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def eval_clip(model, tokenizer, n: int) -> float:
     from diffalign.rewards.tiny_clip import tokenize
-    from diffalign.world.render import corrupt_spec
-
     held = all_prompts()["heldout"]
     rng = np.random.default_rng(7)
     specs = [held[i] for i in rng.choice(len(held), size=n)]
     x = render_batch(specs, seed=7)
     wrong = [corrupt_spec(s, i)[0] for i, s in enumerate(specs)]
-    from diffalign.world.render import caption
-
     img_f = model.encode_image(model_normalize(x), normalize=True)
     right_f = model.encode_text(tokenize(tokenizer, [s["prompt"] for s in specs]), normalize=True)
     wrong_f = model.encode_text(tokenize(tokenizer, [caption(s) for s in wrong]), normalize=True)
@@ -296,7 +296,7 @@ def main() -> None:
     p.add_argument("--unet-steps", type=int, default=2800)
     p.add_argument("--unet-batch", type=int, default=64)
     p.add_argument("--num-latents", type=int, default=60_000)
-    p.add_argument("--clip-steps", type=int, default=1500)
+    p.add_argument("--clip-steps", type=int, default=2000)
     p.add_argument("--eval-images", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()

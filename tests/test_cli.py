@@ -91,7 +91,7 @@ def test_empty_prompt_file_is_rejected(tmp_path):
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=300)
 
 
@@ -132,7 +132,7 @@ def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffus
     policy.load_lora_weights(tmp_path / "final")
     pipe = build_tiny_random_pipeline(seed=0)
     pipe.load_lora_weights(tmp_path / "final")
-    kwargs = dict(num_inference_steps=3, guidance_scale=3.0, output_type="pt")
+    kwargs = {"num_inference_steps": 3, "guidance_scale": 3.0, "output_type": "pt"}
     ours = policy.to_pipeline()(["a red circle"], generator=torch.Generator().manual_seed(3), **kwargs).images
     theirs = pipe(["a red circle"], generator=torch.Generator().manual_seed(3), **kwargs).images
     assert torch.allclose(ours, theirs, atol=1e-5)
@@ -154,3 +154,25 @@ def test_resume_continues_exactly(tmp_path):
     sa = json.loads((tmp_path / "a" / "checkpoint-4" / "trainer_state.json").read_text())
     sb = json.loads((tmp_path / "b" / "checkpoint-4" / "trainer_state.json").read_text())
     assert sa == sb
+
+
+def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
+    from diffalign.cli import _eval_main
+    from diffalign.train.preference import train
+
+    train(compose_cfg(smoke_overrides(tmp_path / "run", steps=1)))
+    cfg = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'run' / 'final'}", f"output_dir={tmp_path / 'ev'}",
+                       "eval.prompts_per_tag=2", "eval.seeds=[10,11]", "eval.num_inference_steps=2"], name="evaluate")
+    _eval_main(cfg)
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert set(metrics["variants"]) == {"base", "checkpoint"}
+    assert "geneval_shapes/accuracy_gain" in metrics["checkpoint_vs_base"]
+    assert (tmp_path / "ev" / "base_grid.png").is_file() and (tmp_path / "ev" / "checkpoint_grid.png").is_file()
+    samples = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
+    n_prompts = metrics["num_prompts"]
+    assert len(samples) == 2 * 2 * n_prompts  # 2 variants x 2 seeds
+    first = samples[n_prompts + 1]  # seed 11, prompt 1
+    assert (first["seed"], first["prompt_index"], first["image_seed"]) == (11, 1, 11 * 1_000_003 + 1)
+    missing = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'nothing'}"], name="evaluate")
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        _eval_main(missing)

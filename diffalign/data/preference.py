@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,9 @@ class PreferencePairs:
         rows (`Sequence[dict]`): rows with keys ``prompt``, ``image_0``, ``image_1``, ``label_0``.
         keep_ties (`bool`, defaults to `False`): keep tied rows in `ties` (as ``(prompt, image_0, image_1, id)``)
             instead of dropping them. Ties never become pairs: a tie has no winner.
+        load_image (`Callable[[Any, str], torch.Tensor]`, defaults to `to_image_tensor`): turns a row's image value
+            into a float32 `(C, H, W)` tensor in [0, 1] when a pair is read (so images can stay as bytes or paths
+            until then); its second argument describes the image for error messages.
 
     Attributes:
         ties (`list[tuple]`): the tied rows when `keep_ties`, else empty.
@@ -72,7 +75,13 @@ class PreferencePairs:
         ValueError: naming the row, if a key is missing or ``label_0`` is not one of 0, 0.5, 1.
     """
 
-    def __init__(self, rows: Sequence[dict[str, Any]], keep_ties: bool = False):
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        keep_ties: bool = False,
+        load_image: Callable[[Any, str], torch.Tensor] = to_image_tensor,
+    ):
+        self.load_image = load_image
         self._pairs: list[tuple[str, Any, Any, int]] = []
         self.ties: list[tuple[str, Any, Any, int]] = []
         self.num_ties = 0
@@ -112,31 +121,48 @@ class PreferencePairs:
         prompt, image_w, image_l, row_id = self._pairs[index]
         return (
             prompt,
-            to_image_tensor(image_w, f"row {row_id} winner"),
-            to_image_tensor(image_l, f"row {row_id} loser"),
+            self.load_image(image_w, f"row {row_id} winner"),
+            self.load_image(image_l, f"row {row_id} loser"),
             row_id,
         )
 
-    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+    def winner(self, index: int) -> tuple[str, torch.Tensor, int]:
+        """Returns ``(prompt, image_w, id)`` without reading the loser."""
+        prompt, image_w, _, row_id = self._pairs[index]
+        return prompt, self.load_image(image_w, f"row {row_id} winner"), row_id
+
+    def collate(self, indices: Sequence[int], winners_only: bool = False) -> dict[str, Any]:
         """Stacks the pairs at `indices` into a batch.
 
+        Args:
+            indices (`Sequence[int]`): pair indices.
+            winners_only (`bool`, defaults to False): leave out (and do not read) the losers.
+
         Returns:
-            `dict` with ``prompts`` (`list[str]`), ``images_w`` and ``images_l`` (`(B, C, H, W)` float32 in [0, 1];
-            map to [-1, 1] with ``2x - 1`` before VAE encoding) and ``ids`` (`(B,)` int64 row ids).
+            `dict` with ``prompts`` (`list[str]`), ``images_w`` and, unless `winners_only`, ``images_l`` (`(B, C, H,
+            W)` float32 in [0, 1]; map to [-1, 1] with ``2x - 1`` before VAE encoding) and ``ids`` (`(B,)` int64 row
+            ids).
 
         Raises:
             ValueError: if the images of the batch differ in shape (resize/crop them beforehand).
         """
-        items = [self[i] for i in indices]
-        shapes = {tuple(image.shape) for item in items for image in item[1:3]}
+        if winners_only:
+            items = [self.winner(i) for i in indices]
+            images = [item[1] for item in items]
+        else:
+            items = [self[i] for i in indices]
+            images = [image for item in items for image in item[1:3]]
+        shapes = {tuple(image.shape) for image in images}
         if len(shapes) != 1:
             raise ValueError(f"pairs {list(indices)} have images of shapes {sorted(shapes)}; resize them to one size.")
-        return {
+        batch = {
             "prompts": [item[0] for item in items],
             "images_w": torch.stack([item[1] for item in items]),
-            "images_l": torch.stack([item[2] for item in items]),
-            "ids": torch.tensor([item[3] for item in items], dtype=torch.long),
+            "ids": torch.tensor([item[-1] for item in items], dtype=torch.long),
         }
+        if not winners_only:
+            batch["images_l"] = torch.stack([item[2] for item in items])
+        return batch
 
 
 class ResumableSampler:

@@ -1,14 +1,15 @@
 """Diffusion-DPO (Wallace et al., CVPR 2024, [arXiv:2311.12908](https://arxiv.org/abs/2311.12908)).
 
 ALGORITHMS.md §2.1. Offline preference pairs ``(c, x_0^w, x_0^l)``; per pair one timestep and one noise draw shared
-by winner and loser; the frozen reference is the initial model (``policy.reference()``).
+by winner and loser; the reference is the initial model (``policy.reference()``) unless a reference strategy of
+`diffalign.reference` is passed (e.g. a named checkpoint or an EMA).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +129,7 @@ class DiffusionDPO(nn.Module):
     1. draw one ``t ~ U{timestep_min..timestep_max}`` and one ``ε ~ N(0, I)`` per pair, shared by winner and loser;
     2. noise the ``2B`` latents ``[x_0^w; x_0^l]`` with `policy.add_noise`;
     3. run the policy unguided (``guidance_scale=1``) on the ``2B`` batch, and the reference the same way under
-       ``torch.no_grad()`` and ``policy.reference()``;
+       ``torch.no_grad()`` and ``policy.reference()`` (or ``reference.use(policy)`` when a strategy is passed);
     4. reduce with `per_sample_mse` against `policy.training_target` (ε or v) and apply `diffusion_dpo_loss`.
 
     The module has no parameters: the trainable weights live in the policy.
@@ -173,6 +174,7 @@ class DiffusionDPO(nn.Module):
         policy: DiffusionPolicy,
         batch: PreferenceBatch,
         generator: torch.Generator | None = None,
+        reference: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Computes the Diffusion-DPO loss for a batch of pairs.
 
@@ -187,6 +189,10 @@ class DiffusionDPO(nn.Module):
                 Source of the timesteps and noise. Both are drawn in float32 on the generator's device (CPU when `None`,
                 from the global RNG) and then moved to the latents' device and dtype, so one CPU generator reproduces
                 the same draws on any device and precision.
+            reference (*optional*):
+                A reference strategy of `diffalign.reference` (``reference.use(policy)`` runs the reference model).
+                `None` uses ``policy.reference()``, the adapter-disabled base, which is what the default
+                ``reference=frozen_base`` does too (bit-for-bit).
 
         Returns:
             `tuple(torch.Tensor, dict[str, torch.Tensor])`: the scalar loss (with gradient through the policy) and
@@ -232,7 +238,7 @@ class DiffusionDPO(nn.Module):
 
         model_pred = policy.predict(noisy_latents, timesteps, prompt_embeds, guidance_scale=1.0)
         model_losses = per_sample_mse(model_pred, target)
-        with torch.no_grad(), policy.reference():
+        with torch.no_grad(), (policy.reference() if reference is None else reference.use(policy)):
             ref_pred = policy.predict(noisy_latents, timesteps, prompt_embeds, guidance_scale=1.0)
             ref_losses = per_sample_mse(ref_pred, target)
 

@@ -1,9 +1,20 @@
-"""Training loop for offline and semi-online preference data (Diffusion-DPO; SePPO and DDSPO plug in here too).
+"""Training loop for offline and semi-online preference data (Diffusion-DPO, SePPO; DDSPO plugs in here too).
 
 ``main(cfg)`` → setup → train → evaluate. The loop is written out (no Trainer class): one optimizer step per
-``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` pairs, gradient clipping, an LR
+``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` items, gradient clipping, an LR
 schedule with warmup, trackers, and atomic checkpoints every ``trainer.checkpointing_steps`` holding the LoRA (diffusers
-format), optimizer, scheduler, RNG, noise-generator and data-sampler state, so ``resume=latest`` continues exactly.
+format), optimizer, scheduler, RNG, noise-generator, data-sampler and reference state, so ``resume=latest`` continues
+exactly.
+
+Two data flows, chosen by the objective's ``data_flow``:
+
+- ``"pairs"`` (Diffusion-DPO): the data yields ``images_w`` and ``images_l``; the objective gets a `PreferenceBatch`;
+- ``"winners"`` (SePPO, fine-tuning on winners): only ``images_w`` is used (a pairs data set works too; its losers are
+  ignored, and not read when it has ``winners_only``); the objective gets a `WinnerBatch`.
+
+The reference strategy (``cfg.reference``, `diffalign.reference`) is set up on the policy before the optimizer is
+built, gets ``on_step(policy, u)`` before every update ``u`` (0-based), is passed to the objective as ``reference=``,
+and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint and read back on resume.
 """
 
 from __future__ import annotations
@@ -20,11 +31,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
 from diffalign.data.preference import ResumableSampler
 from diffalign.evaluate import EvalConfig, evaluate_policy, select_prompts
 from diffalign.plugins import build_reward
-from diffalign.types import PreferenceBatch
+from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
 
 
@@ -64,7 +75,8 @@ def train(cfg: DictConfig) -> dict:
     """Runs a preference fine-tuning job described by `cfg` (see ``configs/train.yaml``); returns the final metrics.
 
     Raises:
-        ValueError: when the selected method does not consume preference pairs (its ``data_flow`` is not "pairs").
+        ValueError: when the selected method's ``data_flow`` is neither "pairs" nor "winners", when a "pairs" method
+            gets data without losers, or when the data's image size is not the model's pixel size.
     """
     # ------------------------------------------------------------------------------------------------------------------
     # 1. setup: accelerator, seeds, policy, objective, data, optimizer
@@ -82,12 +94,27 @@ def train(cfg: DictConfig) -> dict:
     )
     set_seed(cfg.seed)
     objective = instantiate(cfg.method)
-    if getattr(objective, "data_flow", None) != "pairs":
-        raise ValueError(f"method={cfg.method._target_} consumes {getattr(objective, 'data_flow', '?')!r} data; the "
-                         "preference loop runs methods whose data_flow is 'pairs'")
+    data_flow = getattr(objective, "data_flow", None)
+    if data_flow not in ("pairs", "winners"):
+        raise ValueError(f"method={cfg.method._target_} consumes {data_flow!r} data; the preference loop runs methods "
+                         "whose data_flow is 'pairs' or 'winners'")
     policy = instantiate(cfg.model)
     policy.to(accelerator.device)
-    dataset = instantiate(cfg.data)
+    reference = instantiate(cfg.reference)
+    reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
+    latent_h, latent_w = policy.latent_shape[1:]
+    pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
+    data_kwargs = {}
+    if "resolution" in cfg.data and cfg.data.resolution is None:
+        if pixel_size[0] != pixel_size[1]:
+            raise ValueError(f"the model's images are {pixel_size[0]}x{pixel_size[1]} px; set data.resolution")
+        data_kwargs["resolution"] = pixel_size[0]
+    dataset = instantiate(cfg.data, **data_kwargs)
+    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
+               for name, node in cfg.reward.items()}
+    if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
+        dataset.prepare(policy, rewards)
+        accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
     sampler = ResumableSampler(len(dataset), tr.batch_size, seed=cfg.seed, shuffle=True, drop_last=True)
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
@@ -95,17 +122,17 @@ def train(cfg: DictConfig) -> dict:
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, tr.max_steps, tr.lr_scheduler)
     policy.unet, optimizer, lr_scheduler = accelerator.prepare(policy.unet, optimizer, lr_scheduler)
     noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
-               for name, node in cfg.reward.items()}
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
                                   OmegaConf.to_container(cfg, resolve=True))
     n_trainable = sum(p.numel() for p in params)
     effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
+    unit = "pairs" if data_flow == "pairs" else "winners"
     accelerator.print(f"[diffalign] {n_trainable / 1e6:.3f}M trainable parameters; {tr.max_steps} optimizer steps × "
-                      f"{effective} pairs (batch {tr.batch_size} × accumulation {tr.gradient_accumulation_steps} × "
-                      f"{accelerator.num_processes} processes); {len(dataset)} pairs; output {output_dir}")
+                      f"{effective} {unit} (batch {tr.batch_size} × accumulation {tr.gradient_accumulation_steps} × "
+                      f"{accelerator.num_processes} processes); {len(dataset)} items; reference "
+                      f"{reference.strategy}; output {output_dir}")
 
     # ------------------------------------------------------------------------------------------------------------------
     # 2. resume
@@ -121,11 +148,16 @@ def train(cfg: DictConfig) -> dict:
             global_step = state["global_step"]
             sampler.load_state_dict(state["sampler"])
             noise_generator.set_state(torch.tensor(state["noise_generator"], dtype=torch.uint8))
+            reference.load_state_dict(read_state(ckpt, "reference_state"))
             accelerator.print(f"[diffalign] resumed from {ckpt} at step {global_step}")
+
+    def write_lora_and_reference(directory: Path) -> None:
+        policy.save_lora_weights(directory)
+        write_state(reference.state_dict(), directory, "reference_state")
 
     def write_checkpoint(step: int) -> Path:
         return save_checkpoint(
-            output_dir, step, lora_dir_writer=policy.save_lora_weights, optimizer=optimizer,
+            output_dir, step, lora_dir_writer=write_lora_and_reference, optimizer=optimizer,
             lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
             state={"global_step": step, "epoch": sampler.state_dict()["epoch"], "sampler": sampler.state_dict(),
                    "noise_generator": noise_generator.get_state().tolist()},
@@ -140,15 +172,26 @@ def train(cfg: DictConfig) -> dict:
     t_train = time.time()
     while global_step < tr.max_steps:
         sums: dict[str, float] = {}
+        reference.on_step(policy, global_step)
         for _ in range(tr.gradient_accumulation_steps):
             batch_data = dataset.collate(sampler.next_batch())
+            if tuple(batch_data["images_w"].shape[-2:]) != pixel_size:
+                raise ValueError(f"data images are {tuple(batch_data['images_w'].shape[-2:])} px but the model makes "
+                                 f"{pixel_size} px images; set data.resolution={pixel_size[0]} (or null)")
+            if data_flow == "pairs" and "images_l" not in batch_data:
+                raise ValueError(f"method={cfg.method._target_} needs preference pairs but data={cfg.data._target_} "
+                                 "yields winners only; pick a pairs data set (e.g. data=shapes_pairs, data=pickapic)")
             with torch.no_grad():
                 latents_w = policy.encode_images(batch_data["images_w"].to(accelerator.device))
-                latents_l = policy.encode_images(batch_data["images_l"].to(accelerator.device))
                 embeds = policy.encode_prompts(batch_data["prompts"], do_classifier_free_guidance=False)
-            batch = PreferenceBatch(latents_w, latents_l, batch_data["prompts"], embeds, batch_data["ids"])
+                if data_flow == "pairs":
+                    latents_l = policy.encode_images(batch_data["images_l"].to(accelerator.device))
+            if data_flow == "pairs":
+                batch = PreferenceBatch(latents_w, latents_l, batch_data["prompts"], embeds, batch_data["ids"])
+            else:
+                batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
             with accelerator.accumulate(policy.unet), accelerator.autocast():
-                loss, metrics = objective(policy, batch, generator=noise_generator)
+                loss, metrics = objective(policy, batch, generator=noise_generator, reference=reference)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {loss.item()} at step {global_step}; lower "
                                              "trainer.learning_rate or method.beta, or use mixed_precision=no")

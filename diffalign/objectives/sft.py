@@ -1,0 +1,76 @@
+"""Plain supervised fine-tuning on winning images (the "SFT^w" baseline of SePPO, arXiv:2410.05255; ALGORITHMS.md
+§3(e)).
+
+The denoising loss of §1.2 on the winners alone, no reference and no preference: the baseline SePPO is compared with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from diffalign.objectives.common import per_sample_mse
+from diffalign.types import WinnerBatch
+
+if TYPE_CHECKING:
+    from diffalign.models.base import DiffusionPolicy
+
+
+@dataclass
+class WinnerSFTConfig:
+    """Config of `WinnerSFT`; the fields mirror its `__init__` arguments."""
+
+    _target_: str = "diffalign.objectives.sft.WinnerSFT"
+    timestep_min: int = 0
+    timestep_max: int | None = None
+
+
+class WinnerSFT(nn.Module):
+    r"""Fine-tuning on winners: $\mathcal L=\operatorname{mean}_{b}\ \ell_\theta(x^w_b,\epsilon_b,t_b,c_b)$ with
+    ``t ~ U{timestep_min..timestep_max}`` and ``ε ~ N(0, I)`` per sample (ALGORITHMS.md §1.2; the DDPM loss of Ho et
+    al., arXiv:2006.11239 Eq. 14, mean-reduced).
+
+    Args:
+        timestep_min (`int`, defaults to 0): smallest timestep drawn, inclusive, ≥ 0.
+        timestep_max (`int`, *optional*): largest timestep drawn, inclusive; `None` means the scheduler's last.
+
+    Raises:
+        ValueError: naming ``method.timestep_min``/``method.timestep_max`` for an empty or negative range, or a
+            ``timestep_max`` beyond the scheduler's range (at call time).
+    """
+
+    data_flow = "winners"
+
+    def __init__(self, timestep_min: int = 0, timestep_max: int | None = None):
+        super().__init__()
+        if timestep_min < 0:
+            raise ValueError(f"method.timestep_min={timestep_min} must be >= 0.")
+        if timestep_max is not None and timestep_max < timestep_min:
+            raise ValueError(f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}.")
+        self.timestep_min, self.timestep_max = timestep_min, timestep_max
+
+    def forward(
+        self, policy: DiffusionPolicy, batch: WinnerBatch, generator: torch.Generator | None = None, reference: Any = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns the mean denoising loss of the winners (scalar, with gradient) and ``{"loss"}``; `reference` is
+        accepted for the loop's uniform call and ignored.
+
+        Raises:
+            ValueError: if `timestep_max` exceeds the scheduler's range.
+        """
+        latents = batch.latents_w
+        num_train_timesteps = policy.scheduler.config.num_train_timesteps
+        t_max = num_train_timesteps - 1 if self.timestep_max is None else self.timestep_max
+        if t_max >= num_train_timesteps:
+            raise ValueError(f"method.timestep_max={t_max} is outside the scheduler's range 0..{num_train_timesteps - 1}.")
+        draw_device = generator.device if generator is not None else torch.device("cpu")
+        timesteps = torch.randint(self.timestep_min, t_max + 1, (latents.shape[0],), generator=generator,
+                                  device=draw_device, dtype=torch.long).to(latents.device)
+        noise = torch.randn(latents.shape, generator=generator, device=draw_device, dtype=torch.float32)
+        noise = noise.to(latents.device, latents.dtype)
+        pred = policy.predict(policy.add_noise(latents, noise, timesteps), timesteps, batch.prompt_embeds, 1.0)
+        loss = per_sample_mse(pred, policy.training_target(latents, noise, timesteps)).mean()
+        return loss, {"loss": loss.detach()}
