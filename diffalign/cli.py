@@ -8,6 +8,7 @@ YAML files and, for plugins, from Python entry points registered into Hydra's Co
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -36,6 +37,27 @@ def _setup() -> None:
     if not OmegaConf.has_resolver("diffalign_asset"):
         OmegaConf.register_new_resolver("diffalign_asset", asset_path)
     register_configs()
+
+
+def check_reward_overrides(argv: list[str]) -> None:
+    """Rejects unknown names in a ``reward=...`` command-line override before Hydra composes anything (Hydra alone
+    says only "Could not load 'reward/<name>'" for entry-point options).
+
+    Raises:
+        ValueError: naming the unknown reward(s) and listing the installed ones.
+    """
+    from diffalign.plugins import entry_point_configs
+
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key.lstrip("+~") != "reward":
+            continue
+        names = [n.strip() for n in value.strip().strip("[]").split(",") if n.strip()]
+        known = sorted(entry_point_configs("diffalign.rewards"))
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"reward={value}: unknown reward(s) {unknown}; installed rewards (entry-point group "
+                             f"diffalign.rewards): {known}. Select e.g. reward=[{known[0]}]")
 
 
 def _train_main(cfg: DictConfig) -> None:
@@ -80,10 +102,18 @@ def _eval_main(cfg: DictConfig) -> None:
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
     _setup()
+    try:
+        check_reward_overrides(sys.argv[1:])
+    except ValueError as err:
+        sys.exit(f"diffalign: error: {err}")
     hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
 
 
 def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and/or a checkpoint on a prompt set."""
     _setup()
+    try:
+        check_reward_overrides(sys.argv[1:])
+    except ValueError as err:
+        sys.exit(f"diffalign: error: {err}")
     hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()
