@@ -19,7 +19,7 @@ from diffalign.cli import CONFIG_DIR, _setup
 from diffalign.validation import validate_train_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
-          for g in ("model", "method", "sampler", "trainer", "data", "eval", "recipe")}
+          for g in ("model", "method", "sampler", "trainer", "data", "eval", "reference", "recipe")}
 
 
 def compose_cfg(overrides: list[str], name: str = "train"):
