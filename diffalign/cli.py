@@ -63,7 +63,10 @@ def check_reward_overrides(argv: list[str]) -> None:
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_train_config
 
-    validate_train_config(cfg)  # before any model is loaded
+    try:
+        validate_train_config(cfg)  # before any model is loaded
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"diffalign: error: {err}") from None
     from diffalign.train.preference import train as run
 
     run(cfg)
@@ -72,12 +75,15 @@ def _train_main(cfg: DictConfig) -> None:
 def _eval_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_eval_config
 
-    validate_eval_config(cfg)
-    if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
-        raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; pass a "
-                                "checkpoint-<step> folder of a diffalign-train run (or its final/ folder)")
-    if cfg.checkpoint is None and not cfg.include_base:
-        raise ValueError("nothing to evaluate: pass checkpoint=<folder> or include_base=true")
+    try:
+        validate_eval_config(cfg)
+        if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
+            raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; pass a "
+                                    "checkpoint-<step> folder of a diffalign-train run (or its final/ folder)")
+        if cfg.checkpoint is None and not cfg.include_base:
+            raise ValueError("nothing to evaluate: pass checkpoint=<folder> or include_base=true")
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"diffalign: error: {err}") from None
 
     from hydra.utils import instantiate
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from diffalign.world.prompts import load_prompts
+from diffalign.world.verifier import parse_caption
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -38,7 +39,10 @@ def validate_train_config(cfg: DictConfig) -> None:
     if not cfg.get("reward"):
         raise ValueError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
     if "prompts" in cfg.data:
-        load_prompts(cfg.data.prompts)
+        load_prompts(cfg.data.prompts, field="data.prompts")
+    if "num_pairs" in cfg.data and cfg.data.num_pairs is not None and t.batch_size > cfg.data.num_pairs:
+        raise ValueError(f"trainer.batch_size={t.batch_size} is larger than data.num_pairs={cfg.data.num_pairs}; lower "
+                         "trainer.batch_size or raise data.num_pairs")
     for key in ("path", "captions"):  # Pick-a-Pic files / folders, winner-folder captions
         if OmegaConf.is_missing(cfg.data, key):  # (`key in cfg.data` is False for a missing ??? value)
             raise ValueError(f"data.{key} is required for data={cfg.data._target_.rsplit('.', 1)[-1]}; pass "
@@ -57,6 +61,10 @@ def validate_train_config(cfg: DictConfig) -> None:
     if resume not in (None, "latest") and not Path(resume).is_dir():
         raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder; use resume=latest or a path to a "
                                 "checkpoint-<step> folder")
+    output_dir = Path(str(cfg.output_dir))
+    if cfg.get("resume") is None and output_dir.is_dir() and any(output_dir.glob("checkpoint-*")):
+        raise ValueError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
+                         "that run, or choose a new output_dir")
 
 
 def validate_eval_config(cfg: DictConfig) -> None:
@@ -67,4 +75,13 @@ def validate_eval_config(cfg: DictConfig) -> None:
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
     _positive(cfg, "eval.batch_size", e.batch_size)
-    load_prompts(e.prompts)
+    rows = load_prompts(e.prompts, field="eval.prompts")
+    if "geneval_shapes" in (cfg.get("reward") or {}):
+        for row in rows:
+            if "include" not in row:
+                try:
+                    parse_caption(row["prompt"])
+                except ValueError as err:
+                    raise ValueError(f"eval.prompts={e.prompts!r}: {err}. reward=[geneval_shapes] scores shapes-world "
+                                     "prompts only (or rows with GenEval 'include' metadata); drop that reward or "
+                                     "use such a prompt file") from None

@@ -81,6 +81,33 @@ def test_bad_input_is_rejected_with_the_field_named(override, field):
         validate_train_config(cfg)
 
 
+def test_more_checks_before_any_model_is_loaded(tmp_path):
+    dog = tmp_path / "dog.txt"
+    dog.write_text("a photo of a dog\n")
+    with pytest.raises(ValueError, match="eval.prompts=.*geneval_shapes"):
+        validate_train_config(compose_cfg([f"eval.prompts={dog}"]))
+    validate_train_config(compose_cfg([f"eval.prompts={dog}", "reward=[jpeg_compressibility]"]))  # any prompt is fine
+    with pytest.raises(ValueError, match="trainer.batch_size=32 is larger than data.num_pairs=16"):
+        validate_train_config(compose_cfg(["trainer.batch_size=32", "data.num_pairs=16"]))
+    (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds checkpoints; pass resume=latest"):
+        validate_train_config(compose_cfg([f"output_dir={tmp_path / 'run'}"]))
+    validate_train_config(compose_cfg([f"output_dir={tmp_path / 'run'}", "resume=latest"]))
+    with pytest.raises(FileNotFoundError, match="eval.prompts="):
+        validate_train_config(compose_cfg(["eval.prompts=/nope.jsonl"]))
+
+
+def test_resuming_a_finished_run_is_a_no_op(tmp_path):
+    from diffalign.train.preference import train
+
+    train(compose_cfg(smoke_overrides(tmp_path, steps=2) + ["trainer.checkpointing_steps=5"]))
+    before = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    results = train(compose_cfg(smoke_overrides(tmp_path, steps=2) + ["trainer.checkpointing_steps=5", "resume=latest"]))
+    assert results["global_step"] == 2
+    after = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_empty_prompt_file_is_rejected(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -103,7 +130,8 @@ def test_cli_errors_before_any_model_is_loaded(tmp_path):
     res = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
                 f"output_dir={tmp_path / 'b'}"], tmp_path)
     assert res.returncode != 0 and "method.beta must be > 0" in res.stderr
-    assert "_train_main" in res.stderr and "from_pretrained" not in res.stderr and "instantiate" not in res.stderr
+    assert "diffalign: error: method.beta must be > 0" in res.stderr
+    assert "from_pretrained" not in res.stderr and "instantiate" not in res.stderr
     res = _cli(["reward=[nope]", f"output_dir={tmp_path / 'c'}"], tmp_path)
     assert res.returncode != 0 and "reward" in res.stderr and "geneval_shapes" in res.stderr
     # a comma without quotes is ambiguous without --multirun; no training step runs
@@ -174,5 +202,5 @@ def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
     first = samples[n_prompts + 1]  # seed 11, prompt 1
     assert (first["seed"], first["prompt_index"], first["image_seed"]) == (11, 1, 11 * 1_000_003 + 1)
     missing = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'nothing'}"], name="evaluate")
-    with pytest.raises(FileNotFoundError, match="checkpoint"):
+    with pytest.raises(SystemExit, match="checkpoint"):
         _eval_main(missing)

@@ -214,8 +214,8 @@ def train(cfg: DictConfig) -> dict:
             write_checkpoint(global_step)
     progress.close()
     train_seconds = time.time() - t_train
-    if accelerator.is_main_process and (not tr.checkpointing_steps or global_step % tr.checkpointing_steps != 0):
-        write_checkpoint(global_step)
+    if accelerator.is_main_process and not (output_dir / f"checkpoint-{global_step}").exists():
+        write_checkpoint(global_step)  # (a resumed run that was already finished has it)
     final_dir = output_dir / "final"
     if accelerator.is_main_process:
         policy.save_lora_weights(final_dir)

@@ -76,7 +76,7 @@ def all_prompts() -> dict[str, list[dict]]:
     return {"train": train, "heldout": held}
 
 
-def load_prompts(split_or_path: str) -> list[dict]:
+def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
     """Rows of a GenEval-style jsonl file, or of the shipped split ``"train"`` / ``"heldout"``.
 
     Raises:
@@ -85,18 +85,18 @@ def load_prompts(split_or_path: str) -> list[dict]:
     """
     path = PROMPT_DIR / f"{split_or_path}.jsonl" if split_or_path in ("train", "heldout") else Path(split_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist; set data.prompts to a jsonl/txt file or "
-                                "to one of the shipped splits 'train' / 'heldout'")
+        raise FileNotFoundError(f"{field}={split_or_path!r}: prompt file {str(path)!r} does not exist; set {field} to a "
+                                "jsonl/txt file or to one of the shipped splits 'train' / 'heldout'")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
         if "prompt" not in row:
-            raise ValueError(f"{path}:{n}: row has no 'prompt' field")
+            raise ValueError(f"{field}: {path}:{n}: row has no 'prompt' field")
         rows.append(row)
     if not rows:
-        raise ValueError(f"prompt file {str(path)!r} holds no prompts; add at least one line")
+        raise ValueError(f"{field}={split_or_path!r}: prompt file {str(path)!r} holds no prompts; add at least one line")
     return rows
 
 
