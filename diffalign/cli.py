@@ -87,13 +87,12 @@ def _eval_main(cfg: DictConfig) -> None:
 
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import EvalConfig, evaluate_policy, select_prompts
-    from diffalign.plugins import build_reward
+    from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+    from diffalign.plugins import build_selected_rewards
     from diffalign.world.prompts import load_prompts
 
-    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
-               for name, node in cfg.reward.items()}
-    ecfg = EvalConfig(**{k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k != "enabled"})
+    rewards = build_selected_rewards(cfg.reward)
+    ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
     policy = instantiate(cfg.model)
     variants = {"base": True} if cfg.include_base else {}

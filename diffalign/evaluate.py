@@ -44,6 +44,13 @@ class EvalConfig:
     grid_images: int = 64
 
 
+def eval_config_from(node) -> EvalConfig:
+    """`EvalConfig` from the Hydra ``eval`` node (its ``enabled`` switch belongs to the training loop)."""
+    from omegaconf import OmegaConf
+
+    return EvalConfig(**{k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "enabled"})
+
+
 def image_seed(seed: int, prompt_index: int) -> int:
     """The generator seed of the image for `prompt_index` under `seed`."""
     return seed * 1_000_003 + prompt_index

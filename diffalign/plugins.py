@@ -91,6 +91,13 @@ def build_reward(name: str, **kwargs: Any) -> Any:
     return instantiate(config)
 
 
+def build_selected_rewards(cfg_reward: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: reward}`` for every reward selected in the ``reward`` config node (``reward=[a,b]``), each built with
+    `build_reward` from its node (the ``_target_`` key is the registered one and is dropped)."""
+    return {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
+            for name, node in cfg_reward.items()}
+
+
 def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> WeightedSum:
     """Builds the `WeightedSum` of the selected rewards from ``cfg.reward`` (`{name: config node}`).
 

@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 
 from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
 from diffalign.data.preference import ResumableSampler
-from diffalign.evaluate import EvalConfig, evaluate_policy, select_prompts
-from diffalign.plugins import build_reward
+from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.plugins import build_selected_rewards
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
 
@@ -110,8 +110,7 @@ def train(cfg: DictConfig) -> dict:
             raise ValueError(f"the model's images are {pixel_size[0]}x{pixel_size[1]} px; set data.resolution")
         data_kwargs["resolution"] = pixel_size[0]
     dataset = instantiate(cfg.data, **data_kwargs)
-    rewards = {name: build_reward(name, **{k: v for k, v in node.items() if k != "_target_"})
-               for name, node in cfg.reward.items()}
+    rewards = build_selected_rewards(cfg.reward)
     if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
         dataset.prepare(policy, rewards)
         accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
@@ -228,8 +227,7 @@ def train(cfg: DictConfig) -> dict:
     if cfg.eval.enabled and accelerator.is_main_process:
         t_eval = time.time()
         policy.unet.eval()
-        ecfg = EvalConfig(**{k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items()
-                             if k != "enabled"})
+        ecfg = eval_config_from(cfg.eval)
         rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
         results["eval"] = evaluate_policy(policy, rows, rewards, ecfg, output_dir / "eval",
                                           {"base": True, "finetuned": False}, log=accelerator.print)
