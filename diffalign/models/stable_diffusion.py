@@ -185,14 +185,14 @@ class StableDiffusionPolicy(nn.Module):
         if os.path.exists(path) or looks_local:
             if not os.path.isdir(path):
                 raise ValueError(
-                    f"Model folder {pretrained_model_name_or_path!r} does not exist. Point `model.pretrained` at a"
-                    " diffusers Stable Diffusion folder (the one holding `model_index.json`) or at a hub id such as"
-                    " 'stable-diffusion-v1-5/stable-diffusion-v1-5'."
+                    f"Model folder {pretrained_model_name_or_path!r} does not exist. Point"
+                    " `model.pretrained_model_name_or_path` at a diffusers Stable Diffusion folder (the one holding"
+                    " `model_index.json`) or at a hub id such as 'stable-diffusion-v1-5/stable-diffusion-v1-5'."
                 )
             if not os.path.isfile(os.path.join(path, "model_index.json")):
                 raise ValueError(
                     f"{pretrained_model_name_or_path!r} has no `model_index.json`, so it is not a diffusers pipeline"
-                    " folder. Point `model.pretrained` at the folder that holds `model_index.json`."
+                    " folder. Point `model.pretrained_model_name_or_path` at the folder that holds `model_index.json`."
                 )
         if local_files_only is None:
             local_files_only = _truthy_env("HF_HUB_OFFLINE")
