@@ -34,3 +34,27 @@ def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise ValueError("per_sample_mse: inputs are 0-dim; pass tensors with a leading batch dimension (B, ...).")
     diff = pred.float() - target.float()
     return diff.square().reshape(diff.shape[0], -1).mean(dim=1)
+
+
+def draw_timesteps_and_noise(
+    policy, shape: tuple[int, ...], timestep_min: int, timestep_max: int | None, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training timestep ``t ~ U{timestep_min..timestep_max}`` per sample, then one ``ε ~ N(0, I)`` of `shape`
+    (in that order from `generator`), both on the generator's device (CPU without one); ε is float32.
+
+    Returns:
+        `(timesteps (B,) int64, noise shape float32)` with ``B = shape[0]``.
+
+    Raises:
+        ValueError: if `timestep_max` is beyond the scheduler's ``num_train_timesteps - 1`` (``None`` means that).
+    """
+    num_train_timesteps = policy.scheduler.config.num_train_timesteps
+    t_max = num_train_timesteps - 1 if timestep_max is None else timestep_max
+    if t_max >= num_train_timesteps:
+        raise ValueError(f"method.timestep_max={t_max} is outside the scheduler's range 0..{num_train_timesteps - 1}; "
+                         "lower it or set it to null.")
+    device = generator.device if generator is not None else torch.device("cpu")
+    timesteps = torch.randint(timestep_min, t_max + 1, (shape[0],), generator=generator, device=device,
+                              dtype=torch.long)
+    noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return timesteps, noise

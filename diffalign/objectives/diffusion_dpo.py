@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.objectives.common import per_sample_mse
+from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
 from diffalign.types import PreferenceBatch
 
 if TYPE_CHECKING:
@@ -213,20 +213,9 @@ class DiffusionDPO(nn.Module):
             raise ValueError(
                 f"batch.prompt_embeds has {len(batch.prompt_embeds)} rows for {bsz} pairs; pass one row per pair."
             )
-        num_train_timesteps = policy.scheduler.config.num_train_timesteps
-        t_max = num_train_timesteps - 1 if self.timestep_max is None else self.timestep_max
-        if t_max >= num_train_timesteps:
-            raise ValueError(
-                f"method.timestep_max={t_max} is outside the scheduler's range 0..{num_train_timesteps - 1}; "
-                "lower it or set it to null."
-            )
-
         # One (t, ε) per pair, repeated for the loser half: rows [w_0..w_{B-1}, l_0..l_{B-1}].
-        draw_device = generator.device if generator is not None else torch.device("cpu")
-        timesteps = torch.randint(
-            self.timestep_min, t_max + 1, (bsz,), generator=generator, device=draw_device, dtype=torch.long
-        )
-        noise = torch.randn(latents_w.shape, generator=generator, device=draw_device, dtype=torch.float32)
+        timesteps, noise = draw_timesteps_and_noise(policy, tuple(latents_w.shape), self.timestep_min,
+                                                    self.timestep_max, generator)
         timesteps = timesteps.to(latents_w.device).repeat(2)
         noise = noise.to(latents_w.device, latents_w.dtype).repeat(2, *([1] * (latents_w.ndim - 1)))
 

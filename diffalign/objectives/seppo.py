@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.objectives.common import per_sample_mse
+from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.samplers.rollout import rollout
 from diffalign.types import WinnerBatch
@@ -354,17 +354,10 @@ class SePPO(nn.Module):
         if len(batch.prompt_embeds) != bsz or len(batch.prompts) != bsz:
             raise ValueError(f"batch has {bsz} winners but {len(batch.prompts)} prompts and "
                              f"{len(batch.prompt_embeds)} prompt embeddings; pass one of each per winner.")
-        num_train_timesteps = policy.scheduler.config.num_train_timesteps
-        t_max = num_train_timesteps - 1 if self.timestep_max is None else self.timestep_max
-        if t_max >= num_train_timesteps:
-            raise ValueError(f"method.timestep_max={t_max} is outside the scheduler's range 0..{num_train_timesteps - 1};"
-                             " lower it or set it to null.")
-
         # 1. one (t, ε) per winner, reused for its reference sample: rows [w_0..w_{B-1}, r_0..r_{B-1}]
-        draw_device = generator.device if generator is not None else torch.device("cpu")
-        timesteps = torch.randint(self.timestep_min, t_max + 1, (bsz,), generator=generator, device=draw_device,
-                                  dtype=torch.long)
-        noise = torch.randn(latents_w.shape, generator=generator, device=draw_device, dtype=torch.float32)
+        timesteps, noise = draw_timesteps_and_noise(policy, tuple(latents_w.shape), self.timestep_min,
+                                                    self.timestep_max, generator)
+        draw_device = noise.device
         noise_r = noise if self.share_noise else torch.randn(latents_w.shape, generator=generator,
                                                             device=draw_device, dtype=torch.float32)
         seeds = None

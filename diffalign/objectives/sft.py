@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from diffalign.objectives.common import per_sample_mse
+from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:
@@ -62,14 +62,9 @@ class WinnerSFT(nn.Module):
             ValueError: if `timestep_max` exceeds the scheduler's range.
         """
         latents = batch.latents_w
-        num_train_timesteps = policy.scheduler.config.num_train_timesteps
-        t_max = num_train_timesteps - 1 if self.timestep_max is None else self.timestep_max
-        if t_max >= num_train_timesteps:
-            raise ValueError(f"method.timestep_max={t_max} is outside the scheduler's range 0..{num_train_timesteps - 1}.")
-        draw_device = generator.device if generator is not None else torch.device("cpu")
-        timesteps = torch.randint(self.timestep_min, t_max + 1, (latents.shape[0],), generator=generator,
-                                  device=draw_device, dtype=torch.long).to(latents.device)
-        noise = torch.randn(latents.shape, generator=generator, device=draw_device, dtype=torch.float32)
+        timesteps, noise = draw_timesteps_and_noise(policy, tuple(latents.shape), self.timestep_min,
+                                                    self.timestep_max, generator)
+        timesteps = timesteps.to(latents.device)
         noise = noise.to(latents.device, latents.dtype)
         pred = policy.predict(policy.add_noise(latents, noise, timesteps), timesteps, batch.prompt_embeds, 1.0)
         loss = per_sample_mse(pred, policy.training_target(latents, noise, timesteps)).mean()
