@@ -73,15 +73,28 @@ def _train_main(cfg: DictConfig) -> None:
 
 
 def _eval_main(cfg: DictConfig) -> None:
+    from diffalign.evaluate import resolve_checkpoints
     from diffalign.validation import validate_eval_config
 
     try:
         validate_eval_config(cfg)
-        if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
-            raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; pass a "
-                                    "checkpoint-<step> folder of a diffalign-train run (or its final/ folder)")
-        if cfg.checkpoint is None and not cfg.include_base:
-            raise ValueError("nothing to evaluate: pass checkpoint=<folder> or include_base=true")
+        if cfg.checkpoints is not None and cfg.checkpoint is not None:
+            raise ValueError("pass checkpoints=[...] or checkpoint=<folder>, not both (checkpoints=[base,<folder>] "
+                             "is the same as checkpoint=<folder>)")
+        if cfg.checkpoints is not None:
+            variants = resolve_checkpoints(list(cfg.checkpoints))
+        else:
+            if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
+                raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; "
+                                        "pass a checkpoint-<step> folder of a diffalign-train run (or its final/ "
+                                        "folder)")
+            if cfg.checkpoint is None and not cfg.include_base:
+                raise ValueError("nothing to evaluate: pass checkpoint=<folder>, checkpoints=[...] or include_base=true")
+            variants = {"base": True} if cfg.include_base else {}
+            if cfg.checkpoint is not None:
+                variants["checkpoint"] = Path(cfg.checkpoint)
+        if cfg.run_dir is not None and not Path(cfg.run_dir).is_dir():
+            raise FileNotFoundError(f"run_dir={cfg.run_dir!r} is not a folder; pass a diffalign-train output_dir")
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
@@ -89,19 +102,24 @@ def _eval_main(cfg: DictConfig) -> None:
 
     from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
     from diffalign.plugins import build_selected_rewards
+    from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts
 
     rewards = build_selected_rewards(cfg.reward)
     ecfg = eval_config_from(cfg.eval)
-    rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
+    rows = select_prompts(load_prompts(ecfg.prompts, field="eval.prompts"), ecfg.prompts_per_tag)
     policy = instantiate(cfg.model)
-    variants = {"base": True} if cfg.include_base else {}
-    if cfg.checkpoint is not None:
-        policy.load_lora_weights(cfg.checkpoint)
-        variants["checkpoint"] = False
-    metrics = evaluate_policy(policy, rows, rewards, ecfg, Path(cfg.output_dir), variants)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "variants"}, indent=2))
-    print(f"[diffalign] eval written to {cfg.output_dir}")
+    output_dir = Path(cfg.output_dir)
+    metrics = evaluate_policy(policy, rows, rewards, ecfg, output_dir, variants, resume=cfg.resume,
+                              context={"model": OmegaConf.to_container(cfg.model, resolve=True)})
+    print(json.dumps({"variants": {label: {k: v for k, v in summary.items() if isinstance(v, float)}
+                                   for label, summary in metrics["variants"].items()},
+                      **{k: v for k, v in metrics.items() if "_vs_" in k}}, indent=2))
+    print(f"[diffalign] eval written to {output_dir}")
+    if cfg.report:
+        run_dirs = {Path(v).resolve().parent for v in variants.values() if not isinstance(v, bool)}
+        run_dir = cfg.run_dir if cfg.run_dir is not None else (run_dirs.pop() if len(run_dirs) == 1 else None)
+        print(f"[diffalign] report: {write_report(output_dir, run_dir=run_dir)}")
 
 
 def train() -> None:
@@ -115,7 +133,7 @@ def train() -> None:
 
 
 def evaluate() -> None:
-    """``diffalign-eval``: evaluate the base model and/or a checkpoint on a prompt set."""
+    """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
     _setup()
     try:
         check_reward_overrides(sys.argv[1:])

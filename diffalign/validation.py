@@ -68,13 +68,20 @@ def validate_train_config(cfg: DictConfig) -> None:
 
 
 def validate_eval_config(cfg: DictConfig) -> None:
-    """Checks the ``eval`` node: steps >= 1, a non-empty prompt file, at least one seed, batch size >= 1."""
+    """Checks the ``eval`` node: steps >= 1, a non-empty prompt file, at least one seed, batch size >= 1, bootstrap
+    settings, video format."""
     e = cfg.eval
     if e.num_inference_steps is None or e.num_inference_steps < 1:
         raise ValueError(f"eval.num_inference_steps must be >= 1, got {e.num_inference_steps}")
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
     _positive(cfg, "eval.batch_size", e.batch_size)
+    if e.get("bootstrap_resamples", 1) < 1:
+        raise ValueError(f"eval.bootstrap_resamples must be >= 1, got {e.bootstrap_resamples}")
+    if not 0 < e.get("confidence", 0.95) < 1:
+        raise ValueError(f"eval.confidence must be in (0, 1), e.g. 0.95; got {e.confidence}")
+    if e.get("video_format", "gif") not in ("gif", "mp4"):
+        raise ValueError(f"eval.video_format must be gif or mp4, got {e.video_format!r}")
     rows = load_prompts(e.prompts, field="eval.prompts")
     if "geneval_shapes" in (cfg.get("reward") or {}):
         for row in rows:

@@ -35,6 +35,7 @@ from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state,
 from diffalign.data.preference import ResumableSampler
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
 from diffalign.plugins import build_selected_rewards
+from diffalign.report import write_report
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
 
@@ -220,7 +221,7 @@ def train(cfg: DictConfig) -> dict:
         policy.save_lora_weights(final_dir)
 
     # ------------------------------------------------------------------------------------------------------------------
-    # 4. evaluate base vs fine-tuned
+    # 4. evaluate base vs fine-tuned; the HTML report (<output_dir>/eval/report.html)
     # ------------------------------------------------------------------------------------------------------------------
     results = {"global_step": global_step, "train_seconds": train_seconds, "final_lora": str(final_dir),
                "history_tail": history[-5:]}
@@ -232,6 +233,8 @@ def train(cfg: DictConfig) -> dict:
         results["eval"] = evaluate_policy(policy, rows, rewards, ecfg, output_dir / "eval",
                                           {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
+        results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
+        accelerator.print(f"[diffalign] report: {results['report']}")
     results["total_seconds"] = time.time() - t_start
     if accelerator.is_main_process:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))

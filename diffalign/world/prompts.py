@@ -22,6 +22,7 @@ caption using one of them is held out entirely (compositional generalisation). N
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -77,24 +78,51 @@ def all_prompts() -> dict[str, list[dict]]:
 
 
 def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
-    """Rows of a GenEval-style jsonl file, or of the shipped split ``"train"`` / ``"heldout"``.
+    """Rows ``{"prompt": ..., ...}`` of a prompt file, or of the shipped split ``"train"`` / ``"heldout"``.
+
+    Formats, by suffix:
+
+    - ``.jsonl``: one JSON object per line with a ``prompt`` field; GenEval's ``evaluation_metadata.jsonl`` rows
+      (``tag``, ``include``, ``exclude``) are kept whole, so rewards and the per-tag breakdown can use them;
+    - ``.csv`` / ``.tsv``: a header row; the prompt column is the first named ``prompt``, ``prompts`` or ``text``
+      (any case; DrawBench's ``Prompts``, PartiPrompts' ``Prompt``), a ``category`` column becomes the row's ``tag``
+      (the per-tag breakdown), and every other column is kept under its lower-cased name;
+    - anything else (``.txt``): one prompt per non-empty line.
 
     Raises:
         FileNotFoundError: when the path does not exist (the message says which splits ship with the package).
-        ValueError: when the file holds no prompts or a row lacks a ``prompt`` field.
+        ValueError: when the file holds no prompts, a jsonl row lacks a ``prompt`` field, or a CSV/TSV has no prompt
+            column.
     """
     path = PROMPT_DIR / f"{split_or_path}.jsonl" if split_or_path in ("train", "heldout") else Path(split_or_path)
     if not path.is_file():
         raise FileNotFoundError(f"{field}={split_or_path!r}: prompt file {str(path)!r} does not exist; set {field} to a "
-                                "jsonl/txt file or to one of the shipped splits 'train' / 'heldout'")
+                                "jsonl/csv/tsv/txt file or to one of the shipped splits 'train' / 'heldout'")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
-        if "prompt" not in row:
-            raise ValueError(f"{field}: {path}:{n}: row has no 'prompt' field")
-        rows.append(row)
+    if path.suffix.lower() in (".csv", ".tsv"):
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            records = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+            fieldnames = list(records[0]) if records else []
+        columns = {c.strip().lower(): c for c in fieldnames if c is not None}
+        prompt_col = next((columns[c] for c in ("prompt", "prompts", "text") if c in columns), None)
+        if records and prompt_col is None:
+            raise ValueError(f"{field}: {path} has no prompt column (header {fieldnames}); name it 'prompt', "
+                             "'prompts' or 'text'")
+        for record in records:
+            if not (record.get(prompt_col) or "").strip():
+                continue
+            row = {k.strip().lower(): v for k, v in record.items() if k is not None and k != prompt_col}
+            if "category" in row:
+                row["tag"] = row.pop("category")
+            rows.append({"prompt": record[prompt_col].strip(), **row})
+    else:
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
+            if "prompt" not in row:
+                raise ValueError(f"{field}: {path}:{n}: row has no 'prompt' field")
+            rows.append(row)
     if not rows:
         raise ValueError(f"{field}={split_or_path!r}: prompt file {str(path)!r} holds no prompts; add at least one line")
     return rows

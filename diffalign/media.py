@@ -1,0 +1,73 @@
+"""Writing images and videos to files (PNG, GIF, MP4).
+
+Pixel tensors follow the project layout: an image is `(C, H, W)` and a video `(F, C, H, W)`, float in [0, 1]
+(values outside are clamped), `C` = 3 (RGB) or 1 (grey). GIF is written with Pillow and plays in every browser; MP4
+(H.264, yuv420p) is written with imageio's ffmpeg plugin (`imageio-ffmpeg`, whose wheel ships an ffmpeg binary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+VIDEO_FORMATS = ("gif", "mp4")
+
+
+def to_uint8(pixels: torch.Tensor) -> np.ndarray:
+    """`(..., C, H, W)` float in [0, 1] → `(..., H, W, C)` uint8 (rounded, as `torchvision.utils.save_image`)."""
+    return pixels.detach().float().cpu().clamp(0, 1).mul(255).add(0.5).to(torch.uint8).movedim(-3, -1).numpy()
+
+
+def save_png(image: torch.Tensor, path: str | Path) -> None:
+    """Writes one image `(C, H, W)` in [0, 1] as a PNG (parent folders are made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    array = to_uint8(image)
+    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(path)
+
+
+def save_video(frames: torch.Tensor, path: str | Path, fps: float = 8.0) -> Path:
+    """Writes a video `(F, C, H, W)` in [0, 1] to `path`; the suffix chooses the format (``.gif`` or ``.mp4``).
+
+    MP4 frames are padded at the bottom/right to even sizes (H.264 with yuv420p needs them); GIF loops forever.
+
+    Args:
+        frames: `(F, C, H, W)` float tensor, F ≥ 1, C in {1, 3}.
+        path: the output file; parent folders are made.
+        fps: frames per second (> 0).
+
+    Returns:
+        `path` as a `Path`.
+
+    Raises:
+        ValueError: for a tensor of another shape, a non-positive `fps`, or a suffix other than .gif / .mp4.
+        ImportError: for .mp4 without `imageio-ffmpeg` installed (a dependency of diffalign).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower().lstrip(".")
+    if frames.ndim != 4 or frames.shape[0] < 1 or frames.shape[1] not in (1, 3):
+        raise ValueError(f"save_video needs frames (F, C, H, W) with C in (1, 3), got shape {tuple(frames.shape)}")
+    if fps <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    if suffix not in VIDEO_FORMATS:
+        raise ValueError(f"save_video writes {VIDEO_FORMATS}, got {path.name!r}; use a .gif or .mp4 path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    array = to_uint8(frames)
+    if array.shape[-1] == 1:
+        array = np.repeat(array, 3, axis=-1)
+    if suffix == "gif":
+        images = [Image.fromarray(a) for a in array]
+        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+        return path
+    import imageio.v2 as imageio
+
+    h, w = array.shape[1:3]
+    array = np.pad(array, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
+    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", pixelformat="yuv420p",
+                            macro_block_size=1) as writer:
+        for frame in array:
+            writer.append_data(frame)
+    return path
