@@ -98,6 +98,9 @@ class PreferenceBatch:
         prompts: the `B` prompts.
         prompt_embeds: encoded prompts (conditional only; preference losses use the unguided forward).
         ids: optional `(B,)` int64 data ids (used to check data order on resume).
+        degraded_prompts: optional `B` semantically degraded prompts c⁻ that the losers were generated from (DDSPO
+            pairs, `diffalign.data.ddspo_pairs`); `None` for other data.
+        degraded_prompt_embeds: the encoded `degraded_prompts` (conditional only), or `None`.
     """
 
     latents_w: torch.Tensor
@@ -105,6 +108,8 @@ class PreferenceBatch:
     prompts: list[str]
     prompt_embeds: PromptEmbeds
     ids: torch.Tensor | None = None
+    degraded_prompts: list[str] | None = None
+    degraded_prompt_embeds: PromptEmbeds | None = None
 
 
 @dataclass

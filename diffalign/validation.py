@@ -49,6 +49,12 @@ def validate_train_config(cfg: DictConfig) -> None:
                              f"data.{key}=<file or folder>")
         if key in cfg.data and not Path(cfg.data[key]).exists():
             raise FileNotFoundError(f"data.{key}={cfg.data[key]!r} does not exist")
+    if OmegaConf.is_missing(cfg.data, "pairs_dir"):
+        raise ValueError("data.pairs_dir is required for data=ddspo_pairs; pass data.pairs_dir=<folder> (made by "
+                         "diffalign-ddspo-pairs, or set data.generate=true to make it)")
+    if "pairs_dir" in cfg.data and not cfg.data.generate and not (Path(cfg.data.pairs_dir) / "manifest.json").is_file():
+        raise FileNotFoundError(f"data.pairs_dir={cfg.data.pairs_dir!r} holds no DDSPO pairs (manifest.json); make "
+                                "them with diffalign-ddspo-pairs --out <folder>, or set data.generate=true")
     reference = cfg.get("reference") or OmegaConf.create({})
     if OmegaConf.is_missing(reference, "path"):
         raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder>")

@@ -8,7 +8,9 @@ exactly.
 
 Two data flows, chosen by the objective's ``data_flow``:
 
-- ``"pairs"`` (Diffusion-DPO): the data yields ``images_w`` and ``images_l``; the objective gets a `PreferenceBatch`;
+- ``"pairs"`` (Diffusion-DPO, DDSPO): the data yields ``images_w`` and ``images_l`` (VAE-encoded here), or
+  ``latents_w`` and ``latents_l`` directly (DDSPO pairs), and optionally ``degraded_prompts`` (encoded too); the
+  objective gets a `PreferenceBatch`;
 - ``"winners"`` (SePPO, fine-tuning on winners): only ``images_w`` is used (a pairs data set works too; its losers are
   ignored, and not read when it has ``winners_only``); the objective gets a `WinnerBatch`.
 
@@ -57,6 +59,15 @@ def _flat_hparams(cfg: DictConfig) -> dict:
     return out
 
 
+def data_latents(policy, batch_data: dict, side: str, device) -> torch.Tensor:
+    """The clean latents of one side (`side` "w" or "l") of a data batch: ``latents_<side>`` as given (data sets that
+    store latents, e.g. DDSPO pairs), else ``images_<side>`` encoded with `policy.encode_images`. Float32 on
+    `device`."""
+    if f"latents_{side}" in batch_data:
+        return batch_data[f"latents_{side}"].to(device=device, dtype=torch.float32)
+    return policy.encode_images(batch_data[f"images_{side}"].to(device))
+
+
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
     """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
     if kind not in ("constant_with_warmup", "cosine"):
@@ -103,6 +114,8 @@ def train(cfg: DictConfig) -> dict:
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
+    if callable(getattr(objective, "setup", None)):  # e.g. DDSPO's DD-CPP target adapters, for the same reason
+        objective.setup(policy)
     latent_h, latent_w = policy.latent_shape[1:]
     pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
     data_kwargs = {}
@@ -175,19 +188,27 @@ def train(cfg: DictConfig) -> dict:
         reference.on_step(policy, global_step)
         for _ in range(tr.gradient_accumulation_steps):
             batch_data = dataset.collate(sampler.next_batch())
-            if tuple(batch_data["images_w"].shape[-2:]) != pixel_size:
+            if "latents_w" in batch_data:
+                if tuple(batch_data["latents_w"].shape[1:]) != tuple(policy.latent_shape):
+                    raise ValueError(f"data latents are {tuple(batch_data['latents_w'].shape[1:])} but the model's are "
+                                     f"{tuple(policy.latent_shape)}; generate the pairs with this model")
+            elif tuple(batch_data["images_w"].shape[-2:]) != pixel_size:
                 raise ValueError(f"data images are {tuple(batch_data['images_w'].shape[-2:])} px but the model makes "
                                  f"{pixel_size} px images; set data.resolution={pixel_size[0]} (or null)")
-            if data_flow == "pairs" and "images_l" not in batch_data:
+            if data_flow == "pairs" and "images_l" not in batch_data and "latents_l" not in batch_data:
                 raise ValueError(f"method={cfg.method._target_} needs preference pairs but data={cfg.data._target_} "
                                  "yields winners only; pick a pairs data set (e.g. data=shapes_pairs, data=pickapic)")
             with torch.no_grad():
-                latents_w = policy.encode_images(batch_data["images_w"].to(accelerator.device))
+                latents_w = data_latents(policy, batch_data, "w", accelerator.device)
                 embeds = policy.encode_prompts(batch_data["prompts"], do_classifier_free_guidance=False)
                 if data_flow == "pairs":
-                    latents_l = policy.encode_images(batch_data["images_l"].to(accelerator.device))
+                    latents_l = data_latents(policy, batch_data, "l", accelerator.device)
+                    degraded = batch_data.get("degraded_prompts")
+                    degraded_embeds = (None if degraded is None else
+                                       policy.encode_prompts(degraded, do_classifier_free_guidance=False))
             if data_flow == "pairs":
-                batch = PreferenceBatch(latents_w, latents_l, batch_data["prompts"], embeds, batch_data["ids"])
+                batch = PreferenceBatch(latents_w, latents_l, batch_data["prompts"], embeds, batch_data["ids"],
+                                        degraded_prompts=degraded, degraded_prompt_embeds=degraded_embeds)
             else:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
             with accelerator.accumulate(policy.unet), accelerator.autocast():
