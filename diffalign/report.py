@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ def read_scalars(logs_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     Returns ``{}`` when there are no event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # (it logs each file read at INFO)
     series: dict[str, dict[int, float]] = {}
     for folder in sorted({p.parent for p in Path(logs_dir).rglob("events.out.tfevents.*")}):
         acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
@@ -44,7 +46,8 @@ def _slug(text: str) -> str:
 
 
 def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path) -> list[Path]:
-    """One PNG per scalar series (``train_<tag>.png``), rewards first, then losses, then the rest."""
+    """One PNG per scalar series (``train_<tag>.png``), rewards first, then losses, then the rest; series of 20 points
+    or more are drawn faint with an exponential moving average (weight 0.9) on top."""
     from matplotlib.figure import Figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +56,15 @@ def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: P
         steps, values = zip(*scalars[tag])
         fig = Figure(figsize=(4.0, 2.8), dpi=100, layout="constrained")
         ax = fig.subplots()
-        ax.plot(steps, values, lw=1.2, marker="." if len(steps) < 30 else None)
+        if len(steps) < 20:
+            ax.plot(steps, values, lw=1.2, marker=".")
+        else:  # noisy per-step values: faint, with an exponential moving average (0.9) on top
+            ax.plot(steps, values, lw=0.8, alpha=0.35, color="C0")
+            smooth = [values[0]]
+            for v in values[1:]:
+                smooth.append(0.9 * smooth[-1] + 0.1 * v)
+            ax.plot(steps, smooth, lw=1.5, color="C0", label="EMA 0.9")
+            ax.legend(fontsize=8)
         ax.set_xlabel("step")
         ax.set_title(tag, fontsize=10)
         ax.grid(alpha=0.3)
