@@ -3,19 +3,28 @@
 CLIPScore (Hessel et al., arXiv:2104.08718, Eq. 1) is ``w · max(cos(E_I, E_T), 0)`` with ``w = 2.5``; this reward
 returns ``scale · cos(E_I, E_T)`` (``scale`` defaults to 1, no clipping at 0, so it stays informative for poor
 samples). Any open_clip model works through the same code: by default the tiny world's CLIP shipped with diffalign
-(`diffalign.rewards.tiny_clip`), or e.g. ``model_name="ViT-L-14", pretrained="/path/open_clip_pytorch_model.bin"``
-(a local file; a tag such as ``"openai"`` makes open_clip download the weights, which needs network access).
+(`diffalign.rewards.tiny_clip`), or e.g. ``model_name="ViT-L-14", pretrained="/models/clip-vit-l-14"`` (a folder
+holding ``open_clip_model.safetensors``, a ``.safetensors`` file, or an open_clip tag such as ``"openai"``, which
+open_clip fetches into the HF cache — only the cache is read when ``HF_HUB_OFFLINE=1``).
+
+Images go through open_clip's own transform for the model (shorter side → input size, centre crop, its mean/std;
+`diffalign.rewards.preprocess`), written with tensor ops so the reward can be differentiable.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from diffalign.rewards.loading import load_open_clip
+from diffalign.rewards.preprocess import ImageInput, clip_preprocess, to_pixels
 from diffalign.types import RewardOutput
+
+WHERE = ("Put an open_clip checkpoint as <folder>/open_clip_model.safetensors (e.g. from the hub repo "
+         "laion/CLIP-ViT-L-14-laion2B-s32B-b82K) and pass reward.clip_score.pretrained=<folder>, or use an open_clip "
+         "tag such as pretrained=openai with network access once (then HF_HUB_OFFLINE=1 reads the HF cache).")
 
 
 @dataclass
@@ -26,76 +35,68 @@ class ClipScoreConfig:
     model_name: str = "diffalign-tiny-clip"
     pretrained: str | None = None
     scale: float = 1.0
+    value_range: tuple[float, float] = (0.0, 1.0)
+    differentiable: bool = False
     device: str = "cpu"
+    dtype: str = "float32"
 
 
 class ClipScore:
     """CLIP image–text cosine similarity.
 
     Args:
-        model_name: an open_clip model name; ``"diffalign-tiny-clip"`` is the tiny world's model.
-        pretrained: open_clip ``pretrained`` (a local checkpoint path or a tag); None loads the shipped tiny weights
-            for the tiny model.
-        scale: multiplies the cosine (2.5 with clipping at 0 gives Hessel et al.'s CLIPScore).
-        device: where the CLIP model runs.
+        model_name (`str`, defaults to ``"diffalign-tiny-clip"``): an open_clip model name; the default is the tiny
+            world's model.
+        pretrained (`str`, *optional*): a folder holding ``open_clip_model.safetensors``, a ``.safetensors`` file, or
+            an open_clip tag / ``hf-hub:org/repo``; `None` loads the shipped tiny weights (tiny model only).
+        scale (`float`, defaults to 1.0): multiplies the cosine (2.5 with clipping at 0 gives Hessel et al.'s
+            CLIPScore).
+        value_range (`tuple[float, float]`, defaults to `(0.0, 1.0)`): the range of float image inputs; `[-1.0, 1.0]` for
+            VAE-convention images.
+        differentiable (`bool`, defaults to False): keep the autograd graph to the input pixels; otherwise scoring
+            runs under `torch.no_grad()`.
+        device (`str`, defaults to ``"cpu"``), dtype (`str`, defaults to ``"float32"``): where and in which precision
+            the CLIP model runs (scores are returned as float32 on `device`).
 
-    Call: images `(B, 3, H, W)` float in [0, 1] (videos `(B, F, 3, H, W)`: frame scores averaged), `B` prompts →
-    `RewardOutput` with ``scores`` `(B,)` float32 in [-scale, scale].
+    Call: images `(B, 3, H, W)` (float in `value_range`, uint8, or PIL images; videos `(B, F, 3, H, W)`: frame scores
+    averaged), `B` prompts → `RewardOutput` with ``scores`` `(B,)` float32 in [-scale, scale].
 
     Raises:
-        FileNotFoundError: the tiny model's shipped weights are missing.
-        ValueError: images are not `(B, 3, H, W)` in [0, 1], or their count differs from the prompts'.
+        FileNotFoundError: the weights are absent (the message says where to put them).
+        ValueError: `pretrained` missing for a non-tiny model or a pickle; images of the wrong shape or outside
+            `value_range`; image and prompt counts differ.
     """
 
     name = "clip_score"
-    differentiable = True
 
     def __init__(self, model_name: str = "diffalign-tiny-clip", pretrained: str | None = None, scale: float = 1.0,
-                 device: str = "cpu"):
-        import open_clip
+                 value_range: tuple[float, float] = (0.0, 1.0), differentiable: bool = False, device: str = "cpu",
+                 dtype: str = "float32"):
+        self.scale, self.value_range, self.differentiable = scale, list(value_range), differentiable
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        model, self.tokenize, (self.image_size, self.mean, self.std) = load_open_clip(
+            model_name, pretrained, "reward.clip_score", WHERE)
+        self.model = model.to(self.device, self.dtype)
 
-        from diffalign.rewards import tiny_clip
+    def embed_images(self, images: ImageInput) -> torch.Tensor:
+        """L2-normalised image embeddings `(B, D)` float32 of images `(B, 3, H, W)` (any accepted input form)."""
+        pixels = to_pixels(images, self.value_range, "reward.clip_score.value_range")
+        x = clip_preprocess(pixels if isinstance(pixels, list) else pixels.to(self.device), self.image_size,
+                            self.mean, self.std)
+        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+            return self.model.encode_image(x.to(self.device, self.dtype), normalize=True).float()
 
-        self.scale, self.device = scale, torch.device(device)
-        if model_name == tiny_clip.MODEL_NAME:
-            path = pretrained or str(tiny_clip.ASSET_DIR / "open_clip_model.safetensors")
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"tiny CLIP weights not found at {path}; rebuild them with "
-                                        "`python scripts/pretrain_tiny_world.py clip`")
-            self.model = tiny_clip.build_tiny_clip(path)
-            from diffalign.world.tokenizer import build_tokenizer
-
-            word_tokenizer = build_tokenizer()
-            self.tokenize = lambda prompts: tiny_clip.tokenize(word_tokenizer, prompts)
-            self.mean, self.std = tiny_clip.IMAGE_MEAN, tiny_clip.IMAGE_STD
-        else:
-            self.model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
-            self.tokenize = open_clip.get_tokenizer(model_name)
-            cfg = self.model.visual.preprocess_cfg
-            self.mean, self.std = tuple(cfg["mean"]), tuple(cfg["std"])
-        self.model = self.model.to(self.device).eval().requires_grad_(False)
-        size = self.model.visual.image_size
-        self.image_size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """`(B, 3, H, W)` in [0, 1] → resized (bicubic, antialiased) and normalised model input; differentiable."""
-        x = images.float().to(self.device)
-        if tuple(x.shape[-2:]) != self.image_size:
-            x = F.interpolate(x, size=self.image_size, mode="bicubic", antialias=True, align_corners=False)
-        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
-        return (x - mean) / std
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
-        if images.ndim == 5:
+    def __call__(self, images: ImageInput, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
+        if isinstance(images, torch.Tensor) and images.ndim == 5:
             b, f = images.shape[:2]
             out = self(images.flatten(0, 1), [p for p in prompts for _ in range(f)])
             return RewardOutput(out.scores.view(b, f).mean(1))
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"images must be (B, 3, H, W) in [0, 1], got shape {tuple(images.shape)}")
-        if len(prompts) != images.shape[0]:
-            raise ValueError(f"got {images.shape[0]} images and {len(prompts)} prompts; pass one prompt per image")
-        image_features = self.model.encode_image(self.preprocess(images), normalize=True)
-        text_features = self.model.encode_text(self.tokenize(list(prompts)).to(self.device), normalize=True)
-        scores = self.scale * (image_features * text_features).sum(-1)
+        image_features = self.embed_images(images)
+        if len(prompts) != image_features.shape[0]:
+            raise ValueError(f"got {image_features.shape[0]} images and {len(prompts)} prompts; pass one prompt per "
+                             "image")
+        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+            tokens = self.tokenize(list(prompts)).to(self.device)
+            text_features = self.model.encode_text(tokens, normalize=True).float()
+            scores = self.scale * (image_features * text_features).sum(-1)
         return RewardOutput(scores.float())

@@ -1,4 +1,5 @@
-"""Weighted sum of several rewards (the multi-select ``reward=[a,b]`` of the configs)."""
+"""Weighted sum of several rewards (the multi-select ``reward=[a,b]`` of the configs, with
+``reward.<name>.weight`` and ``reward.<name>.normalize``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,30 @@ from diffalign.types import RewardOutput
 logger = logging.getLogger(__name__)
 
 
+NORMALIZE = ("none", "zscore")
+ZSCORE_EPS = 1e-6
+
+
+def zscore(scores: torch.Tensor, eps: float = ZSCORE_EPS) -> torch.Tensor:
+    r"""Batch z-score $(s - \bar s) / (\sigma + \epsilon)$ with the population std $\sigma$ of the batch.
+
+    A batch of one, or a batch whose scores are all equal, gives zeros (nothing to rank). Note that a z-scored reward
+    depends on the rest of the batch by construction (FIELD_CASES C21 holds only for ``normalize="none"``).
+
+    Args:
+        scores (`torch.Tensor`): `(B,)` float scores.
+        eps (`float`, defaults to 1e-6): added to the std.
+
+    Returns:
+        `torch.Tensor`: `(B,)` float32.
+    """
+    scores = scores.float()
+    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+
+
 class WeightedSum:
-    r"""Combines rewards as $s = \sum_k w_k\, s_k$.
+    r"""Combines rewards as $s = \sum_k w_k\, n_k(s_k)$, where $n_k$ is the identity (``"none"``) or the batch
+    z-score (``"zscore"``, `zscore`) chosen per reward.
 
     Each component is called on the full batch. A component that raises, returns scores of the wrong shape or
     returns non-finite scores makes the call raise `RewardError` naming that component (after logging it), so a run
@@ -24,19 +47,21 @@ class WeightedSum:
     Args:
         rewards (`dict[str, Reward]`): the components by name (the keys of ``cfg.reward``); at least one.
         weights (`dict[str, float]`): one finite weight per component, same keys as `rewards`.
+        normalize (`dict[str, str]`, *optional*): ``"none"`` or ``"zscore"`` per component (missing names:
+            ``"none"``); applied before weighting.
 
     Attributes:
         differentiable (`bool`): true when every component is differentiable.
         name (`str`): ``"weighted_sum"``.
 
     Raises:
-        ValueError: if `rewards` is empty, the keys of `weights` differ from those of `rewards`, or a weight is not
-            finite.
+        ValueError: if `rewards` is empty, the keys of `weights` differ from those of `rewards`, a weight is not
+            finite, or a normalisation is unknown or names no reward.
     """
 
     name = "weighted_sum"
 
-    def __init__(self, rewards: dict[str, Reward], weights: dict[str, float]):
+    def __init__(self, rewards: dict[str, Reward], weights: dict[str, float], normalize: dict[str, str] | None = None):
         if not rewards:
             raise ValueError("WeightedSum needs at least one reward; select one, e.g. reward=[jpeg_compressibility].")
         if set(weights) != set(rewards):
@@ -47,12 +72,20 @@ class WeightedSum:
         for name, weight in weights.items():
             if not math.isfinite(weight):
                 raise ValueError(f"reward weight for '{name}' is {weight}; use a finite number.")
+        normalize = dict(normalize or {})
+        for name, mode in normalize.items():
+            if name not in rewards:
+                raise ValueError(f"normalisation given for '{name}', which is not among the rewards {sorted(rewards)}")
+            if mode not in NORMALIZE:
+                raise ValueError(f"reward.{name}.normalize={mode!r} must be one of {NORMALIZE}")
         self.rewards = dict(rewards)
         self.weights = {name: float(weights[name]) for name in rewards}
+        self.normalize = {name: normalize.get(name, "none") for name in rewards}
         self.differentiable = all(reward.differentiable for reward in self.rewards.values())
 
     def __repr__(self) -> str:
-        return f"WeightedSum({', '.join(f'{n}×{w}' for n, w in self.weights.items())})"
+        return "WeightedSum(" + ", ".join(f"{n}×{w}" + ("(zscore)" if self.normalize[n] == "zscore" else "")
+                                          for n, w in self.weights.items()) + ")"
 
     def __call__(
         self,
@@ -69,7 +102,8 @@ class WeightedSum:
 
         Returns:
             `RewardOutput`: ``scores`` `(B,)` float32 weighted sum; ``info["scores/<name>"]`` holds each component's
-            unweighted `(B,)` float32 scores and ``info["<name>/<key>"]`` each component's own info entries;
+            raw `(B,)` float32 scores (before normalisation and weighting), ``info["normalized/<name>"]`` the
+            z-scored ones for ``"zscore"`` components, and ``info["<name>/<key>"]`` each component's own info entries;
             ``maps`` is the weighted sum of the components' dense maps when every component returns one (else
             `None`, with each available map kept in ``info["maps/<name>"]``).
 
@@ -97,6 +131,9 @@ class WeightedSum:
                     name, f"returned non-finite scores at batch rows {bad.nonzero().flatten().tolist()}."
                 )
             info[f"scores/{name}"] = scores
+            if self.normalize[name] == "zscore":
+                scores = zscore(scores)
+                info[f"normalized/{name}"] = scores
             info.update({f"{name}/{key}": value for key, value in out.info.items()})
             if out.maps is not None:
                 maps[name] = out.maps
@@ -107,3 +144,17 @@ class WeightedSum:
         if len(maps) == len(self.rewards):
             combined_maps = sum(self.weights[name] * m.float() for name, m in maps.items())
         return RewardOutput(scores=total, info=info, maps=combined_maps)
+
+
+def reward_metrics(out: RewardOutput, prefix: str = "reward") -> dict[str, float]:
+    """Scalars for the trackers from a `WeightedSum` output: ``<prefix>/mean``, ``<prefix>/std`` of the total and
+    ``<prefix>/<name>/mean``, ``<prefix>/<name>/std`` of each component's raw scores (one entry per component, so
+    each is logged separately)."""
+    metrics = {f"{prefix}/mean": float(out.scores.float().mean()),
+               f"{prefix}/std": float(out.scores.float().std(unbiased=False))}
+    for key, value in out.info.items():
+        if key.startswith("scores/"):
+            name = key[len("scores/"):]
+            metrics[f"{prefix}/{name}/mean"] = float(value.float().mean())
+            metrics[f"{prefix}/{name}/std"] = float(value.float().std(unbiased=False))
+    return metrics

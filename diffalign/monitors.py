@@ -1,0 +1,211 @@
+"""Reward-hacking monitors, logged during training every ``monitor.every`` optimizer steps.
+
+A policy that hacks its training reward raises that reward while something else degrades. Two signals make that
+visible in the logs before it ruins a run (DESIGN.md §2.5):
+
+- **gold reward**: held-out rewards (by default the evaluation reward set, ``eval_reward=[...]`` or else
+  ``reward=[...]``) on fixed prompts and fixed per-image seeds, with deterministic DDIM (η = 0), so two log points
+  differ only by the policy. A training reward that climbs while the gold reward falls is the classic sign.
+- **group diversity**: for each prompt, the mean pairwise cosine distance ``1 − cos(e_i, e_j)`` of the CLIP image
+  embeddings of its images under the different seeds, averaged over prompts. Mode collapse (every seed giving the
+  same image) drives it towards 0.
+
+Logged keys (``accelerator.log``): ``monitor/gold/<reward>/mean`` (and ``monitor/gold/<reward>/accuracy`` for
+rewards that report GenEval correctness), ``monitor/diversity``. Rewards are called through
+`diffalign.rewards.guard.score_or_raise`, so a NaN gold score stops the run like any other reward failure.
+
+Config (``monitor:`` in ``configs/train.yaml``)::
+
+    monitor:
+      every: 0                 # optimizer steps between measurements; 0 turns the monitors off
+      prompts: heldout         # a shipped split or a GenEval jsonl / txt file
+      num_prompts: 8           # evenly spaced through the file
+      seeds: [0, 1, 2, 3]      # per-image seeds; the group of each prompt (>= 2 for diversity)
+      rewards: null            # names from the evaluation reward set; null = all of them
+      diversity: true
+      diversity_model: diffalign-tiny-clip   # open_clip model for the embeddings (see reward clip_score)
+      diversity_pretrained: null
+      num_inference_steps: 20
+      guidance_scale: 4.0
+      batch_size: 64
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from diffalign.rewards.base import Reward
+from diffalign.rewards.guard import score_or_raise
+
+
+@dataclass
+class MonitorConfig:
+    """The ``monitor:`` config node; see the module docstring for the meaning of each field."""
+
+    every: int = 0
+    prompts: str = "heldout"
+    num_prompts: int = 8
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    rewards: list[str] | None = None
+    diversity: bool = True
+    diversity_model: str = "diffalign-tiny-clip"
+    diversity_pretrained: str | None = None
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+    batch_size: int = 64
+
+
+def pairwise_diversity(embeddings: torch.Tensor) -> torch.Tensor:
+    r"""Mean pairwise cosine distance $\frac{2}{G(G-1)} \sum_{i<j} (1 - \cos(e_i, e_j))$ of a group.
+
+    Args:
+        embeddings (`torch.Tensor`): `(G, D)` embeddings of one group, G ≥ 2 (need not be normalised).
+
+    Returns:
+        `torch.Tensor`: a float32 scalar in [0, 2]; 0 when every embedding points the same way.
+
+    Raises:
+        ValueError: if G < 2.
+    """
+    g = embeddings.shape[0]
+    if embeddings.ndim != 2 or g < 2:
+        raise ValueError(f"diversity needs a (G, D) group with G >= 2, got shape {tuple(embeddings.shape)}")
+    unit = F.normalize(embeddings.float(), dim=-1)
+    cosine = unit @ unit.T
+    upper = torch.triu_indices(g, g, offset=1)
+    return (1.0 - cosine[upper[0], upper[1]]).mean()
+
+
+class HackingMonitor:
+    """Gold rewards on fixed prompts and seeds, and group diversity, for one policy at a time.
+
+    Args:
+        rewards (`Mapping[str, Reward]`): the gold rewards by name (held out from training).
+        rows (`list[dict]`): prompt rows (``{"prompt", ...}`` with optional GenEval metadata), fixed for the run.
+        seeds (`list[int]`): per-image seeds; image (seed s, prompt p) uses ``torch.Generator().manual_seed(s *
+            1_000_003 + p)``, as evaluation does.
+        every (`int`): optimizer steps between measurements (`maybe_log` measures when ``step % every == 0``); ≥ 1.
+        embedder (*optional*): an object with ``embed_images(images (N, 3, H, W) in [0, 1]) -> (N, D)`` (e.g.
+            `diffalign.rewards.clip_score.ClipScore`); `None` skips diversity.
+        num_inference_steps (`int`, defaults to 20), guidance_scale (`float`, defaults to 4.0): DDIM settings (η = 0).
+        batch_size (`int`, defaults to 64): images per sampling batch.
+
+    Raises:
+        ValueError: `every` < 1, no rows, no seeds, or an embedder with fewer than 2 seeds.
+    """
+
+    def __init__(self, rewards: Mapping[str, Reward], rows: list[dict], seeds: list[int], *, every: int,
+                 embedder: Any | None = None, num_inference_steps: int = 20, guidance_scale: float = 4.0,
+                 batch_size: int = 64):
+        if every < 1:
+            raise ValueError(f"monitor.every must be >= 1 (0 turns the monitors off), got {every}")
+        if not rows or not seeds:
+            raise ValueError("monitor.prompts and monitor.seeds must select at least one prompt and one seed")
+        if embedder is not None and len(seeds) < 2:
+            raise ValueError(f"monitor.seeds={list(seeds)}: diversity needs >= 2 seeds per prompt (or "
+                             "monitor.diversity=false)")
+        self.rewards, self.rows, self.seeds, self.every = dict(rewards), list(rows), list(seeds), every
+        self.embedder, self.batch_size = embedder, batch_size
+        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "eta": 0.0}
+        self.history: list[dict[str, float]] = []
+
+    @torch.no_grad()
+    def measure(self, policy, step: int | None = None) -> dict[str, float]:
+        """Samples every (seed, prompt) with `policy` (eval mode, restored afterwards) and returns the metrics.
+
+        Raises:
+            RewardError: a gold reward raised or returned NaN/inf (named, with the step and the batch).
+        """
+        from diffalign.samplers.rollout import rollout
+
+        jobs = [(s, p) for p in range(len(self.rows)) for s in self.seeds]  # grouped by prompt
+        was_training = policy.unet.training
+        policy.unet.eval()
+        images = []
+        try:
+            for start in range(0, len(jobs), self.batch_size):
+                chunk = jobs[start:start + self.batch_size]
+                gens = [torch.Generator().manual_seed(s * 1_000_003 + p) for s, p in chunk]
+                traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk], generator=gens, **self.sampler)
+                images.append(traj.images.float().cpu())
+        finally:
+            policy.unet.train(was_training)
+        images = torch.cat(images)
+        prompts = [self.rows[p]["prompt"] for _, p in jobs]
+        metadata = [self.rows[p] for _, p in jobs]
+        metrics: dict[str, float] = {}
+        outputs = score_or_raise(self.rewards, images, prompts, metadata, step=step, batch_index=len(self.history))
+        for name, out in outputs.items():
+            metrics[f"monitor/gold/{name}/mean"] = float(out.scores.mean())
+            if "correct" in out.info:
+                metrics[f"monitor/gold/{name}/accuracy"] = float(torch.as_tensor(out.info["correct"]).float().mean())
+        if self.embedder is not None:
+            g = len(self.seeds)
+            embeddings = self.embedder.embed_images(images).float().view(len(self.rows), g, -1)
+            metrics["monitor/diversity"] = float(torch.stack([pairwise_diversity(e) for e in embeddings]).mean())
+        return metrics
+
+    def maybe_log(self, step: int, policy, accelerator=None, log: Callable[[str], None] | None = None
+                  ) -> dict[str, float] | None:
+        """Measures and logs when ``step % every == 0``; returns the metrics (else `None`).
+
+        Args:
+            step (`int`): the global optimizer step (0 = before training).
+            policy: the policy being trained.
+            accelerator (`accelerate.Accelerator`, *optional*): metrics go to ``accelerator.log(metrics, step=step)``.
+            log (`Callable[[str], None]`, *optional*): also prints a one-line summary.
+        """
+        if step % self.every != 0:
+            return None
+        metrics = self.measure(policy, step=step)
+        self.history.append({"step": step, **metrics})
+        if accelerator is not None:
+            accelerator.log(metrics, step=step)
+        if log is not None:
+            log(f"[diffalign] monitor step {step}: " + ", ".join(f"{k[len('monitor/'):]}={v:.4f}"
+                                                                 for k, v in metrics.items()))
+        return metrics
+
+
+def build_monitor(node: Mapping[str, Any] | None, eval_rewards: Mapping[str, Reward]) -> HackingMonitor | None:
+    """The `HackingMonitor` of a ``monitor:`` config node, or `None` when it is absent or ``every`` is 0.
+
+    Args:
+        node: the ``monitor`` config node (fields of `MonitorConfig`; missing fields take its defaults).
+        eval_rewards (`Mapping[str, Reward]`): the evaluation reward set; ``monitor.rewards`` picks names from it.
+
+    Raises:
+        ValueError: an unknown field, a reward name not in `eval_rewards`, or the checks of `HackingMonitor`.
+    """
+    from omegaconf import OmegaConf
+
+    if node is None:
+        return None
+    cfg = MonitorConfig(**(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)))
+    if cfg.every == 0:
+        return None
+    from diffalign.world.prompts import load_prompts
+
+    names = list(eval_rewards) if cfg.rewards is None else list(cfg.rewards)
+    unknown = [n for n in names if n not in eval_rewards]
+    if unknown:
+        raise ValueError(f"monitor.rewards={names}: {unknown} not in the evaluation reward set {sorted(eval_rewards)}; "
+                         "select them with eval_reward=[...] (or reward=[...])")
+    rows = load_prompts(cfg.prompts, field="monitor.prompts")
+    if cfg.num_prompts < 1:
+        raise ValueError(f"monitor.num_prompts must be >= 1, got {cfg.num_prompts}")
+    n = min(cfg.num_prompts, len(rows))
+    rows = [rows[(i * len(rows)) // n] for i in range(n)]
+    embedder = None
+    if cfg.diversity:
+        from diffalign.rewards.clip_score import ClipScore
+
+        embedder = ClipScore(model_name=cfg.diversity_model, pretrained=cfg.diversity_pretrained)
+    return HackingMonitor({n: eval_rewards[n] for n in names}, rows, cfg.seeds, every=cfg.every, embedder=embedder,
+                          num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                          batch_size=cfg.batch_size)
