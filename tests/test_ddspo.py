@@ -296,3 +296,23 @@ def test_call_time_errors_name_the_fix():
     one = make_batch(policy, bsz=1)
     with pytest.raises(ValueError, match="batch_size >= 2"):
         DDSPO(rand_cond=True, rand_cond_schedule="constant")(policy, one)
+
+
+def test_ddcpp_target_script_writes_loras_that_ddspo_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_ddcpp_targets.py"
+    out = tmp_path / "ddcpp"
+    args = ["--out", str(out), "--steps", "2", "--batch-size", "2", "--rank", "2", "--device", "cpu", "--",
+            "model=tiny_random", "data=shapes_pairs", "data.num_pairs=4"]
+    proc = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    policy = build_tiny_random_policy(seed=0)
+    objective = DDSPO(cpp="dd", beta=8000.0, target_lora_w=str(out / "winner"), target_lora_l=str(out / "loser"))
+    objective.setup(policy)
+    loss, _ = objective(policy, make_batch(policy), generator=torch.Generator().manual_seed(0))
+    assert loss.item() == pytest.approx(LN2, abs=1e-6)  # policy = reference; the targets differ from both

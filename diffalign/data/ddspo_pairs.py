@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_prompts(args.prompts, field="--prompts")[:args.max_prompts]
     model = args.model or asset_path("tiny_sd")
     local_only = os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-    pipeline = DiffusionPipeline.from_pretrained(model, torch_dtype=getattr(torch, args.torch_dtype),
+    pipeline = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, args.torch_dtype),
                                                  safety_checker=None, local_files_only=local_only).to(args.device)
     stats = generate_pairs(pipeline, rows, args.out, degradation=args.degradation, num_variants=args.num_variants,
                            samples_per_prompt=args.samples_per_prompt, num_inference_steps=args.num_inference_steps,
