@@ -40,24 +40,32 @@ def _setup() -> None:
 
 
 def check_reward_overrides(argv: list[str]) -> None:
-    """Rejects unknown names in a ``reward=...`` command-line override before Hydra composes anything (Hydra alone
-    says only "Could not load 'reward/<name>'" for entry-point options).
+    """Rejects unknown names in ``reward=...`` / ``eval_reward=...`` command-line overrides before Hydra composes
+    anything (Hydra alone says only "Could not load 'reward/<name>'" for entry-point options), and registers one-off
+    ``python:<module>:<function>`` rewards found there (importing them, so a bad one fails here).
 
     Raises:
         ValueError: naming the unknown reward(s) and listing the installed ones.
+        ImportError: a ``python:`` reward cannot be imported.
     """
-    from diffalign.plugins import entry_point_configs
+    from diffalign.plugins import REWARD_GROUPS, entry_point_configs, register_python_reward
+    from diffalign.rewards.python_function import PREFIX, load_function
 
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key.lstrip("+~") != "reward":
+        if not sep or key.lstrip("+~") not in REWARD_GROUPS:
             continue
         names = [n.strip() for n in value.strip().strip("[]").split(",") if n.strip()]
         known = sorted(entry_point_configs("diffalign.rewards"))
-        unknown = [n for n in names if n not in known]
+        for name in names:
+            if name.startswith(PREFIX):
+                load_function(name)
+                register_python_reward(name)
+        unknown = [n for n in names if n not in known and not n.startswith(PREFIX)]
         if unknown:
-            raise ValueError(f"reward={value}: unknown reward(s) {unknown}; installed rewards (entry-point group "
-                             f"diffalign.rewards): {known}. Select e.g. reward=[{known[0]}]")
+            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; installed rewards (entry-point "
+                             f"group diffalign.rewards): {known}. Select e.g. reward=[{known[0]}], or a one-off "
+                             "function with reward=[python:<module>:<function>]")
 
 
 def _train_main(cfg: DictConfig) -> None:
@@ -67,8 +75,13 @@ def _train_main(cfg: DictConfig) -> None:
         validate_train_config(cfg)  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
-    from diffalign.train.preference import train as run
+    from hydra.utils import get_class
 
+    flow = getattr(get_class(cfg.method._target_), "data_flow", None)
+    if flow in ("online_groups", "online_trajectories"):
+        from diffalign.train.online import train as run
+    else:
+        from diffalign.train.preference import train as run
     run(cfg)
 
 
@@ -127,7 +140,7 @@ def train() -> None:
     _setup()
     try:
         check_reward_overrides(sys.argv[1:])
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
     hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
 
@@ -137,6 +150,6 @@ def evaluate() -> None:
     _setup()
     try:
         check_reward_overrides(sys.argv[1:])
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
     hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()

@@ -38,6 +38,19 @@ def validate_train_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.mixed_precision must be one of {MIXED_PRECISION}, got {t.mixed_precision!r}")
     if not cfg.get("reward"):
         raise ValueError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
+    monitor = cfg.get("monitor") or OmegaConf.create({})
+    if monitor.get("every", 0) is None or monitor.get("every", 0) < 0:
+        raise ValueError(f"monitor.every must be >= 0 (0 = off), got {monitor.get('every')}")
+    if monitor.get("every", 0) > 0:
+        eval_set = sorted(cfg.get("eval_reward") or cfg.reward)
+        unknown = [n for n in (monitor.get("rewards") or []) if n not in eval_set]
+        if unknown:
+            raise ValueError(f"monitor.rewards: {unknown} not in the evaluation reward set {eval_set}; add them with "
+                             "eval_reward=[...]")
+        if monitor.get("diversity", True) and len(monitor.get("seeds") or []) < 2:
+            raise ValueError(f"monitor.seeds={list(monitor.get('seeds') or [])}: diversity needs >= 2 seeds per prompt; "
+                             "pass e.g. monitor.seeds=[0,1,2,3] or monitor.diversity=false")
+        load_prompts(monitor.get("prompts", "heldout"), field="monitor.prompts")
     if "prompts" in cfg.data:
         load_prompts(cfg.data.prompts, field="data.prompts")
     if "num_pairs" in cfg.data and cfg.data.num_pairs is not None and t.batch_size > cfg.data.num_pairs:
@@ -89,7 +102,7 @@ def validate_eval_config(cfg: DictConfig) -> None:
     if e.get("video_format", "gif") not in ("gif", "mp4"):
         raise ValueError(f"eval.video_format must be gif or mp4, got {e.video_format!r}")
     rows = load_prompts(e.prompts, field="eval.prompts")
-    if "geneval_shapes" in (cfg.get("reward") or {}):
+    if "geneval_shapes" in (cfg.get("eval_reward") or cfg.get("reward") or {}):  # the evaluation reward set
         for row in rows:
             if "include" not in row:
                 try:

@@ -60,9 +60,10 @@ def isolated_config_groups():
     Only these groups are restored: Hydra registers its own nodes (``hydra/...``) lazily on first use.
     """
     store = ConfigStore.instance()
-    saved = {group: copy.deepcopy(store.repo[group]) for group in plugins.GROUPS.values() if group in store.repo}
+    groups = [*plugins.GROUPS.values(), *plugins.REWARD_GROUPS]
+    saved = {group: copy.deepcopy(store.repo[group]) for group in groups if group in store.repo}
     yield
-    for group in plugins.GROUPS.values():
+    for group in groups:
         store.repo.pop(group, None)
     store.repo.update(saved)
 
@@ -142,10 +143,13 @@ def test_multiselect_rewards_nest_under_their_names(config_dir):
 
 def test_register_configs_stores_groups_with_packages():
     stored = plugins.register_configs()
-    assert "jpeg_compressibility" in stored["reward"] and set(stored) == {"reward", "model", "method"}
-    node = ConfigStore.instance().load("reward/jpeg_compressibility.yaml")
-    assert node.package == "reward.jpeg_compressibility"
-    assert OmegaConf.to_container(node.node) == {"_target_": JpegCompressibilityConfig._target_, "quality": 95}
+    assert "jpeg_compressibility" in stored["reward"] and set(stored) == {"reward", "eval_reward", "model", "method"}
+    assert stored["eval_reward"] == stored["reward"]
+    for group in ("reward", "eval_reward"):
+        node = ConfigStore.instance().load(f"{group}/jpeg_compressibility.yaml")
+        assert node.package == f"{group}.jpeg_compressibility"
+        assert OmegaConf.to_container(node.node) == {"_target_": JpegCompressibilityConfig._target_, "quality": 95,
+                                                     "weight": 1.0, "normalize": "none"}
 
 
 def test_third_party_reward_end_to_end(tmp_path, monkeypatch, config_dir):

@@ -17,6 +17,12 @@ Two data flows, chosen by the objective's ``data_flow``:
 The reference strategy (``cfg.reference``, `diffalign.reference`) is set up on the policy before the optimizer is
 built, gets ``on_step(policy, u)`` before every update ``u`` (0-based), is passed to the objective as ``reference=``,
 and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint and read back on resume.
+
+Rewards: ``reward=[...]`` is the training set (used by on-policy data such as ``data=ranked_pairs``), ``eval_reward=[...]``
+the evaluation set (evaluation and the hacking monitors; the training set when unset). Every reward call is checked
+(`diffalign.rewards.guard`): a reward that raises or returns NaN/inf stops the run after a checkpoint is saved, with a
+`RewardError` naming the reward, the step, the batch and the prompt. ``monitor.every > 0`` logs a gold reward on fixed
+prompts and seeds and the group diversity every that many steps (`diffalign.monitors`).
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from tqdm.auto import tqdm
 from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
 from diffalign.data.preference import ResumableSampler
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.report import write_report
+from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
 
@@ -124,11 +132,10 @@ def train(cfg: DictConfig) -> dict:
             raise ValueError(f"the model's images are {pixel_size[0]}x{pixel_size[1]} px; set data.resolution")
         data_kwargs["resolution"] = pixel_size[0]
     dataset = instantiate(cfg.data, **data_kwargs)
-    rewards = build_selected_rewards(cfg.reward)
-    if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
-        dataset.prepare(policy, rewards)
-        accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
-    sampler = ResumableSampler(len(dataset), tr.batch_size, seed=cfg.seed, shuffle=True, drop_last=True)
+    # every reward call is checked (RewardError names reward, step, batch, prompt; nothing becomes 0 silently)
+    rewards = checked_rewards(build_selected_rewards(cfg.reward))
+    eval_rewards = checked_rewards(build_selected_rewards(cfg.eval_reward)) if cfg.get("eval_reward") else rewards
+    monitor = build_monitor(cfg.get("monitor"), eval_rewards)
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
@@ -139,6 +146,34 @@ def train(cfg: DictConfig) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
                                   OmegaConf.to_container(cfg, resolve=True))
+
+    def write_lora_and_reference(directory: Path) -> None:
+        policy.save_lora_weights(directory)
+        write_state(reference.state_dict(), directory, "reference_state")
+
+    def write_checkpoint(step: int) -> Path:
+        return save_checkpoint(
+            output_dir, step, lora_dir_writer=write_lora_and_reference, optimizer=optimizer,
+            lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
+            state={"global_step": step, "epoch": sampler.state_dict()["epoch"] if sampler is not None else 0,
+                   "sampler": sampler.state_dict() if sampler is not None else None,  # None: stopped while preparing
+                   "noise_generator": noise_generator.get_state().tolist()},
+        )
+
+    def checkpoint_before_stop(step: int) -> Path | None:
+        """The checkpoint of `step` (written now unless it exists) when a reward fails; main process only."""
+        existing = output_dir / f"checkpoint-{step}"
+        if not accelerator.is_main_process:
+            return None
+        return existing if existing.exists() else write_checkpoint(step)
+
+    sampler = None
+    if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
+        set_reward_step(rewards, 0)
+        with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
+            dataset.prepare(policy, rewards)
+        accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
+    sampler = ResumableSampler(len(dataset), tr.batch_size, seed=cfg.seed, shuffle=True, drop_last=True)
     n_trainable = sum(p.numel() for p in params)
     effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
     unit = "pairs" if data_flow == "pairs" else "winners"
@@ -159,22 +194,11 @@ def train(cfg: DictConfig) -> dict:
             state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
             policy.load_lora_weights(ckpt)
             global_step = state["global_step"]
-            sampler.load_state_dict(state["sampler"])
+            if state["sampler"] is not None:  # (None: a run stopped by a reward failure while preparing data)
+                sampler.load_state_dict(state["sampler"])
             noise_generator.set_state(torch.tensor(state["noise_generator"], dtype=torch.uint8))
             reference.load_state_dict(read_state(ckpt, "reference_state"))
             accelerator.print(f"[diffalign] resumed from {ckpt} at step {global_step}")
-
-    def write_lora_and_reference(directory: Path) -> None:
-        policy.save_lora_weights(directory)
-        write_state(reference.state_dict(), directory, "reference_state")
-
-    def write_checkpoint(step: int) -> Path:
-        return save_checkpoint(
-            output_dir, step, lora_dir_writer=write_lora_and_reference, optimizer=optimizer,
-            lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
-            state={"global_step": step, "epoch": sampler.state_dict()["epoch"], "sampler": sampler.state_dict(),
-                   "noise_generator": noise_generator.get_state().tolist()},
-        )
 
     # ------------------------------------------------------------------------------------------------------------------
     # 3. train
@@ -183,6 +207,9 @@ def train(cfg: DictConfig) -> dict:
     progress = tqdm(total=tr.max_steps, initial=global_step, desc="train", disable=not accelerator.is_main_process)
     history = []
     t_train = time.time()
+    if monitor is not None and global_step == 0 and accelerator.is_main_process:  # the baseline of the monitors
+        with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
+            monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
     while global_step < tr.max_steps:
         sums: dict[str, float] = {}
         reference.on_step(policy, global_step)
@@ -229,6 +256,9 @@ def train(cfg: DictConfig) -> dict:
         sums["lr"] = lr_scheduler.get_last_lr()[0]
         history.append({"step": global_step, **sums})
         accelerator.log(sums, step=global_step)
+        if monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
+            with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print):
+                monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
         progress.update(1)
         progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
         if tr.checkpointing_steps and global_step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
@@ -251,8 +281,10 @@ def train(cfg: DictConfig) -> dict:
         policy.unet.eval()
         ecfg = eval_config_from(cfg.eval)
         rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
-        results["eval"] = evaluate_policy(policy, rows, rewards, ecfg, output_dir / "eval",
-                                          {"base": True, "finetuned": False}, log=accelerator.print)
+        set_reward_step(eval_rewards, global_step, reset_calls=True)
+        with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print):
+            results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
+                                              {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
         results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
         accelerator.print(f"[diffalign] report: {results['report']}")
