@@ -21,6 +21,13 @@ from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
 
 REAL_ENTRY_POINTS = importlib.metadata.entry_points
+# built-in rewards whose defaults need downloaded weights, and what their error says
+NEEDS_WEIGHTS = {
+    "aesthetic": "reward.aesthetic.head is required",
+    "hpsv2": "reward.hpsv2.weights is required",
+    "pickscore": "reward.pickscore.model.*HF_HUB_OFFLINE",
+    "image_reward": r"diffalign\[imagereward\]",
+}
 IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 
 PLUGIN_SOURCE = textwrap.dedent(
@@ -111,7 +118,11 @@ def test_config_fields_match_init_signature(name):
     for field_name, field in fields.items():
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         assert default == params[field_name].default, field_name
-    assert isinstance(plugins.build_reward(name), Reward)
+    if name in NEEDS_WEIGHTS:  # defaults name real weights that are absent here (HF_HUB_OFFLINE=1, no cache)
+        with pytest.raises(InstantiationException, match=NEEDS_WEIGHTS[name]):
+            plugins.build_reward(name)
+    else:
+        assert isinstance(plugins.build_reward(name), Reward)
 
 
 def test_multiselect_rewards_nest_under_their_names(config_dir):
