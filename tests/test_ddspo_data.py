@@ -189,6 +189,7 @@ def test_generation_resumes_and_refuses_other_settings(tmp_path, pipeline):
         assert torch.equal(first[key], again[key])
     with pytest.raises(ValueError, match="guidance_scale"):
         generate(pipeline, tmp_path, guidance_scale=7.5)
+    assert generate(pipeline, tmp_path, source="/moved/checkout/tiny_sd")["generated_shards"] == 0  # a path only warns
 
 
 def test_data_set_collates_latents_and_degraded_prompts(tmp_path, pipeline):

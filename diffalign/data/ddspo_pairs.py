@@ -168,7 +168,8 @@ def generate_pairs(
         `dict`: ``{"num_pairs", "num_shards", "generated_shards", "skipped_prompts"}``.
 
     Raises:
-        ValueError: for bad sizes or names, or when `out_dir` holds a manifest written with other settings.
+        ValueError: for bad sizes or names, or when `out_dir` holds a manifest written with other settings (all but
+            `source`, which only warns: a local model path changes when the checkout moves).
     """
     if shard_size < 1 or batch_size < 1 or samples_per_prompt < 1 or num_inference_steps < 1:
         raise ValueError("shard_size, batch_size, samples_per_prompt and num_inference_steps must all be >= 1.")
@@ -182,7 +183,9 @@ def generate_pairs(
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
         old = json.loads(manifest_path.read_text())["settings"]
-        changed = sorted(k for k in settings if old.get(k) != settings[k])
+        changed = sorted(k for k in settings if k != "source" and old.get(k) != settings[k])
+        if old.get("source") != source:  # a path moves with the checkout; only warn
+            logger.warning("%s was generated from %r, this run's model is %r", out, old.get("source"), source)
         if changed:
             raise ValueError(f"{out} holds pairs generated with other settings ({', '.join(changed)} differ); "
                              "continue with the same settings or choose another folder.")
