@@ -257,7 +257,7 @@ def train(cfg: DictConfig) -> dict:
         history.append({"step": global_step, **sums})
         accelerator.log(sums, step=global_step)
         if monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
-            with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print):
+            with stop_on_reward_error(lambda step=global_step: checkpoint_before_stop(step), log=accelerator.print):
                 monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
         progress.update(1)
         progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
