@@ -96,18 +96,19 @@ class ReferenceAdapter:
             without LoRA before building this.)
     """
 
-    def __init__(self, policy: StableDiffusionPolicy):
-        unet = policy.unet
-        if REFERENCE_ADAPTER in unet.peft_config:
+    def __init__(self, policy: StableDiffusionPolicy, adapter_name: str = REFERENCE_ADAPTER):
+        unet = policy.denoiser
+        if adapter_name in unet.peft_config:
             raise ValueError(
-                f"the policy's UNet already has a {REFERENCE_ADAPTER!r} adapter; call reference.setup(policy) once."
+                f"the policy's denoiser already has a {adapter_name!r} adapter; call reference.setup(policy) once."
             )
+        self.adapter_name = adapter_name
         policy_flags = {id(p): p.requires_grad for p in unet.parameters()}
         devices = [unet.device.index or 0] if unet.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # a second adapter is the point
             # diffusers' add_adapter makes the new adapter the active one; switch straight back to the policy's
-            unet.add_adapter(copy.deepcopy(unet.peft_config[POLICY_ADAPTER]), adapter_name=REFERENCE_ADAPTER)
+            unet.add_adapter(copy.deepcopy(unet.peft_config[POLICY_ADAPTER]), adapter_name=adapter_name)
         unet.set_adapter(POLICY_ADAPTER)
         self.policy_params: dict[str, torch.nn.Parameter] = {}
         self.params: dict[str, torch.nn.Parameter] = {}
@@ -116,7 +117,7 @@ class ReferenceAdapter:
             if parsed is None:
                 continue
             adapter, key = parsed
-            if adapter == REFERENCE_ADAPTER:
+            if adapter == adapter_name:
                 param.data = param.data.to(torch.float32)
                 param.requires_grad_(False)
                 self.params[key] = param
@@ -184,7 +185,7 @@ class ReferenceAdapter:
                 param.requires_grad_(False)
                 self.policy_params[key].requires_grad_(flags[key])
 
-        switch(REFERENCE_ADAPTER)
+        switch(self.adapter_name)
         self.unet.eval()
         try:
             yield
@@ -253,13 +254,13 @@ class FrozenBaseReference:
     @contextlib.contextmanager
     def use(self, policy: StableDiffusionPolicy) -> Iterator[StableDiffusionPolicy]:
         """Runs the block with the adapter disabled and the UNet in eval mode."""
-        was_training = policy.unet.training
+        was_training = policy.denoiser.training
         with policy.reference():
-            policy.unet.eval()
+            policy.denoiser.eval()
             try:
                 yield policy
             finally:
-                policy.unet.train(was_training)
+                policy.denoiser.train(was_training)
 
     def on_step(self, policy: StableDiffusionPolicy, global_step: int) -> bool:
         """Nothing to do; returns False (the reference never changes)."""

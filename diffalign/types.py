@@ -61,7 +61,8 @@ class Trajectory:
     Attributes:
         latents: `(B, K+1, C, H, W)`; ``latents[:, 0]`` is the initial noise, ``latents[:, k+1]`` is the sample after
             step ``k`` (so ``latents[:, k]`` is x_t and ``latents[:, k+1]`` is x_{t-1} for ``timesteps[k]``).
-        timesteps: `(K,)` int64 scheduler timesteps, e.g. ``[981, 961, ..., 1]`` for 50 SD DDIM steps.
+        timesteps: `(K,)` scheduler timesteps: int64 for DDIM (e.g. ``[981, 961, ..., 1]`` for 50 SD steps), float32
+            ``1000 σ_k`` for flow models.
         log_probs: `(B, K)` float32 log-probability of each transition under the sampling policy (reduced as the
             sampler documents); 0 where ``std`` is 0 (a deterministic step).
         trainable: `(K,)` bool, False for steps whose std is 0 (no log-prob is defined there).
@@ -69,7 +70,10 @@ class Trajectory:
         images: `(B, 3, H_px, W_px)` float32 decoded images in [0, 1], or `None` if not decoded.
         prompts: the `B` prompt strings.
         guidance_scale: the classifier-free guidance scale used in the rollout.
-        eta: the DDIM/SDE noise level used.
+        eta: the DDIM η (ε/v models) or the Flow-GRPO SDE noise level a (flow models) used; 0 is deterministic.
+        sigmas: `(K+1,)` float32 noise levels σ_k of a flow-model rollout (σ_0 = 1 … σ_K = 0); `None` for DDIM.
+        sampler: the step rule: "ddim" (DDIM-η), "flow_sde" (Flow-GRPO SDE / Euler ODE at a = 0) or an ODE solver
+            name such as "dpm_solver" (deterministic, no log-probs).
     """
 
     latents: torch.Tensor
@@ -81,6 +85,25 @@ class Trajectory:
     prompts: list[str]
     guidance_scale: float
     eta: float
+    sigmas: torch.Tensor | None = None
+    sampler: str = "ddim"
+
+    def index(self, rows: torch.Tensor | list[int]) -> Trajectory:
+        """The rollouts `rows` (a minibatch), sharing the schedule."""
+        rows_t = torch.as_tensor(rows, dtype=torch.long)
+        return Trajectory(
+            latents=self.latents[rows_t.to(self.latents.device)],
+            timesteps=self.timesteps,
+            log_probs=self.log_probs[rows_t.to(self.log_probs.device)],
+            trainable=self.trainable,
+            prompt_embeds=self.prompt_embeds.index(rows_t.to(self.prompt_embeds.prompt_embeds.device)),
+            images=None if self.images is None else self.images[rows_t.to(self.images.device)],
+            prompts=[self.prompts[int(i)] for i in rows_t],
+            guidance_scale=self.guidance_scale,
+            eta=self.eta,
+            sigmas=self.sigmas,
+            sampler=self.sampler,
+        )
 
     @property
     def next_latents(self) -> torch.Tensor:
@@ -142,3 +165,25 @@ class RewardOutput:
     scores: torch.Tensor
     info: dict[str, Any] = field(default_factory=dict)
     maps: torch.Tensor | None = None
+
+
+@dataclass
+class GroupBatch:
+    """Online samples of prompt groups with their advantages (DGPO, GRPO-style methods).
+
+    Attributes:
+        latents: `(N, C, H, W)` clean final latents x_0 of the rollouts (model-native layout).
+        prompts: the `N` prompts (``[p0]*G + [p1]*G + ...`` when whole groups are present).
+        prompt_embeds: `N` rows; negatives present when a guided forward needs them.
+        advantages: `(N,)` float32 group-relative advantages A_i.
+        group_ids: `(N,)` int64 global group index of each sample.
+        group_size: G, the number of samples per group (a group may span micro-batches or processes; its members'
+            contributions are summed before the group's sigmoid weight is taken).
+    """
+
+    latents: torch.Tensor
+    prompts: list[str]
+    prompt_embeds: PromptEmbeds
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    group_size: int

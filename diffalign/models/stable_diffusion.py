@@ -264,6 +264,20 @@ class StableDiffusionPolicy(nn.Module):
     # ------------------------------------------------------------------ properties
 
     @property
+    def denoiser(self) -> nn.Module:
+        """The trained network (the UNet); loops wrap it with `accelerate.Accelerator.prepare`."""
+        return self.unet
+
+    @denoiser.setter
+    def denoiser(self, module: nn.Module) -> None:
+        self.unet = module
+
+    @property
+    def num_train_timesteps(self) -> int:
+        """Length of the training noise schedule (1000 for SD)."""
+        return self.scheduler.config.num_train_timesteps
+
+    @property
     def prediction_type(self) -> str:
         """What `predict` returns: "epsilon" (ε̂) or "v_prediction" (v̂ = sqrt(ᾱ) ε − sqrt(1 − ᾱ) x0)."""
         return self.scheduler.config.prediction_type
@@ -351,6 +365,7 @@ class StableDiffusionPolicy(nn.Module):
         timesteps: torch.Tensor | int,
         prompt_embeds: PromptEmbeds,
         guidance_scale: float = 1.0,
+        detach_unconditional: bool = False,
     ) -> torch.Tensor:
         """The UNet's prediction (ε̂ or v̂, see `prediction_type`), with classifier-free guidance when
         `guidance_scale > 1`.
@@ -365,6 +380,8 @@ class StableDiffusionPolicy(nn.Module):
             timesteps (`torch.Tensor` or `int`): a scalar or `(B,)` integer timesteps in [0, num_train_timesteps).
             prompt_embeds (`PromptEmbeds`): `B` rows (with negatives when `guidance_scale > 1`).
             guidance_scale (`float`, defaults to 1.0): w ≥ 1.
+            detach_unconditional (`bool`, defaults to False): with w > 1, stop gradients through the unconditional
+                branch (Flow-GRPO/ViPO training forwards, ALGORITHMS.md §1.4); the value is unchanged.
 
         Returns:
             `torch.Tensor` float32 `(B, C, h, w)`.
@@ -398,6 +415,8 @@ class StableDiffusionPolicy(nn.Module):
             return_dict=False,
         )[0]
         uncond, cond = out.float().chunk(2)
+        if detach_unconditional:
+            uncond = uncond.detach()
         return uncond + guidance_scale * (cond - uncond)
 
     def forward(

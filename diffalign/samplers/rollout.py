@@ -1,8 +1,11 @@
-"""The one unrolled denoising loop: sample a batch with DDIM (η ≥ 0) and record the trajectory and per-step log-probs.
+"""The one unrolled denoising loop: sample a batch and record the trajectory and per-step log-probs.
 
-With η = 0 and the same scheduler, steps, guidance and generators, the images equal those of
+The step rule follows the policy's scheduler: DDIM-η (`ddim_step`) for ε/v models with a `DDIMScheduler`, the
+Flow-GRPO SDE (`flow_sde_step`, noise level a = `eta`; a = 0 is the Euler ODE of `FlowMatchEulerDiscreteScheduler`)
+for rectified-flow models. With η = 0 and the same scheduler, steps, guidance and generators, the images equal those of
 `StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/test_rollout.py); with η > 0 they
-equal the pipeline's `eta=η` output too, since the per-step noise is drawn from the same generators in the same order.
+equal the pipeline's `eta=η` output too, since the per-step noise is drawn from the same generators in the same order. For
+flow models with `eta=0` the images equal `StableDiffusion3Pipeline.__call__` with the same generators.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from diffusers import DDIMScheduler
+from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy
 from diffalign.samplers.ddim_logprob import ddim_step
+from diffalign.samplers.flow_sde import flow_sde_step
 from diffalign.types import PromptEmbeds, Trajectory
 
 
@@ -35,7 +39,8 @@ def rollout(
     callback: Callable[[dict[str, Any]], None] | None = None,
     enable_grad: bool = False,
 ) -> Trajectory:
-    """Samples `len(prompts)` images with DDIM and records the trajectory (DDPO, arXiv:2305.13301, §4.3).
+    """Samples `len(prompts)` images and records the trajectory (DDPO, arXiv:2305.13301, §4.3; Flow-GRPO,
+    arXiv:2505.05470, §4.1).
 
     Each step k draws x_{t'} ~ N(μ_θ(x_t), s_t² I) with `diffalign.samplers.ddim_logprob.ddim_step` (ALGORITHMS.md
     §1.3(i)) and stores its log-probability; the model output is guided with `guidance_scale` exactly as the
@@ -43,11 +48,13 @@ def rollout(
     `enable_grad=True` (backpropagation through the sampler).
 
     Args:
-        policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (e.g. `StableDiffusionPolicy`).
+        policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (`StableDiffusionPolicy`) or a
+            `FlowMatchEulerDiscreteScheduler` (`FlowMatchingPolicy`).
         prompts (`list[str]`): `B` prompts, one per sample (repeat a prompt for several samples of it).
         num_inference_steps (`int`, defaults to 20): K ≥ 1 DDIM steps (`scheduler.set_timesteps(K)` is called).
         guidance_scale (`float`, defaults to 4.0): classifier-free guidance w ≥ 1 (1 disables it).
-        eta (`float`, defaults to 1.0): DDIM noise level η; 0 gives deterministic DDIM, whose log-probs are 0.
+        eta (`float`, defaults to 1.0): DDIM noise level η, or the SDE noise level a for flow models (Flow-GRPO uses
+            0.7); 0 gives the deterministic sampler, whose log-probs are 0.
         generator (`torch.Generator` or list of `B`, *optional*): noise source for the initial latents and every
             step; with one generator per image, image k depends only on generator k (FIELD_CASES C15).
         negative_prompts (`list[str]`, *optional*): `B` negative prompts or one for all; default "".
@@ -68,7 +75,7 @@ def rollout(
     Raises:
         ValueError: if `num_inference_steps < 1`, a generator list, `latents` or `prompt_embeds` does not match the
             batch.
-        TypeError: if the policy's scheduler is not a `DDIMScheduler`.
+        TypeError: if the policy's scheduler is neither a `DDIMScheduler` nor a `FlowMatchEulerDiscreteScheduler`.
     """
     # 1. check the arguments
     batch_size = len(prompts)
@@ -84,8 +91,10 @@ def rollout(
             f"`prompt_embeds` has {len(prompt_embeds)} rows for {batch_size} prompts; pass one per prompt."
         )
     scheduler = policy.scheduler
-    if not isinstance(scheduler, DDIMScheduler):
-        raise TypeError(f"`rollout` steps with DDIM; the policy's scheduler is a {type(scheduler).__name__}.")
+    is_flow = isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
+    if not (is_flow or isinstance(scheduler, DDIMScheduler)):
+        raise TypeError(f"`rollout` steps with DDIM or the flow SDE/ODE; the policy's scheduler is a "
+                        f"{type(scheduler).__name__}.")
     shape = (batch_size, *policy.latent_shape)
     if latents is not None and tuple(latents.shape) != shape:
         raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
@@ -101,17 +110,23 @@ def rollout(
         device = policy.device
         scheduler.set_timesteps(num_inference_steps, device=device)
         timesteps = scheduler.timesteps
+        sigmas = scheduler.sigmas.float() if is_flow else None
 
         # 4. initial noise, drawn as `StableDiffusionPipeline.prepare_latents` draws it
         if latents is None:
             latents = randn_tensor(shape, generator=generator, device=device, dtype=policy.dtype)
-        latents = (latents.to(device) * scheduler.init_noise_sigma).float()
+        latents = (latents.to(device) * getattr(scheduler, "init_noise_sigma", 1.0)).float()
 
         # 5. denoise, recording x_t, log π(x_{t'} | x_t) and the step std
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(timesteps):
             model_output = policy.predict(latents, t, prompt_embeds, guidance_scale)
-            step = ddim_step(scheduler, model_output, t, latents, eta=eta, generator=generator, reduction=reduction)
+            if is_flow:
+                step = flow_sde_step(model_output, sigmas[i], sigmas[i + 1], latents, noise_level=eta,
+                                     sigma_max=float(sigmas[1]), generator=generator, reduction=reduction)
+            else:
+                step = ddim_step(scheduler, model_output, t, latents, eta=eta, generator=generator,
+                                 reduction=reduction)
             if callback is not None:
                 callback(
                     {
@@ -128,7 +143,7 @@ def rollout(
             latents = step.prev_sample
             all_latents.append(latents)
             log_probs.append(step.log_prob)
-            stds.append(step.std.reshape(-1)[0])
+            stds.append(torch.as_tensor(step.std).reshape(-1)[0])
 
         # 6. decode
         images = policy.decode(latents) if decode else None
@@ -143,6 +158,8 @@ def rollout(
         prompts=list(prompts),
         guidance_scale=guidance_scale,
         eta=eta,
+        sigmas=None if sigmas is None else sigmas.cpu(),
+        sampler="flow_sde" if is_flow else "ddim",
     )
 
 
@@ -153,6 +170,7 @@ def recompute_log_probs(
     *,
     guidance_scale: float | None = None,
     reduction: str = "mean",
+    detach_unconditional: bool = False,
 ) -> torch.Tensor:
     """Re-evaluates log π_θ(x_{k+1} | x_k) of stored transitions with the policy's current parameters.
 
@@ -167,6 +185,8 @@ def recompute_log_probs(
         step_indices (`Sequence[int]` or `torch.Tensor`): `S` step indices k in [0, K).
         guidance_scale (`float`, *optional*): defaults to `trajectory.guidance_scale`.
         reduction (`str`, defaults to "mean"): must be the reduction the rollout used.
+        detach_unconditional (`bool`, defaults to False): stop gradients through the unconditional CFG branch
+            (Flow-GRPO, ViPO; ALGORITHMS.md §1.4); the value is unchanged.
 
     Returns:
         `torch.Tensor` `(B, S)` float32; 0 at steps whose std is 0 (`trajectory.trainable[k]` False).
@@ -178,18 +198,73 @@ def recompute_log_probs(
     indices = [int(k) for k in step_indices]
     if trajectory.eta <= 0:
         raise ValueError("The trajectory was sampled with eta=0 (deterministic), so it has no log-probs; use eta > 0.")
+    if trajectory.sampler not in ("ddim", "flow_sde"):
+        raise ValueError(f"A {trajectory.sampler!r} trajectory is deterministic and has no log-probs; sample with the"
+                         " DDIM-η or flow SDE rollout.")
     if any(k < 0 or k >= num_steps for k in indices):
         raise ValueError(f"`step_indices` {indices} must lie in [0, {num_steps}) for a {num_steps}-step trajectory.")
     scheduler = policy.scheduler
-    if scheduler.num_inference_steps != num_steps:
+    is_flow = trajectory.sampler == "flow_sde"
+    if not is_flow and scheduler.num_inference_steps != num_steps:
         scheduler.set_timesteps(num_steps, device=policy.device)
     guidance_scale = trajectory.guidance_scale if guidance_scale is None else guidance_scale
+    device = trajectory.latents.device
     log_probs = []
     for k in indices:
-        sample, next_sample, t = trajectory.latents[:, k], trajectory.latents[:, k + 1], trajectory.timesteps[k]
-        model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale)
-        step = ddim_step(
-            scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample, reduction=reduction
-        )
+        sample, next_sample = trajectory.latents[:, k], trajectory.latents[:, k + 1]
+        t = trajectory.timesteps[k].to(device)
+        kwargs = {"detach_unconditional": True} if detach_unconditional else {}
+        model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale, **kwargs)
+        if is_flow:
+            sigmas = trajectory.sigmas.to(device)
+            step = flow_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=trajectory.eta,
+                                 sigma_max=float(sigmas[1]), prev_sample=next_sample, reduction=reduction)
+        else:
+            step = ddim_step(
+                scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample, reduction=reduction
+            )
         log_probs.append(step.log_prob)
     return torch.stack(log_probs, dim=1)
+
+
+def recompute_step(
+    policy: DiffusionPolicy,
+    trajectory: Trajectory,
+    k: int,
+    *,
+    guidance_scale: float | None = None,
+    reduction: str = "mean",
+    detach_unconditional: bool = False,
+):
+    """Re-evaluates stored transition `k` of every rollout in `trajectory` and returns the whole step output (mean,
+    std and log-prob of the stored next latent) — what policy-gradient objectives with a KL term need
+    (`recompute_log_probs` returns only the log-probs). Gradients flow unless called under `torch.no_grad()`.
+
+    Returns:
+        `DDIMStepOutput` or `FlowStepOutput` (`mean` `(B, C, h, w)`, `std`, `log_prob` `(B,)`).
+
+    Raises:
+        ValueError: as `recompute_log_probs`.
+    """
+    num_steps = len(trajectory.timesteps)
+    if trajectory.eta <= 0 or trajectory.sampler not in ("ddim", "flow_sde"):
+        raise ValueError("The trajectory is deterministic (eta=0 or an ODE solver) and has no log-probs; sample with"
+                         " the DDIM-η or flow SDE rollout and eta > 0.")
+    if not 0 <= k < num_steps:
+        raise ValueError(f"step index {k} must lie in [0, {num_steps}).")
+    scheduler = policy.scheduler
+    is_flow = trajectory.sampler == "flow_sde"
+    if not is_flow and scheduler.num_inference_steps != num_steps:
+        scheduler.set_timesteps(num_steps, device=policy.device)
+    guidance_scale = trajectory.guidance_scale if guidance_scale is None else guidance_scale
+    device = trajectory.latents.device
+    sample, next_sample = trajectory.latents[:, k], trajectory.latents[:, k + 1]
+    t = trajectory.timesteps[k].to(device)
+    kwargs = {"detach_unconditional": True} if detach_unconditional else {}
+    model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale, **kwargs)
+    if is_flow:
+        sigmas = trajectory.sigmas.to(device)
+        return flow_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=trajectory.eta,
+                             sigma_max=float(sigmas[1]), prev_sample=next_sample, reduction=reduction)
+    return ddim_step(scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample,
+                     reduction=reduction)

@@ -1,0 +1,115 @@
+"""Group-relative advantages (GRPO, Flow-GRPO, DGPO) and DDPO's per-prompt running statistics (ALGORITHMS.md §1.5).
+
+For a prompt c with group rewards r_1..r_G:  A_i = (r_i − mean_c) / (std + ε), with the std of the group
+(``std="group"``, DGPO GenEval) or of the whole batch (``std="global"``, every Flow-GRPO task config), then clipped to
+[−clip, clip] (5 in all released code). A group whose rewards are all equal has A ≡ 0 (its numerator is exactly 0);
+the fraction of such groups is reported, since those prompts teach nothing (Flow-GRPO logs it).
+
+DDPO (Black et al., arXiv:2305.13301; ddpo-pytorch `PerPromptStatTracker`) normalises with per-prompt running
+statistics over the last `buffer_size` rewards of that prompt, falling back to the batch's statistics until a prompt has
+`min_count` rewards.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    std: str = "group",
+    eps: float = 1e-4,
+    clip: float | None = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group-normalised advantages.
+
+    Args:
+        rewards (`torch.Tensor`): `(N,)` rewards.
+        group_ids (`torch.Tensor`): `(N,)` int group of each sample (any integers; a group may have any size ≥ 1).
+        std (`str`, defaults to "group"): "group" (each group's population std), "global" (the batch's population
+            std) or "none" (centring only).
+        eps (`float`, defaults to 1e-4): added to the std.
+        clip (`float`, *optional*, defaults to 5): clip A to [−clip, clip]; `None` disables clipping.
+
+    Returns:
+        (`(N,)` float32 advantages, stats ``{"zero_std_fraction", "reward_mean", "reward_std"}``).
+
+    Raises:
+        ValueError: for mismatched shapes, a non-finite reward, or an unknown `std`.
+    """
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"`std` must be 'group', 'global' or 'none', got {std!r}.")
+    rewards = rewards.detach().float().reshape(-1)
+    group_ids = torch.as_tensor(group_ids).reshape(-1)
+    if rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must match.")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN/inf; fix the reward (diffalign never replaces them silently).")
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    counts = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones_like(rewards))
+    means = torch.zeros(len(uniq)).index_add_(0, inverse, rewards) / counts
+    centred = rewards - means[inverse]
+    var = torch.zeros(len(uniq)).index_add_(0, inverse, centred**2) / counts
+    group_std = var.sqrt()
+    if std == "group":
+        advantages = centred / (group_std[inverse] + eps)
+    elif std == "global":
+        advantages = centred / (rewards.std(unbiased=False) + eps)
+    else:
+        advantages = centred
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    zero = (torch.zeros(len(uniq)).index_add_(0, inverse, (centred != 0).float()) == 0).float()
+    stats = {"zero_std_fraction": float(zero.mean()), "reward_mean": float(rewards.mean()),
+             "reward_std": float(rewards.std(unbiased=False))}
+    return advantages, stats
+
+
+class PerPromptStatTracker:
+    """DDPO's per-prompt running reward statistics.
+
+    Args:
+        buffer_size (`int`, defaults to 16): rewards kept per prompt (DDPO: 16–32).
+        min_count (`int`, defaults to 16): below this many stored rewards a prompt uses the batch's mean/std.
+        eps (`float`, defaults to 1e-6): added to the std.
+        clip (`float`, *optional*, defaults to 5): advantage clip.
+    """
+
+    def __init__(self, buffer_size: int = 16, min_count: int = 16, eps: float = 1e-6, clip: float | None = 5.0):
+        if buffer_size < 1 or min_count < 1:
+            raise ValueError("`buffer_size` and `min_count` must be >= 1.")
+        self.buffer_size, self.min_count, self.eps, self.clip = buffer_size, min_count, eps, clip
+        self.buffers: dict[str, deque] = {}
+
+    def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
+        """Adds the batch's rewards to each prompt's buffer, then returns `(N,)` float32 advantages
+        (r − mean_prompt) / (std_prompt + eps), clipped; prompts with fewer than `min_count` rewards use the batch's
+        mean and std."""
+        rewards = rewards.detach().float().reshape(-1)
+        if len(prompts) != len(rewards):
+            raise ValueError(f"{len(prompts)} prompts for {len(rewards)} rewards.")
+        if not torch.isfinite(rewards).all():
+            raise ValueError("rewards contain NaN/inf; fix the reward (diffalign never replaces them silently).")
+        out = torch.empty_like(rewards)
+        for prompt in dict.fromkeys(prompts):
+            idx = torch.tensor([i for i, p in enumerate(prompts) if p == prompt])
+            buf = self.buffers.setdefault(prompt, deque(maxlen=self.buffer_size))
+            buf.extend(rewards[idx].tolist())
+            if len(buf) < self.min_count:
+                mean, std = rewards.mean(), rewards.std(unbiased=False)
+            else:
+                stored = torch.tensor(list(buf))
+                mean, std = stored.mean(), stored.std(unbiased=False)
+            out[idx] = (rewards[idx] - mean) / (std + self.eps)
+        return out.clamp(-self.clip, self.clip) if self.clip is not None else out
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state (the buffers), for checkpoints."""
+        return {"buffers": {p: list(b) for p, b in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {p: deque(v, maxlen=self.buffer_size) for p, v in state.get("buffers", {}).items()}

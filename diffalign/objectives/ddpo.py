@@ -1,0 +1,15 @@
+"""DDPO_IS (Black et al., arXiv:2305.13301), ALGORITHMS.md §2.2: PPO-clip over stored DDIM(η = 1) transitions with
+advantages from per-prompt running reward statistics (`diffalign.advantages.PerPromptStatTracker`), no KL; the
+training forward is guided with gradients through both branches."""
+
+from __future__ import annotations
+
+from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+
+
+class DDPO(ClippedPolicyGradient):
+    """DDPO; defaults are ddpo-pytorch's `config/base.py`: clip 1e-4, no KL, all transitions (timestep_fraction 1)."""
+
+    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, timestep_fraction: float = 1.0):
+        super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form="exact", detach_unconditional=False,
+                         advantage="per_prompt", timestep_fraction=timestep_fraction)

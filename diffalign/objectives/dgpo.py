@@ -1,0 +1,155 @@
+r"""DGPO — Direct Group Preference Optimization (Luo, Hu, Tang; ICLR 2026; arXiv:2510.08425), ALGORITHMS.md §5.
+
+Online and without a policy gradient: for each prompt a group of G samples x^i (from the rollout policy θ⁻ with a
+deterministic ODE sampler), rewards, group-normalised advantages A_i, and a group Bradley–Terry objective whose
+trainable bound is (paper Eq. 17, with the per-sample denoising loss ℓ of ALGORITHMS.md §1.2)
+
+$$\mathcal L = -\log\sigma\Big(-\beta\lambda_t \sum_{i=1}^{G} A_i\,[\ell_\theta(x^i) - \ell_{ref}(x^i)]\Big),$$
+
+all G samples of a group sharing the timestep t and the noise ε. The released code optimises the
+gradient-equivalent surrogate (groups may span processes; z_g is summed over them)
+
+$$z_g = \frac{\beta}{G}\sum_{i\in g} A_i\,\mathrm{sg}[\ell_\theta(x^i)-\ell_{ref}(x^i)],\qquad
+\mathcal L_{sur} = \operatorname{mean}_i\ \mathrm{sg}[\sigma(z_{g(i)})]\,A_i\,\ell_\theta(x^i),$$
+
+whose gradient is (1/N)·Σ_g σ(z_g) Σ_{i∈g} A_i ∇ℓ_θ(x^i). With βλ_t = β/G this is 1/β times the gradient of the boxed
+loss averaged over the groups of the batch (the factor is folded into the learning rate, as in the released code;
+tests/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly).
+
+Post-review options of the released code: the PPO-style clip of the denoising loss against θ⁻ (ρ_i =
+exp(ℓ_old − ℓ_θ); where A_i > 0 and ρ_i > 1 + ε_c, or A_i ≤ 0 and ρ_i < 1 − ε_c, ℓ_θ(x^i) is detached), and a KL
+regulariser β_KL · mean‖v_θ − v_ref‖² to the frozen base. The training forward is unguided (conditional only); the
+reference forward may be guided (`reference_guidance_scale`, the CFG-free mode's `kl_cfg`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from diffalign.objectives.common import per_sample_mse
+from diffalign.types import GroupBatch
+
+
+def group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Σ of `values` over each sample's group, returned per sample `(N,)`; summed across processes when
+    `torch.distributed` is initialised (a group spanning processes gets its full sum on every process; the processes
+    must hold the same set of group ids, in any order)."""
+    uniq, inverse = torch.unique(group_ids.to(values.device), return_inverse=True)
+    sums = torch.zeros(len(uniq), device=values.device, dtype=values.dtype).index_add_(0, inverse, values)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    return sums[inverse]
+
+
+def select_train_timesteps(schedule: torch.Tensor, num: int, max_index: int, generator: torch.Generator | None = None
+                           ) -> torch.Tensor:
+    """DGPO's timestep clip (paper §4.3; code `trunc_steps`): `num` distinct timesteps drawn from the first
+    ``max_index + 1`` entries (the high-noise part) of the rollout schedule `schedule` `(K,)`, shared by every sample.
+
+    Raises:
+        ValueError: if `num` exceeds the available ``max_index + 1`` timesteps or `max_index` is outside the schedule.
+    """
+    if not 0 <= max_index < len(schedule):
+        raise ValueError(f"method.timestep_max_index={max_index} must index the {len(schedule)}-step rollout schedule.")
+    if not 1 <= num <= max_index + 1:
+        raise ValueError(f"method.num_train_timesteps={num} must be in [1, timestep_max_index + 1 = {max_index + 1}].")
+    perm = torch.randperm(max_index + 1, generator=generator)[:num]
+    return schedule[perm.sort().values]
+
+
+class DGPO:
+    """The DGPO objective (data flow "online_groups").
+
+    Args:
+        beta (`float`, defaults to 100): DPO strength β (100 GenEval/OCR, 10 PickScore, 2000 with an EMA reference).
+        beta_kl (`float`, defaults to 0.0): β_KL of the velocity/ε L2 to the reference (code: 0.02 GenEval).
+        clip_range (`float`, *optional*): ε_c of the PPO-style clip against θ⁻ (code: 1e-2 GenEval); `None` disables.
+        reference_guidance_scale (`float`, defaults to 1.0): CFG scale of the reference forward (mode 2: 4.5).
+        num_train_timesteps (`int`, defaults to 4): M timesteps per epoch.
+        timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
+        old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.old_policy`).
+
+    Raises:
+        ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range or guidance < 1 (naming the `method.` field).
+    """
+
+    data_flow = "online_groups"
+    rollout_sampler_kind = "ode"
+
+    def __init__(self, beta: float = 100.0, beta_kl: float = 0.0, clip_range: float | None = None,
+                 reference_guidance_scale: float = 1.0, num_train_timesteps: int = 4, timestep_max_index: int = 4,
+                 old_policy_switch_step: int = 200, old_policy_decay: float = 0.3, old_policy_ramp: float = 0.001):
+        if beta <= 0:
+            raise ValueError(f"method.beta={beta} must be > 0 (DGPO: 100).")
+        if beta_kl < 0:
+            raise ValueError(f"method.beta_kl={beta_kl} must be >= 0.")
+        if clip_range is not None and clip_range <= 0:
+            raise ValueError(f"method.clip_range={clip_range} must be > 0, or null to disable the clip.")
+        if reference_guidance_scale < 1:
+            raise ValueError(f"method.reference_guidance_scale={reference_guidance_scale} must be >= 1.")
+        self.beta, self.beta_kl, self.clip_range = beta, beta_kl, clip_range
+        self.reference_guidance_scale = reference_guidance_scale
+        self.num_train_timesteps, self.timestep_max_index = num_train_timesteps, timestep_max_index
+        self.old_policy_switch_step, self.old_policy_decay = old_policy_switch_step, old_policy_decay
+        self.old_policy_ramp = old_policy_ramp
+
+    def __call__(self, policy, batch: GroupBatch, *, timesteps: torch.Tensor, noise: torch.Tensor, reference,
+                 old_policy=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The surrogate loss at one training timestep.
+
+        Args:
+            policy (`DiffusionPolicy`): the policy θ (LoRA adapter active).
+            batch (`GroupBatch`): `N` samples; `latents` `(N, C, h, w)`.
+            timesteps (`torch.Tensor`): scalar or `(N,)` training timestep(s) (the same for a group).
+            noise (`torch.Tensor`): `(N, C, h, w)` ε, identical rows within a group (`group_noise`).
+            reference: a reference strategy with a `use(policy)` context (frozen base by default).
+            old_policy: θ⁻ (`EmaRolloutPolicy`) for the clip; required when `clip_range` is set.
+
+        Returns:
+            (scalar loss, detached metrics: ``loss, dgpo_z, dgpo_weight, loss_diff, clipfrac, kl``).
+
+        Raises:
+            ValueError: when the clip is on and no `old_policy` is given.
+        """
+        if self.clip_range is not None and old_policy is None:
+            raise ValueError("method.clip_range is set but the loop passed no rollout policy θ⁻.")
+        x0 = batch.latents
+        t = torch.as_tensor(timesteps, device=x0.device)
+        t = t.expand(x0.shape[0]) if t.ndim == 0 else t
+        x_t = policy.add_noise(x0, noise, t)
+        target = policy.training_target(x0, noise, t)
+        cond = batch.prompt_embeds
+        pred = policy.predict(x_t, t, cond, guidance_scale=1.0)
+        loss_theta = per_sample_mse(pred, target)
+        with torch.no_grad(), reference.use(policy):
+            ref_pred = policy.predict(x_t, t, cond, guidance_scale=self.reference_guidance_scale)
+        loss_ref = per_sample_mse(ref_pred, target)
+        advantages = batch.advantages.to(loss_theta.device).float()
+        z = self.beta / batch.group_size * group_sums(advantages * (loss_theta.detach() - loss_ref), batch.group_ids)
+        weight = torch.sigmoid(z)
+        used = loss_theta
+        clipfrac = torch.zeros(())
+        if self.clip_range is not None:
+            with torch.no_grad(), old_policy.use(policy):
+                loss_old = per_sample_mse(policy.predict(x_t, t, cond, guidance_scale=1.0), target)
+            ratio = torch.exp(loss_old - loss_theta.detach())
+            clipped = ((advantages > 0) & (ratio > 1 + self.clip_range)) | (
+                (advantages <= 0) & (ratio < 1 - self.clip_range))
+            used = torch.where(clipped, loss_theta.detach(), loss_theta)
+            clipfrac = clipped.float().mean()
+        loss = (weight * advantages * used).mean()
+        kl = F.mse_loss(pred, ref_pred)
+        if self.beta_kl > 0:
+            loss = loss + self.beta_kl * kl
+        metrics = {"loss": loss.detach(), "dgpo_z": z.mean(), "dgpo_weight": weight.mean(),
+                   "loss_diff": (loss_theta.detach() - loss_ref).mean(), "clipfrac": clipfrac, "kl": kl.detach()}
+        return loss, metrics
+
+
+def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantages: torch.Tensor, beta: float,
+                     group_size: int) -> torch.Tensor:
+    """The paper's per-group loss −log σ(−(β/G) Σ_i A_i (ℓθ_i − ℓref_i)) (Eq. 17 with βλ_t = β/G), for one group
+    given as `(G,)` tensors; the reference computation the surrogate is tested against."""
+    return -F.logsigmoid(-(beta / group_size) * (advantages * (loss_theta - loss_ref)).sum())

@@ -1,0 +1,18 @@
+"""Flow-GRPO (Liu et al., arXiv:2505.05470), ALGORITHMS.md §2.3: group-normalised advantages, the clipped ratio over
+stored SDE transitions (Flow-GRPO SDE, noise level a = 0.7), and a KL to the frozen base; the training forward is
+guided with the unconditional branch detached. On ε-models it is DDPO + KL with the DDIM-η Gaussian (§2.3(g))."""
+
+from __future__ import annotations
+
+from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+
+
+class FlowGRPO(ClippedPolicyGradient):
+    """Flow-GRPO; defaults are the released GenEval config (`config/grpo.py`): clip 1e-4, β_KL 0.04, per-group
+    advantages (the `global_std` switch lives in `method.advantage_std`), 99% of the transitions trained."""
+
+    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.04, kl_form: str = "code",
+                 detach_unconditional: bool = True, timestep_fraction: float = 0.99):
+        super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form=kl_form,
+                         detach_unconditional=detach_unconditional, advantage="group",
+                         timestep_fraction=timestep_fraction)

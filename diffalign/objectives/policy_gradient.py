@@ -1,0 +1,100 @@
+r"""The clipped policy-gradient surrogate over stored denoising transitions, shared by DDPO and Flow-GRPO.
+
+Per stored transition k of rollout i (ALGORITHMS.md §2.2(a), §2.3(a)):
+
+$$\rho_{ik}=\exp(\log\pi_\theta(x_{k+1}\mid x_k,c)-\log\pi_{old}),\qquad
+\mathcal L=\operatorname{mean}_{i}\max\big(-A_i\rho_{ik},\,-A_i\operatorname{clip}(\rho_{ik},1-\epsilon_c,1+\epsilon_c)\big)
++\beta_{KL}\,\operatorname{mean}_i D_{KL}\big(\pi_\theta(\cdot\mid x_k)\,\|\,\pi_{ref}(\cdot\mid x_k)\big)$$
+
+(PPO, Schulman et al., arXiv:1707.06347, eq. 7, as DDPO eq. 5 and Flow-GRPO eq. 8 use it), with the Gaussian step
+policies of ALGORITHMS.md §1.3 whose std does not depend on θ. The KL between two Gaussians of the same std s is
+‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO code divides the *mean* squared difference by 2σ_t² where σ_t is the
+SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ absorbed in β); `kl_form="exact"` uses the
+step std s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffalign.samplers.rollout import recompute_step
+from diffalign.types import Trajectory
+
+
+class ClippedPolicyGradient:
+    """PPO-clip over stored transitions (data flow "online_trajectories").
+
+    Args:
+        clip_range (`float`, defaults to 1e-4): ε_c (DDPO and Flow-GRPO: 1e-4, tuned for mean-reduced log-probs).
+        beta_kl (`float`, defaults to 0.0): KL weight to the reference (Flow-GRPO: 0.04 GenEval; DDPO: 0).
+        kl_form (`str`, defaults to "code"): "code" or "exact" (see the module docstring).
+        detach_unconditional (`bool`): stop gradients through the unconditional CFG branch when recomputing.
+        advantage (`str`): how the loop normalises rewards: "group" (GRPO) or "per_prompt" (DDPO's stat tracker).
+        timestep_fraction (`float`, defaults to 1.0): fraction of each rollout's transitions trained per epoch.
+
+    Raises:
+        ValueError: for a non-positive clip range, negative β_KL, an unknown `kl_form`/`advantage`, or a fraction
+            outside (0, 1].
+    """
+
+    data_flow = "online_trajectories"
+    rollout_sampler_kind = "sde"
+
+    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, kl_form: str = "code",
+                 detach_unconditional: bool = False, advantage: str = "group", timestep_fraction: float = 1.0):
+        if clip_range <= 0:
+            raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in DDPO/Flow-GRPO).")
+        if beta_kl < 0:
+            raise ValueError(f"method.beta_kl={beta_kl} must be >= 0.")
+        if kl_form not in ("code", "exact"):
+            raise ValueError(f"method.kl_form={kl_form!r} must be 'code' or 'exact'.")
+        if advantage not in ("group", "per_prompt"):
+            raise ValueError(f"method.advantage={advantage!r} must be 'group' or 'per_prompt'.")
+        if not 0 < timestep_fraction <= 1:
+            raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
+        self.clip_range, self.beta_kl, self.kl_form = clip_range, beta_kl, kl_form
+        self.detach_unconditional, self.advantage = detach_unconditional, advantage
+        self.timestep_fraction = timestep_fraction
+
+    def __call__(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, *, reference=None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of transition `k` of every rollout in `trajectory` (a minibatch).
+
+        Args:
+            policy: the policy θ.
+            trajectory (`Trajectory`): `B` stochastic rollouts with stored `log_probs` `(B, K)` (θ_old's).
+            advantages (`torch.Tensor`): `(B,)` advantages.
+            k (`int`): the transition index.
+            reference: a reference strategy (`use(policy)` context), needed when `beta_kl > 0`.
+
+        Returns:
+            (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, kl``).
+        """
+        step = recompute_step(policy, trajectory, k, detach_unconditional=self.detach_unconditional)
+        old = trajectory.log_probs[:, k].to(step.log_prob.device)
+        adv = advantages.to(step.log_prob.device).float()
+        ratio = torch.exp(step.log_prob - old)
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
+        loss = torch.maximum(unclipped, clipped).mean()
+        kl = torch.zeros((), device=loss.device)
+        if self.beta_kl > 0:
+            if reference is None:
+                raise ValueError("method.beta_kl > 0 needs a reference; the loop passed none.")
+            with torch.no_grad(), reference.use(policy):
+                ref = recompute_step(policy, trajectory, k)
+            std = torch.as_tensor(step.std, device=loss.device).float()
+            if self.kl_form == "code" and trajectory.sampler == "flow_sde":
+                sig = trajectory.sigmas.to(loss.device)
+                std = std / torch.sqrt(sig[k] - sig[k + 1])
+            diff = (step.mean - ref.mean).float().pow(2).reshape(len(adv), -1).mean(dim=1)
+            kl = (diff / (2 * std.reshape(-1) ** 2)).mean()
+            loss = loss + self.beta_kl * kl
+        metrics = {
+            "loss": loss.detach(),
+            "ratio": ratio.detach().mean(),
+            "clipfrac": ((ratio.detach() - 1).abs() > self.clip_range).float().mean(),
+            "approx_kl": (0.5 * (step.log_prob.detach() - old) ** 2).mean(),
+            "kl": kl.detach(),
+        }
+        return loss, metrics

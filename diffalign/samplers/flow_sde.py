@@ -1,0 +1,131 @@
+"""Flow-GRPO's SDE step for rectified-flow models, with its Gaussian log-probability (ALGORITHMS.md §1.3(ii)).
+
+Flow-GRPO (Liu et al., arXiv:2505.05470, eq. 9–10; the `sde_step_with_logprob` of the released code) turns the
+flow ODE into an SDE with the same marginals. With t ≡ σ integrated from 1 to 0, an Euler–Maruyama step from σ_k to
+σ_{k+1} (Δ = σ_{k+1} − σ_k < 0) and noise level a:
+
+    σ_t = a · sqrt(σ_k / (1 − σ_k))            (σ_k = 1 in the denominator is replaced by σ_max = sigmas[1])
+    μ_θ = x · (1 + σ_t² Δ / (2 σ_k)) + v̂ · (1 + σ_t² (1 − σ_k) / (2 σ_k)) · Δ
+    s   = σ_t · sqrt(−Δ),   x_{k+1} = μ_θ + s z.
+
+With a = 0 it is the deterministic Euler step x + Δ v̂ of `FlowMatchEulerDiscreteScheduler.step` (pinned by
+tests/test_flow_sampler.py). All arithmetic runs in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class FlowStepOutput:
+    """Output of `flow_sde_step` (all float32).
+
+    Attributes:
+        prev_sample: `(B, ...)` x_{k+1} (drawn, or the one passed in).
+        mean: `(B, ...)` μ_θ; gradients reach the model only through it.
+        std: 0-dim or `(B, 1, ..., 1)` the step std s (independent of the model).
+        log_prob: `(B,)` log N(prev_sample; μ_θ, s² I) reduced over non-batch elements ("mean" or "sum"); 0 where
+            s = 0.
+    """
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """log N(x; mean, std² I) per sample, reduced over every non-batch element (ALGORITHMS.md §1.3):
+    −(x − μ)² / (2 s²) − log s − ½ log 2π per element; 0 where std = 0 (a deterministic step has no density).
+
+    Args:
+        x, mean (`torch.Tensor`): `(B, ...)`.
+        std (`torch.Tensor`): broadcastable to `x`, ≥ 0.
+        reduction (`str`): "mean" (nats per element, the DDPO/Flow-GRPO convention) or "sum".
+
+    Returns:
+        `(B,)` float32.
+
+    Raises:
+        ValueError: for another `reduction`.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}.")
+    x, mean = x.float(), mean.float()
+    std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    elem = -((x - mean) ** 2) / (2 * safe**2) - torch.log(safe) - LOG_SQRT_2PI
+    elem = torch.where(std > 0, elem, torch.zeros_like(elem))
+    dims = tuple(range(1, x.ndim))
+    return elem.mean(dim=dims) if reduction == "mean" else elem.sum(dim=dims)
+
+
+def flow_sde_step(
+    model_output: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    sample: torch.Tensor,
+    *,
+    noise_level: float = 0.7,
+    sigma_max: float | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> FlowStepOutput:
+    """One Flow-GRPO SDE step σ → σ_next (σ_next < σ) with its log-probability; see the module docstring.
+
+    Args:
+        model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
+        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], σ_next < σ.
+        sample (`torch.Tensor`): `(B, ...)` x at σ.
+        noise_level (`float`, defaults to 0.7): a ≥ 0 (0.7 is Flow-GRPO's default; 0 gives the Euler ODE step).
+        sigma_max (`float`, *optional*): replaces σ = 1 in the denominator of σ_t (the schedule's second sigma in the
+            released code); required when σ = 1 and `noise_level > 0`.
+        generator: noise source for drawing x_{k+1}; a list must have one generator per sample.
+        prev_sample (`torch.Tensor`, *optional*): `(B, ...)` an x_{k+1} to score instead of drawing one.
+        reduction (`str`): log-prob reduction, "mean" or "sum".
+
+    Returns:
+        `FlowStepOutput`.
+
+    Raises:
+        ValueError: for `noise_level < 0`, σ = 1 with a > 0 and no `sigma_max`, or a generator list of the wrong size.
+    """
+    if noise_level < 0:
+        raise ValueError(f"`noise_level` must be >= 0, got {noise_level}.")
+    x = sample.float()
+    v = model_output.float()
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
+    s = s.view(shape) if s.ndim else s
+    s_next = s_next.view(shape) if s_next.ndim else s_next
+    dt = s_next - s
+    if noise_level == 0:
+        mean = x + dt * v
+        std = torch.zeros_like(s * s_next)
+    else:
+        if bool((s >= 1).any()) and sigma_max is None:
+            raise ValueError("sigma = 1 needs `sigma_max` (the schedule's second sigma) for the SDE's noise scale.")
+        denom = 1 - torch.where(s >= 1, torch.as_tensor(sigma_max if sigma_max is not None else 0.0,
+                                                        dtype=torch.float32, device=x.device), s)
+        std_dev_t = noise_level * torch.sqrt(s / denom)
+        mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_dev_t * torch.sqrt(-dt)
+    if prev_sample is None:
+        if isinstance(generator, list) and len(generator) != x.shape[0]:
+            raise ValueError(f"Got {len(generator)} generators for a batch of {x.shape[0]}; pass one per sample.")
+        if bool((std > 0).any()):
+            noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            prev_sample = mean + std * noise
+        else:
+            prev_sample = mean
+    log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
+    return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)

@@ -1,0 +1,134 @@
+"""Group rollouts for online methods: G samples per prompt, with initial noise shared inside a group or not.
+
+DGPO draws independent initial noises for the G samples of a prompt; DanceGRPO/ViPO start all G from the same noise
+(`init_same_noise`); Flow-GRPO and DDPO draw independently (ALGORITHMS.md §2.3, §5(b)). Noise is never shared across
+groups or across processes: every random stream is seeded from ``(seed, epoch, global group index[, member])`` through
+`numpy.random.SeedSequence`, and each process owns distinct global group indices. The same seed therefore reproduces
+the same rollouts bit for bit; another chunking (`rollout_batch_size`) draws the same noise and differs
+only by the float rounding of batched forwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffalign.models.base import DiffusionPolicy
+from diffalign.samplers.ode import SOLVERS, ode_rollout
+from diffalign.samplers.rollout import rollout
+from diffalign.types import PromptEmbeds, Trajectory
+
+# stream tags keep the initial-noise and per-step-noise streams of one sample apart
+_INIT, _STEP = 0, 1
+
+
+def stream_seed(seed: int, epoch: int, group: int, member: int, stream: int) -> int:
+    """A 63-bit seed for one random stream, from ``SeedSequence([seed, epoch, group, member, stream])``."""
+    return int(np.random.SeedSequence([seed, epoch, group, member, stream]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def group_initial_noise(shape: tuple[int, ...], group_indices: list[int], group_size: int, *, seed: int, epoch: int,
+                        shared: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Initial noise for `len(group_indices)` groups of `group_size` samples, rows ``[g0]*G + [g1]*G + ...``.
+
+    Args:
+        shape (`tuple`): one sample's latent shape `(C, h, w)`.
+        group_indices (`list[int]`): global group indices (distinct across processes).
+        group_size (`int`): G ≥ 1.
+        seed, epoch (`int`): the run's seed and the epoch.
+        shared (`bool`): True gives all G members of a group the same noise (GRPO/DanceGRPO); False independent ones.
+
+    Returns:
+        `(len(group_indices)·G, *shape)` float32 on `device`.
+    """
+    rows = []
+    for g in group_indices:
+        for m in range(group_size):
+            gen = torch.Generator().manual_seed(stream_seed(seed, epoch, g, 0 if shared else m, _INIT))
+            rows.append(torch.randn(shape, generator=gen))
+    return torch.stack(rows).to(device)
+
+
+def cat_trajectories(trajectories: list[Trajectory]) -> Trajectory:
+    """Concatenates rollouts of the same schedule along the batch."""
+    first = trajectories[0]
+    pe = [t.prompt_embeds for t in trajectories]
+    cat = lambda name: None if getattr(pe[0], name) is None else torch.cat([getattr(e, name) for e in pe])
+    return Trajectory(
+        latents=torch.cat([t.latents for t in trajectories]),
+        timesteps=first.timesteps,
+        log_probs=torch.cat([t.log_probs for t in trajectories]),
+        trainable=first.trainable,
+        prompt_embeds=PromptEmbeds(cat("prompt_embeds"), cat("negative_prompt_embeds"), cat("pooled_prompt_embeds"),
+                                   cat("negative_pooled_prompt_embeds")),
+        images=None if first.images is None else torch.cat([t.images for t in trajectories]),
+        prompts=[p for t in trajectories for p in t.prompts],
+        guidance_scale=first.guidance_scale,
+        eta=first.eta,
+        sigmas=first.sigmas,
+        sampler=first.sampler,
+    )
+
+
+def group_rollout(
+    policy: DiffusionPolicy,
+    prompts: list[str],
+    group_size: int,
+    *,
+    group_indices: list[int],
+    seed: int,
+    epoch: int,
+    shared_initial_noise: bool = False,
+    sampler: str = "sde",
+    num_inference_steps: int = 10,
+    guidance_scale: float = 4.5,
+    eta: float = 0.7,
+    rollout_batch_size: int = 32,
+) -> tuple[Trajectory, torch.Tensor]:
+    """Samples `group_size` images for each prompt (no gradients).
+
+    Args:
+        policy (`DiffusionPolicy`): the rollout policy (θ, or θ⁻ swapped in by the caller).
+        prompts (`list[str]`): `P` prompts, one per group.
+        group_size (`int`): G ≥ 1.
+        group_indices (`list[int]`): `P` global group indices (seed the noise; distinct across processes).
+        seed, epoch (`int`): the run's seed and the epoch.
+        shared_initial_noise (`bool`): one initial noise per group (GRPO/DanceGRPO) instead of one per sample (DGPO).
+        sampler (`str`): "sde" (stochastic, with log-probs: DDIM-η for ε/v models, the Flow-GRPO SDE for flow
+            models, noise level `eta`), or a deterministic solver of `diffalign.samplers.ode` ("dpm_solver", "euler",
+            "ddim").
+        num_inference_steps (`int`): K.
+        guidance_scale (`float`): the rollout CFG scale (separate from any training-time guidance).
+        eta (`float`): DDIM η or flow SDE noise level a for `sampler="sde"`.
+        rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
+
+    Returns:
+        (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...``, `group_ids` `(P·G,)` int64 global group indices).
+
+    Raises:
+        ValueError: for `group_size < 1`, mismatched `group_indices`, or an unknown sampler.
+    """
+    if group_size < 1:
+        raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
+    if len(group_indices) != len(prompts):
+        raise ValueError(f"{len(group_indices)} group indices for {len(prompts)} prompts; pass one per prompt.")
+    if sampler != "sde" and sampler not in SOLVERS:
+        raise ValueError(f"`sampler` must be 'sde' or one of {SOLVERS}, got {sampler!r}.")
+    noise = group_initial_noise(policy.latent_shape, list(group_indices), group_size, seed=seed, epoch=epoch,
+                                shared=shared_initial_noise, device=policy.device)
+    all_prompts = [p for p in prompts for _ in range(group_size)]
+    members = [(g, m) for g in group_indices for m in range(group_size)]
+    parts = []
+    for start in range(0, len(all_prompts), rollout_batch_size):
+        stop = min(start + rollout_batch_size, len(all_prompts))
+        chunk = all_prompts[start:stop]
+        if sampler == "sde":
+            gens = [torch.Generator(device=policy.device).manual_seed(stream_seed(seed, epoch, g, m, _STEP))
+                    for g, m in members[start:stop]]
+            parts.append(rollout(policy, chunk, num_inference_steps=num_inference_steps,
+                                 guidance_scale=guidance_scale, eta=eta, generator=gens, latents=noise[start:stop]))
+        else:
+            parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
+                                     guidance_scale=guidance_scale, solver=sampler, latents=noise[start:stop]))
+    group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)
+    return cat_trajectories(parts), group_ids

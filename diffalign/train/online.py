@@ -1,0 +1,341 @@
+"""Training loop for online group-based methods: rollouts → rewards → advantages → objective (DGPO, Flow-GRPO, DDPO).
+
+``train(cfg)`` runs ``online.num_epochs`` epochs. Each epoch:
+
+1. draws ``online.groups_per_epoch`` train prompts (one group each; global group indices
+   ``epoch · groups_per_epoch + j`` split across processes, so no two processes or groups share noise);
+2. samples ``online.group_size`` images per prompt with the rollout policy — θ⁻ (`diffalign.old_policy`) for DGPO,
+   θ for the policy-gradient methods — using ``sampler`` (an ODE solver for DGPO, the stochastic DDIM-η / flow SDE
+   with stored log-probs for Flow-GRPO and DDPO), with initial noise shared inside a group when
+   ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
+3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
+   checkpoint, naming the reward, batch and prompts);
+4. computes advantages (`diffalign.advantages`: per group with group or global std, or DDPO's per-prompt tracker);
+5. updates the policy ``online.updates_per_epoch`` times:
+   - "online_groups" objectives (DGPO): ``method.num_train_timesteps`` timesteps from the high-noise part of the
+     rollout schedule, noise shared per group, micro-batches of whole groups;
+   - "online_trajectories" objectives (Flow-GRPO, DDPO): ``online.num_inner_epochs`` passes over shuffled
+     minibatches, each over a random ``method.timestep_fraction`` of the stored transitions.
+
+Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
+exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻ and the DDPO tracker. After training the
+base and fine-tuned models are evaluated on ``eval.prompts`` as in the preference loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from diffalign.advantages import PerPromptStatTracker, group_advantages
+from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
+from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.objectives.dgpo import select_train_timesteps
+from diffalign.old_policy import EmaRolloutPolicy
+from diffalign.plugins import build_rewards, build_selected_rewards
+from diffalign.rewards.base import RewardError
+from diffalign.rewards.combine import reward_metrics
+from diffalign.samplers.groups import group_rollout, stream_seed
+from diffalign.train.preference import _flat_hparams, build_lr_scheduler
+from diffalign.types import GroupBatch
+from diffalign.world.prompts import load_prompts
+
+ONLINE_FLOWS = ("online_groups", "online_trajectories")
+_PROMPTS, _TIMESTEPS, _NOISE, _SHUFFLE = 10, 11, 12, 13  # stream tags (diffalign.samplers.groups uses 0 and 1)
+
+
+def epoch_generator(seed: int, epoch: int, tag: int, extra: int = 0) -> torch.Generator:
+    """A CPU generator for one of an epoch's random streams (prompt draw, timestep choice, noise, shuffles)."""
+    return torch.Generator().manual_seed(stream_seed(seed, epoch, extra, 0, tag))
+
+
+def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, epoch: int, timestep_index: int
+                ) -> torch.Tensor:
+    """DGPO's training noise: one ε per (group, training timestep), identical for every member of the group and on
+    every process that holds members of it. Returns `(N, *shape)` float32 on CPU."""
+    cache: dict[int, torch.Tensor] = {}
+    rows = []
+    for g in group_ids.tolist():
+        if g not in cache:
+            cache[g] = torch.randn(shape, generator=torch.Generator().manual_seed(
+                stream_seed(seed, epoch, g, timestep_index, _NOISE)))
+        rows.append(cache[g])
+    return torch.stack(rows)
+
+
+def _split(units: list, parts: int) -> list[list]:
+    """`units` in `parts` contiguous, nearly equal chunks (empty ones dropped)."""
+    bounds = np.linspace(0, len(units), parts + 1).round().astype(int)
+    return [units[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def train(cfg: DictConfig) -> dict:
+    """Runs an online job described by `cfg` (``configs/train.yaml`` with an online ``method``); returns the final
+    metrics (also written to ``<output_dir>/results.json``).
+
+    Raises:
+        ValueError: for a method whose data flow is not online, a sampler that does not fit the method (a
+            policy-gradient method needs stored log-probs: ``sampler.name=sde`` with ``sampler.eta > 0``), a group
+            size < 2, or a DGPO micro-batch that is not a whole number of groups.
+        RewardError: when a reward fails (after a checkpoint is written).
+    """
+    t_start = time.time()
+    output_dir = Path(cfg.output_dir)
+    tr, on, sp = cfg.trainer, cfg.online, cfg.sampler
+    log_with = None if tr.log_with in (None, "none") else tr.log_with
+    accelerator = Accelerator(mixed_precision=tr.mixed_precision, log_with=log_with, cpu=tr.cpu,
+                              project_config=ProjectConfiguration(project_dir=str(output_dir),
+                                                                  logging_dir=str(output_dir / "logs")))
+    set_seed(cfg.seed)
+    objective = instantiate(cfg.method)
+    flow = getattr(objective, "data_flow", None)
+    if flow not in ONLINE_FLOWS:
+        raise ValueError(f"method={cfg.method._target_} consumes {flow!r} data; the online loop runs methods whose "
+                         f"data_flow is one of {ONLINE_FLOWS}")
+    sampler_name = sp.get("name", "sde")
+    if flow == "online_trajectories" and (sampler_name != "sde" or sp.eta <= 0):
+        raise ValueError(f"method={cfg.method._target_} is a policy-gradient method and needs stochastic rollouts with "
+                         f"log-probs; got sampler.name={sampler_name!r}, sampler.eta={sp.eta}. Use sampler=ddim (SD) "
+                         "or sampler=flow_sde (flow models) with eta > 0.")
+    if on.group_size < 2:
+        raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
+                         "prompt; set online.group_size >= 2 (DGPO/Flow-GRPO use 16-24).")
+    if flow == "online_groups" and tr.batch_size % on.group_size:
+        raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size={on.group_size}"
+                         " for DGPO (a micro-batch holds whole groups).")
+    policy = instantiate(cfg.model)
+    policy.to(accelerator.device)
+    reference = instantiate(cfg.reference)
+    reference.setup(policy)
+    old_policy = None
+    if flow == "online_groups":
+        old_policy = EmaRolloutPolicy(objective.old_policy_switch_step, objective.old_policy_decay,
+                                      objective.old_policy_ramp)
+        old_policy.setup(policy)
+    rewards = build_rewards(cfg.reward)
+    rows = load_prompts(on.prompts, field="online.prompts")
+    tracker = PerPromptStatTracker(on.tracker_buffer_size, on.tracker_min_count, clip=on.advantage_clip) \
+        if getattr(objective, "advantage", "group") == "per_prompt" else None
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
+                                  weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
+    total_updates = on.num_epochs * on.updates_per_epoch * (on.num_inner_epochs if flow == "online_trajectories" else 1)
+    lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
+    policy.denoiser, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    num_proc, rank = accelerator.num_processes, accelerator.process_index
+    if on.groups_per_epoch % num_proc:
+        raise ValueError(f"online.groups_per_epoch={on.groups_per_epoch} must be divisible by the {num_proc} "
+                         "processes.")
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
+                                  OmegaConf.to_container(cfg, resolve=True))
+    accelerator.print(
+        f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
+        f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
+        f"({sampler_name}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
+        f"reward {rewards!r}; output {output_dir}")
+
+    # ---------------------------------------------------------------------------------------------------- resume
+    epoch, global_step = 0, 0
+    if cfg.resume is not None:
+        ckpt = latest_checkpoint(output_dir) if cfg.resume == "latest" else Path(cfg.resume)
+        if ckpt is None:
+            accelerator.print(f"[diffalign] resume=latest: no checkpoint in {output_dir}, starting from scratch")
+        else:
+            state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
+            policy.load_lora_weights(ckpt)
+            epoch, global_step = state["epoch"], state["global_step"]
+            reference.load_state_dict(read_state(ckpt, "reference_state"))
+            if old_policy is not None:
+                old_policy.load_state_dict(read_state(ckpt, "old_policy_state"))
+            if tracker is not None:
+                tracker.load_state_dict(state["tracker"])
+            accelerator.print(f"[diffalign] resumed from {ckpt} at epoch {epoch} (step {global_step})")
+
+    def write_dir(directory: Path) -> None:
+        policy.save_lora_weights(directory)
+        write_state(reference.state_dict(), directory, "reference_state")
+        if old_policy is not None:
+            write_state(old_policy.state_dict(), directory, "old_policy_state")
+
+    def write_checkpoint(at_epoch: int) -> Path:
+        return save_checkpoint(output_dir, global_step, lora_dir_writer=write_dir, optimizer=optimizer,
+                               lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
+                               state={"epoch": at_epoch, "global_step": global_step,
+                                      "tracker": tracker.state_dict() if tracker is not None else {}})
+
+    def optimizer_step() -> None:
+        nonlocal global_step
+        if tr.max_grad_norm is not None:
+            accelerator.clip_grad_norm_(params, tr.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        global_step += 1
+        reference.on_step(policy, global_step)
+        if old_policy is not None:
+            old_policy.after_update()
+
+    # ---------------------------------------------------------------------------------------------------- train
+    progress = tqdm(total=on.num_epochs, initial=epoch, desc="epochs", disable=not accelerator.is_main_process)
+    history, t_train = [], time.time()
+    per_proc = on.groups_per_epoch // num_proc
+    while epoch < on.num_epochs:
+        t_epoch = time.time()
+        # 1. prompts of this epoch (the same draw on every process; each takes its own slice)
+        pick = torch.randint(len(rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, _PROMPTS))
+        mine = list(range(rank * per_proc, (rank + 1) * per_proc))
+        epoch_rows = [rows[int(pick[j])] for j in mine]
+        group_indices = [epoch * on.groups_per_epoch + j for j in mine]
+        # 2. rollouts with θ⁻ (DGPO) or θ
+        policy.denoiser.eval()
+        with torch.no_grad(), (old_policy.use(policy) if old_policy is not None else _null()):
+            traj, group_ids = group_rollout(
+                policy, [r["prompt"] for r in epoch_rows], on.group_size, group_indices=group_indices,
+                seed=cfg.seed, epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=sampler_name,
+                num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
+                rollout_batch_size=on.rollout_batch_size)
+        policy.denoiser.train()
+        # 3. rewards
+        metadata = [r for r in epoch_rows for _ in range(on.group_size)]
+        try:
+            scored = rewards(traj.images, traj.prompts, metadata)
+        except RewardError as err:
+            if accelerator.is_main_process:
+                err.checkpoint = write_checkpoint(epoch)
+            raise RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
+                              f"and resume with resume=latest", step=global_step, batch_index=epoch,
+                              prompts=sorted(set(traj.prompts))) from err
+        scores = scored.scores.detach().cpu()
+        # 4. advantages
+        if tracker is not None:
+            advantages = tracker.update(traj.prompts, scores)
+            adv_stats = {"zero_std_fraction": group_advantages(scores, group_ids)[1]["zero_std_fraction"]}
+        else:
+            advantages, adv_stats = group_advantages(scores, group_ids, std=on.advantage_std,
+                                                     clip=on.advantage_clip)
+        # 5. updates
+        sums: dict[str, float] = {}
+        n_units = 0
+
+        def add(metrics):
+            nonlocal n_units
+            n_units += 1
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+
+        if flow == "online_groups":
+            x0 = traj.latents[:, -1]
+            embeds = traj.prompt_embeds
+            if objective.reference_guidance_scale > 1 and embeds.negative_prompt_embeds is None:
+                embeds = policy.encode_prompts(traj.prompts, do_classifier_free_guidance=True)  # CFG-free mode 2
+            chosen = select_train_timesteps(traj.timesteps, objective.num_train_timesteps,
+                                            objective.timestep_max_index,
+                                            generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS))
+            units = [(ti, start) for ti in range(len(chosen)) for start in range(0, len(x0), tr.batch_size)]
+            for part in _split(units, on.updates_per_epoch):
+                for ti, start in part:
+                    rows_idx = slice(start, start + tr.batch_size)
+                    gids = group_ids[rows_idx]
+                    noise = group_noise(x0.shape[1:], gids, seed=cfg.seed, epoch=epoch, timestep_index=ti)
+                    batch = GroupBatch(x0[rows_idx], traj.prompts[rows_idx], embeds.index(torch.arange(
+                        len(x0))[rows_idx]), advantages[rows_idx].to(x0.device), gids, on.group_size)
+                    with accelerator.autocast():
+                        loss, metrics = objective(policy, batch, timesteps=chosen[ti].to(x0.device),
+                                                  noise=noise.to(x0.device), reference=reference,
+                                                  old_policy=old_policy)
+                    _check_finite(loss, global_step)
+                    accelerator.backward(loss / len(part))
+                    add(metrics)
+                optimizer_step()
+        else:
+            num_steps = len(traj.timesteps)
+            n_train = max(1, math.floor(num_steps * objective.timestep_fraction))
+            for inner in range(on.num_inner_epochs):
+                gen = epoch_generator(cfg.seed, epoch, _SHUFFLE, inner)
+                perm = torch.randperm(len(traj.prompts), generator=gen)
+                steps = torch.randperm(num_steps, generator=gen)[:n_train].sort().values.tolist()
+                units = [(perm[s:s + tr.batch_size], k) for s in range(0, len(perm), tr.batch_size) for k in steps]
+                for part in _split(units, on.updates_per_epoch):
+                    for idx, k in part:
+                        mb = traj.index(idx)
+                        with accelerator.autocast():
+                            loss, metrics = objective(policy, mb, advantages[idx].to(mb.latents.device), k,
+                                                      reference=reference)
+                        _check_finite(loss, global_step)
+                        accelerator.backward(loss / len(part))
+                        add(metrics)
+                    optimizer_step()
+        epoch += 1
+        logs = {k: v / max(1, n_units) for k, v in sums.items()}
+        logs.update(reward_metrics(scored))
+        logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
+        logs.update({"lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
+                     "rollouts": epoch * on.groups_per_epoch * on.group_size})
+        history.append({"epoch": epoch, "step": global_step, **logs})
+        accelerator.log(logs, step=epoch)
+        progress.update(1)
+        progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}")
+        if on.checkpointing_epochs and epoch % on.checkpointing_epochs == 0 and accelerator.is_main_process:
+            write_checkpoint(epoch)
+    progress.close()
+    train_seconds = time.time() - t_train
+    if accelerator.is_main_process and not (output_dir / f"checkpoint-{global_step}").exists():
+        write_checkpoint(epoch)
+    final_dir = output_dir / "final"
+    if accelerator.is_main_process:
+        policy.save_lora_weights(final_dir)
+        (output_dir / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+
+    # ---------------------------------------------------------------------------------------------------- evaluate
+    results = {"epochs": epoch, "global_step": global_step, "train_seconds": train_seconds, "final_lora": str(final_dir),
+               "rollouts": epoch * on.groups_per_epoch * on.group_size, "history_tail": history[-3:]}
+    if cfg.eval.enabled and accelerator.is_main_process:
+        t_eval = time.time()
+        policy.denoiser.eval()
+        ecfg = eval_config_from(cfg.eval)
+        eval_rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
+        eval_rewards = build_selected_rewards(cfg.get("eval_reward") or cfg.reward)
+        results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
+                                          {"base": True, "finetuned": False}, log=accelerator.print)
+        results["eval_seconds"] = time.time() - t_eval
+        try:
+            from diffalign.report import write_report
+
+            results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
+            accelerator.print(f"[diffalign] report: {results['report']}")
+        except ImportError:
+            pass
+    results["total_seconds"] = time.time() - t_start
+    if accelerator.is_main_process:
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
+    accelerator.end_training()
+    return results
+
+
+def _check_finite(loss: torch.Tensor, step: int) -> None:
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}; lower trainer.learning_rate or "
+                                 "method.beta, or use trainer.mixed_precision=no")
+
+
+class _null:
+    """A no-op context manager."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,55 @@
+"""Group-relative advantages and DDPO's per-prompt tracker against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffalign.advantages import PerPromptStatTracker, group_advantages
+
+
+def test_rewards_1_2_3_4_give_the_hand_computed_advantages():
+    a, stats = group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(4, dtype=torch.long), eps=0.0)
+    std = math.sqrt(1.25)  # population std of 1..4: mean 2.5, squared deviations 2.25+0.25+0.25+2.25 = 5, /4
+    torch.testing.assert_close(a, torch.tensor([-1.5, -0.5, 0.5, 1.5]) / std)
+    assert stats["zero_std_fraction"] == 0.0
+
+
+def test_a_group_with_equal_rewards_gives_zero_advantages_and_no_nan():
+    rewards = torch.tensor([0.7, 0.7, 0.7, 1.0, 0.0, 1.0])
+    ids = torch.tensor([5, 5, 5, 9, 9, 9])
+    a, stats = group_advantages(rewards, ids)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a[:3], torch.zeros(3))
+    assert stats["zero_std_fraction"] == 0.5
+    a_global, _ = group_advantages(rewards, ids, std="global")
+    assert torch.equal(a_global[:3], torch.zeros(3)) and torch.isfinite(a_global).all()
+
+
+def test_global_std_and_clipping():
+    rewards = torch.tensor([0.0, 1.0, 0.0, 3.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    a, _ = group_advantages(rewards, ids, std="global", eps=0.0)
+    centred = torch.tensor([-0.5, 0.5, -1.5, 1.5])
+    torch.testing.assert_close(a, centred / rewards.std(unbiased=False))
+    big, _ = group_advantages(torch.tensor([0.0] * 99 + [1.0]), torch.zeros(100, dtype=torch.long))
+    assert big.max() == 5.0  # (1 − 0.01)/0.0995 = 9.95, clipped to 5
+
+
+def test_non_finite_rewards_are_rejected():
+    with pytest.raises(ValueError, match="NaN"):
+        group_advantages(torch.tensor([1.0, float("nan")]), torch.zeros(2, dtype=torch.long))
+
+
+def test_per_prompt_tracker_uses_batch_stats_until_min_count_then_its_buffer():
+    tracker = PerPromptStatTracker(buffer_size=4, min_count=4, eps=0.0)
+    a = tracker.update(["p", "p", "q", "q"], torch.tensor([1.0, 3.0, 0.0, 4.0]))
+    batch_mean, batch_std = 2.0, torch.tensor([1.0, 3.0, 0.0, 4.0]).std(unbiased=False)
+    torch.testing.assert_close(a, (torch.tensor([1.0, 3.0, 0.0, 4.0]) - batch_mean) / batch_std)
+    a = tracker.update(["p", "p"], torch.tensor([5.0, 7.0]))  # p's buffer now [1, 3, 5, 7]: mean 4, std sqrt(5)
+    torch.testing.assert_close(a, (torch.tensor([5.0, 7.0]) - 4.0) / math.sqrt(5.0))
+    restored = PerPromptStatTracker(buffer_size=4, min_count=4, eps=0.0)
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.state_dict() == tracker.state_dict()

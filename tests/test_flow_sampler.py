@@ -1,0 +1,114 @@
+"""Flow-matching policy and samplers: SDE step vs diffusers, log-prob constant, pipeline parity, ratio = 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from diffalign.models.tiny_flow import TINY_MAX_SEQUENCE_LENGTH, build_tiny_flow_pipeline, build_tiny_flow_policy
+from diffalign.samplers.flow_sde import flow_sde_step, gaussian_log_prob
+from diffalign.samplers.ode import ode_rollout
+from diffalign.samplers.rollout import recompute_log_probs, recompute_step, rollout
+
+
+def test_sde_step_with_zero_noise_equals_flow_match_euler_step():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 8, 8, generator=gen)
+    v = torch.randn(3, 4, 8, 8, generator=gen)
+    for i, t in enumerate(scheduler.timesteps):
+        expected = scheduler.step(v, t, x, return_dict=False)[0]
+        out = flow_sde_step(v, scheduler.sigmas[i], scheduler.sigmas[i + 1], x, noise_level=0.0)
+        torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)
+        assert torch.all(out.log_prob == 0)  # a deterministic step has no density
+
+
+def test_log_prob_of_the_mean_is_the_gaussian_normalising_constant():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    v = torch.randn(2, 4, 8, 8, generator=gen)
+    sigma, sigma_next, a = 0.8, 0.6, 0.7
+    out = flow_sde_step(v, sigma, sigma_next, x, noise_level=a, generator=gen)
+    at_mean = flow_sde_step(v, sigma, sigma_next, x, noise_level=a, prev_sample=out.mean)
+    # s = a sqrt(σ/(1−σ)) sqrt(σ − σ_next), by hand
+    s = a * math.sqrt(sigma / (1 - sigma)) * math.sqrt(sigma - sigma_next)
+    expected = -math.log(s) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(at_mean.log_prob, torch.full((2,), expected), rtol=0, atol=1e-5)
+    # and the mean by the closed form of ALGORITHMS.md §1.3(ii)
+    st2 = a**2 * sigma / (1 - sigma)
+    dt = sigma_next - sigma
+    mean = x * (1 + st2 / (2 * sigma) * dt) + v * (1 + st2 * (1 - sigma) / (2 * sigma)) * dt
+    torch.testing.assert_close(out.mean, mean, rtol=1e-6, atol=1e-6)
+
+
+def test_gaussian_log_prob_matches_torch_distributions():
+    gen = torch.Generator().manual_seed(2)
+    x, mu = torch.randn(2, 3, 4, 4, generator=gen), torch.randn(2, 3, 4, 4, generator=gen)
+    std = torch.tensor(0.3)
+    ref = torch.distributions.Normal(mu, std).log_prob(x)
+    torch.testing.assert_close(gaussian_log_prob(x, mu, std, "mean"), ref.mean(dim=(1, 2, 3)))
+    torch.testing.assert_close(gaussian_log_prob(x, mu, std, "sum"), ref.sum(dim=(1, 2, 3)))
+
+
+def test_sigma_one_needs_sigma_max():
+    x = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ValueError, match="sigma_max"):
+        flow_sde_step(x, 1.0, 0.9, x, noise_level=0.7)
+
+
+def test_flow_rollout_with_zero_noise_equals_the_sd3_pipeline():
+    pipe = build_tiny_flow_pipeline(seed=3)
+    from diffalign.models.sd3 import FlowMatchingPolicy
+
+    policy = FlowMatchingPolicy(pipe, lora_rank=4, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
+    prompts = ["a red circle", "two blue squares"]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    traj = rollout(policy, prompts, num_inference_steps=6, guidance_scale=4.5, eta=0.0, generator=gens, decode=False)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    with policy.reference():  # a fresh LoRA is exactly zero, but compare against the bare transformer anyway
+        expected = pipe(prompts, num_inference_steps=6, guidance_scale=4.5, generator=gens, output_type="latent",
+                        max_sequence_length=TINY_MAX_SEQUENCE_LENGTH).images
+    torch.testing.assert_close(traj.latents[:, -1], expected, rtol=1e-5, atol=1e-5)
+    assert traj.sampler == "flow_sde" and traj.sigmas.shape == (7,)
+
+
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_recomputed_log_probs_give_ratio_one_before_any_update(family):
+    if family == "flow":
+        policy, eta = build_tiny_flow_policy(seed=0), 0.7
+    else:
+        from diffalign.models.tiny_random import build_tiny_random_policy
+
+        policy, eta = build_tiny_random_policy(seed=0), 1.0
+    # make the adapter non-zero so the check covers the LoRA path
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+    traj = rollout(policy, ["a red circle", "a green triangle", "one yellow square"], num_inference_steps=5,
+                   guidance_scale=4.5, eta=eta, generator=gens, decode=False)
+    with torch.no_grad():
+        new = recompute_log_probs(policy, traj, range(5))
+    ratio = torch.exp(new - traj.log_probs)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=1e-5)
+    # the minibatch path of the objectives (index + recompute_step) agrees too
+    with torch.no_grad():
+        step = recompute_step(policy, traj.index([2, 0]), 3, detach_unconditional=True)
+    torch.testing.assert_close(step.log_prob, traj.log_probs[[2, 0], 3], rtol=0, atol=1e-5)
+
+
+def test_ode_rollouts_are_deterministic_and_flag_no_log_probs():
+    policy = build_tiny_flow_policy(seed=0)
+    noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    a = ode_rollout(policy, ["a red circle"] * 2, num_inference_steps=4, solver="dpm_solver", latents=noise)
+    b = ode_rollout(policy, ["a red circle"] * 2, num_inference_steps=4, solver="dpm_solver", latents=noise)
+    assert torch.equal(a.latents, b.latents) and a.sampler == "dpm_solver" and not a.trainable.any()
+    assert a.images.shape == (2, 3, 32, 32) and 0 <= a.images.min() and a.images.max() <= 1
+    with pytest.raises(ValueError, match="deterministic"):
+        recompute_log_probs(policy, a, [0])
+    with pytest.raises(ValueError, match="flow"):
+        ode_rollout(policy, ["a"], solver="ddim")
