@@ -74,6 +74,8 @@ def validate_train_config(cfg: DictConfig) -> None:
     if "path" in reference and not (Path(reference.path) / "pytorch_lora_weights.safetensors").is_file():
         raise FileNotFoundError(f"reference.path={reference.path!r} holds no pytorch_lora_weights.safetensors; "
                                 "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
+    if "_target_" in method:
+        validate_online_config(cfg)
     if cfg.eval.enabled:
         validate_eval_config(cfg)
     resume = cfg.get("resume")
@@ -111,3 +113,51 @@ def validate_eval_config(cfg: DictConfig) -> None:
                     raise ValueError(f"eval.prompts={e.prompts!r}: {err}. reward=[geneval_shapes] scores shapes-world "
                                      "prompts only (or rows with GenEval 'include' metadata); drop that reward or "
                                      "use such a prompt file") from None
+
+
+ONLINE_FLOWS = ("online_groups", "online_trajectories")
+SAMPLER_NAMES = ("sde", "dpm_solver", "euler", "ddim")
+
+
+def validate_online_config(cfg: DictConfig) -> None:
+    """Checks of an online method's config (DGPO, Flow-GRPO, DDPO) that would otherwise fail after the models load:
+    group size, sampler kind vs method, DGPO's timestep clip against the rollout schedule, micro-batches of whole
+    groups, the advantage options and the prompt file. Does nothing for offline methods."""
+    from hydra.utils import get_class
+
+    try:
+        method_class = get_class(cfg.method._target_)
+    except Exception:  # an unknown target is reported by Hydra's instantiate with its own message
+        return
+    flow = getattr(method_class, "data_flow", None)
+    if flow not in ONLINE_FLOWS:
+        return
+    on, sp, tr = cfg.online, cfg.sampler, cfg.trainer
+    if on.group_size < 2:
+        raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
+                         "prompt; set online.group_size >= 2 (DGPO and Flow-GRPO use 16-24)")
+    for key in ("num_epochs", "groups_per_epoch", "rollout_batch_size", "updates_per_epoch", "num_inner_epochs"):
+        if on[key] < 1:
+            raise ValueError(f"online.{key} must be >= 1, got {on[key]}")
+    if on.advantage_std not in ("group", "global", "none"):
+        raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {on.advantage_std!r}")
+    name = sp.get("name", "sde")
+    if name not in SAMPLER_NAMES:
+        raise ValueError(f"sampler.name must be one of {SAMPLER_NAMES}, got {name!r}")
+    if flow == "online_trajectories" and (name != "sde" or sp.eta <= 0):
+        raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
+                         f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={sp.eta}. Use "
+                         "sampler=flow_sde (flow models) or sampler=ddim (eps-models) with eta > 0")
+    if flow == "online_groups":
+        m = cfg.method
+        if m.timestep_max_index >= sp.num_inference_steps:
+            raise ValueError(f"method.timestep_max_index={m.timestep_max_index} must index the "
+                             f"{sp.num_inference_steps}-step rollout schedule; lower it below "
+                             f"sampler.num_inference_steps")
+        if not 1 <= m.num_train_timesteps <= m.timestep_max_index + 1:
+            raise ValueError(f"method.num_train_timesteps={m.num_train_timesteps} must be in [1, "
+                             f"method.timestep_max_index + 1 = {m.timestep_max_index + 1}]")
+        if tr.batch_size % on.group_size:
+            raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size="
+                             f"{on.group_size} for DGPO (a micro-batch holds whole groups)")
+    load_prompts(on.prompts, field="online.prompts")
