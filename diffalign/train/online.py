@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from diffalign.advantages import PerPromptStatTracker, group_advantages
 from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.monitors import build_monitor
 from diffalign.objectives.dgpo import select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.plugins import build_rewards, build_selected_rewards
@@ -123,6 +124,8 @@ def train(cfg: DictConfig) -> dict:
                                       objective.old_policy_ramp)
         old_policy.setup(policy)
     rewards = build_rewards(cfg.reward)
+    eval_rewards = build_selected_rewards(cfg.get("eval_reward") or cfg.reward)
+    monitor = build_monitor(cfg.get("monitor"), eval_rewards)
     rows = load_prompts(on.prompts, field="online.prompts")
     tracker = PerPromptStatTracker(on.tracker_buffer_size, on.tracker_min_count, clip=on.advantage_clip) \
         if getattr(objective, "advantage", "group") == "per_prompt" else None
@@ -189,7 +192,20 @@ def train(cfg: DictConfig) -> dict:
 
     # ---------------------------------------------------------------------------------------------------- train
     progress = tqdm(total=on.num_epochs, initial=epoch, desc="epochs", disable=not accelerator.is_main_process)
-    history, t_train = [], time.time()
+    history, t_train, train_clock = [], time.time(), 0.0  # train_clock: seconds of rollouts + updates (no monitors)
+
+    def monitor_logs() -> dict:
+        if monitor is None or not accelerator.is_main_process:
+            return {}
+        policy.denoiser.eval()
+        out = monitor.maybe_log(global_step, policy, accelerator=accelerator, log=accelerator.print) or {}
+        policy.denoiser.train()
+        return out
+
+    if epoch == 0 and monitor is not None:
+        first = monitor_logs()
+        if first:
+            history.append({"epoch": 0, "step": 0, "rollouts": 0, "train_seconds": 0.0, **first})
     per_proc = on.groups_per_epoch // num_proc
     while epoch < on.num_epochs:
         t_epoch = time.time()
@@ -278,11 +294,13 @@ def train(cfg: DictConfig) -> dict:
                         add(metrics)
                     optimizer_step()
         epoch += 1
+        train_clock += time.time() - t_epoch
         logs = {k: v / max(1, n_units) for k, v in sums.items()}
         logs.update(reward_metrics(scored))
         logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
         logs.update({"lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
-                     "rollouts": epoch * on.groups_per_epoch * on.group_size})
+                     "train_seconds": train_clock, "rollouts": epoch * on.groups_per_epoch * on.group_size})
+        logs.update(monitor_logs())
         history.append({"epoch": epoch, "step": global_step, **logs})
         accelerator.log(logs, step=epoch)
         progress.update(1)
@@ -306,7 +324,6 @@ def train(cfg: DictConfig) -> dict:
         policy.denoiser.eval()
         ecfg = eval_config_from(cfg.eval)
         eval_rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
-        eval_rewards = build_selected_rewards(cfg.get("eval_reward") or cfg.reward)
         results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
                                           {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
