@@ -124,8 +124,8 @@ class HackingMonitor:
         from diffalign.samplers.rollout import rollout
 
         jobs = [(s, p) for p in range(len(self.rows)) for s in self.seeds]  # grouped by prompt
-        was_training = policy.unet.training
-        policy.unet.eval()
+        was_training = policy.denoiser.training
+        policy.denoiser.eval()
         images = []
         try:
             for start in range(0, len(jobs), self.batch_size):
@@ -134,7 +134,7 @@ class HackingMonitor:
                 traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk], generator=gens, **self.sampler)
                 images.append(traj.images.float().cpu())
         finally:
-            policy.unet.train(was_training)
+            policy.denoiser.train(was_training)
         images = torch.cat(images)
         prompts = [self.rows[p]["prompt"] for _, p in jobs]
         metadata = [self.rows[p] for _, p in jobs]

@@ -151,7 +151,7 @@ class TargetPolicyAdapters:
     def __init__(self, policy, paths: dict[str, str]):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        unet = policy.unet
+        unet = policy.denoiser
         flags = {id(p): p.requires_grad for p in unet.parameters()}
         for name, path in paths.items():
             if not os.path.isfile(os.path.join(path, LORA_WEIGHT_NAME)):

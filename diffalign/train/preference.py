@@ -140,7 +140,7 @@ def train(cfg: DictConfig) -> dict:
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, tr.max_steps, tr.lr_scheduler)
-    policy.unet, optimizer, lr_scheduler = accelerator.prepare(policy.unet, optimizer, lr_scheduler)
+    policy.denoiser, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
     noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +203,7 @@ def train(cfg: DictConfig) -> dict:
     # ------------------------------------------------------------------------------------------------------------------
     # 3. train
     # ------------------------------------------------------------------------------------------------------------------
-    policy.unet.train()
+    policy.denoiser.train()
     progress = tqdm(total=tr.max_steps, initial=global_step, desc="train", disable=not accelerator.is_main_process)
     history = []
     t_train = time.time()
@@ -238,7 +238,7 @@ def train(cfg: DictConfig) -> dict:
                                         degraded_prompts=degraded, degraded_prompt_embeds=degraded_embeds)
             else:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
-            with accelerator.accumulate(policy.unet), accelerator.autocast():
+            with accelerator.accumulate(policy.denoiser), accelerator.autocast():
                 loss, metrics = objective(policy, batch, generator=noise_generator, reference=reference)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {loss.item()} at step {global_step}; lower "
@@ -278,7 +278,7 @@ def train(cfg: DictConfig) -> dict:
                "history_tail": history[-5:]}
     if cfg.eval.enabled and accelerator.is_main_process:
         t_eval = time.time()
-        policy.unet.eval()
+        policy.denoiser.eval()
         ecfg = eval_config_from(cfg.eval)
         rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
         set_reward_step(eval_rewards, global_step, reset_calls=True)
