@@ -15,7 +15,7 @@ ASSETS = Path(asset_path("tiny_sd")).parent
 
 
 def test_shipped_models_fit_the_size_budget():
-    total = sum(f.stat().st_size for d in ("tiny_sd", "tiny_clip") for f in (ASSETS / d).rglob("*") if f.is_file())
+    total = sum(f.stat().st_size for d in ("tiny_sd", "tiny_clip", "tiny_sd3") for f in (ASSETS / d).rglob("*") if f.is_file())
     assert total <= 30 * 2**20, total
 
 
@@ -28,6 +28,24 @@ def test_shipped_pipeline_loads_and_generates_at_32px():
     out = pipe(["a red circle", "two blue squares"], num_inference_steps=4, output_type="pt",
                generator=[torch.Generator().manual_seed(i) for i in range(2)]).images
     assert out.shape == (2, 3, 32, 32) and 0 <= out.min() and out.max() <= 1
+
+
+def test_shipped_flow_pipeline_loads_and_the_policy_matches_it():
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+
+    from diffalign.models.sd3 import FlowMatchingPolicy
+    from diffalign.samplers.rollout import rollout
+
+    pipe = DiffusionPipeline.from_pretrained(asset_path("tiny_sd3"))
+    assert isinstance(pipe, StableDiffusion3Pipeline) and pipe.text_encoder_3 is None
+    assert pipe.scheduler.config.shift == 3.0 and pipe.vae.config.shift_factor == 0.0
+    prompts = ["a red circle", "two blue squares"]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    expected = pipe(prompts, num_inference_steps=4, output_type="pt", generator=gens, max_sequence_length=8).images
+    policy = FlowMatchingPolicy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    out = rollout(policy, prompts, num_inference_steps=4, guidance_scale=7.0, eta=0.0, generator=gens).images
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # pipeline default CFG is 7.0
 
 
 def test_vae_reconstructions_pass_the_verifier():
