@@ -14,6 +14,7 @@ zero T5 block of length `max_sequence_length` when T5 is absent), so embeddings 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -142,7 +143,9 @@ class FlowMatchingPolicy(nn.Module):
             torch_dtype (`str`, defaults to "float32"): dtype of the frozen weights; trainable ones stay float32.
             local_files_only (`bool`, *optional*): `None` means True when `HF_HUB_OFFLINE` is set.
             load_t5 (`bool`, defaults to True): False skips the T5 encoder (`text_encoder_3=None`, the pipeline then
-                feeds zeros), saving ~9 GB for SD3.5.
+                feeds zeros), saving ~9 GB for SD3.5. A local folder saved without T5 loads without it either way
+                (with diffusers directly: ``StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None,
+                tokenizer_3=None)``).
             other arguments: see the class docstring.
 
         Raises:
@@ -154,7 +157,11 @@ class FlowMatchingPolicy(nn.Module):
         check_pipeline_folder(path, pretrained_model_name_or_path)
         if local_files_only is None:
             local_files_only = _truthy_env("HF_HUB_OFFLINE")
-        extra = {} if load_t5 else {"text_encoder_3": None, "tokenizer_3": None}
+        no_t5 = not load_t5
+        index = os.path.join(path, "model_index.json")
+        if os.path.isfile(index):  # a folder saved without T5 (the tiny world's) lists it as [null, null]
+            no_t5 = no_t5 or json.loads(open(index).read()).get("text_encoder_3", [None])[0] is None
+        extra = {"text_encoder_3": None, "tokenizer_3": None} if no_t5 else {}
         pipe = StableDiffusion3Pipeline.from_pretrained(
             path, revision=revision, variant=variant, dtype=TORCH_DTYPES[torch_dtype],
             local_files_only=local_files_only, **extra,
