@@ -22,7 +22,7 @@ from diffusers import DDIMScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "per_position")
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -134,7 +134,8 @@ def ddim_step(
         generator (`torch.Generator` or list of `B` generators, *optional*): noise source when sampling.
         prev_sample (`torch.Tensor`, *optional*): `(B, ...)` an x_{t'} to score instead of sampling one.
         prediction_type (`str`, *optional*): "epsilon", "v_prediction" or "sample"; defaults to the scheduler's.
-        reduction (`str`, defaults to "mean"): "mean" or "sum" over all non-batch elements of the log-prob.
+        reduction (`str`, defaults to "mean"): "mean" or "sum" over all non-batch elements of the log-prob, or
+            "per_position": the sum over the channel dim 1 only, `(B, *grid)` (ViPO's per-position log-prob).
 
     Returns:
         `DDIMStepOutput` with float32 `prev_sample`, `mean`, `std`, `log_prob` `(B,)`.
@@ -214,6 +215,6 @@ def ddim_step(
     safe_std = torch.where(stochastic, std_dev_t, torch.ones_like(std_dev_t))
     log_prob = -((prev_sample.detach() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - LOG_SQRT_2PI
     log_prob = torch.where(stochastic, log_prob, torch.zeros_like(log_prob))
-    dims = tuple(range(1, sample.ndim))
+    dims = (1,) if reduction == "per_position" else tuple(range(1, sample.ndim))  # per_position: channels only (ViPO)
     log_prob = log_prob.mean(dim=dims) if reduction == "mean" else log_prob.sum(dim=dims)
     return DDIMStepOutput(prev_sample=prev_sample, mean=mean, std=std_dev_t, log_prob=log_prob)

@@ -31,8 +31,8 @@ class FlowStepOutput:
         prev_sample: `(B, ...)` x_{k+1} (drawn, or the one passed in).
         mean: `(B, ...)` μ_θ; gradients reach the model only through it.
         std: 0-dim or `(B, 1, ..., 1)` the step std s (independent of the model).
-        log_prob: `(B,)` log N(prev_sample; μ_θ, s² I) reduced over non-batch elements ("mean" or "sum"); 0 where
-            s = 0.
+        log_prob: `(B,)` log N(prev_sample; μ_θ, s² I) reduced over non-batch elements ("mean" or "sum"), or
+            `(B, *grid)` summed over the channel dim 1 only ("per_position", ViPO); 0 where s = 0.
     """
 
     prev_sample: torch.Tensor
@@ -48,21 +48,24 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, re
     Args:
         x, mean (`torch.Tensor`): `(B, ...)`.
         std (`torch.Tensor`): broadcastable to `x`, ≥ 0.
-        reduction (`str`): "mean" (nats per element, the DDPO/Flow-GRPO convention) or "sum".
+        reduction (`str`): "mean" (nats per element, the DDPO/Flow-GRPO convention), "sum", or "per_position"
+            (sum over the channel dim 1 only, keeping the latent grid: ViPO's per-position log-prob, §1.3 / §6(a)).
 
     Returns:
-        `(B,)` float32.
+        `(B,)` float32, or `(B, *x.shape[2:])` for "per_position".
 
     Raises:
         ValueError: for another `reduction`.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}.")
+    if reduction not in ("mean", "sum", "per_position"):
+        raise ValueError(f"`reduction` must be 'mean', 'sum' or 'per_position', got {reduction!r}.")
     x, mean = x.float(), mean.float()
     std = torch.as_tensor(std, dtype=torch.float32, device=x.device)
     safe = torch.where(std > 0, std, torch.ones_like(std))
     elem = -((x - mean) ** 2) / (2 * safe**2) - torch.log(safe) - LOG_SQRT_2PI
     elem = torch.where(std > 0, elem, torch.zeros_like(elem))
+    if reduction == "per_position":
+        return elem.sum(dim=1)
     dims = tuple(range(1, x.ndim))
     return elem.mean(dim=dims) if reduction == "mean" else elem.sum(dim=dims)
 
@@ -90,7 +93,7 @@ def flow_sde_step(
             released code); required when σ = 1 and `noise_level > 0`.
         generator: noise source for drawing x_{k+1}; a list must have one generator per sample.
         prev_sample (`torch.Tensor`, *optional*): `(B, ...)` an x_{k+1} to score instead of drawing one.
-        reduction (`str`): log-prob reduction, "mean" or "sum".
+        reduction (`str`): log-prob reduction, "mean", "sum" or "per_position" (`gaussian_log_prob`).
 
     Returns:
         `FlowStepOutput`.

@@ -84,6 +84,7 @@ def group_rollout(
     guidance_scale: float = 4.5,
     eta: float = 0.7,
     rollout_batch_size: int = 32,
+    reduction: str = "mean",
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -101,6 +102,7 @@ def group_rollout(
         guidance_scale (`float`): the rollout CFG scale (separate from any training-time guidance).
         eta (`float`): DDIM η or flow SDE noise level a for `sampler="sde"`.
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
+        reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...``, `group_ids` `(P·G,)` int64 global group indices).
@@ -126,7 +128,8 @@ def group_rollout(
             gens = [torch.Generator(device=policy.device).manual_seed(stream_seed(seed, epoch, g, m, _STEP))
                     for g, m in members[start:stop]]
             parts.append(rollout(policy, chunk, num_inference_steps=num_inference_steps,
-                                 guidance_scale=guidance_scale, eta=eta, generator=gens, latents=noise[start:stop]))
+                                 guidance_scale=guidance_scale, eta=eta, generator=gens, latents=noise[start:stop],
+                                 reduction=reduction))
         else:
             parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
                                      guidance_scale=guidance_scale, solver=sampler, latents=noise[start:stop]))

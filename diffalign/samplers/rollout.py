@@ -62,7 +62,8 @@ def rollout(
             pipeline does); drawn with `randn_tensor` when not given.
         prompt_embeds (`PromptEmbeds`, *optional*): precomputed embeddings, `B` rows (with negatives if w > 1).
         decode (`bool`, defaults to True): decode the final latents to images.
-        reduction (`str`, defaults to "mean"): log-prob reduction over latent elements, "mean" or "sum".
+        reduction (`str`, defaults to "mean"): log-prob reduction over latent elements, "mean" or "sum", or
+            "per_position" (sum over channels; `log_probs` is then `(B, K, *grid)`, ViPO).
         callback (`Callable[[dict], None]`, *optional*): called after every step with ``{"i", "t", "x", "x_next",
             "model_output", "mean", "std", "log_prob"}`` (k-diffusion style).
         enable_grad (`bool`, defaults to False): keep the autograd graph through the whole loop.

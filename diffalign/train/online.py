@@ -1,4 +1,5 @@
-"""Training loop for online group-based methods: rollouts → rewards → advantages → objective (DGPO, Flow-GRPO, DDPO).
+"""Training loop for online group-based methods: rollouts → rewards → advantages → objective (DGPO, Flow-GRPO, DDPO,
+ViPO).
 
 ``train(cfg)`` runs ``online.num_epochs`` epochs. Each epoch:
 
@@ -221,7 +222,8 @@ def train(cfg: DictConfig) -> dict:
                 policy, [r["prompt"] for r in epoch_rows], on.group_size, group_indices=group_indices,
                 seed=cfg.seed, epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=sampler_name,
                 num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
-                rollout_batch_size=on.rollout_batch_size)
+                rollout_batch_size=on.rollout_batch_size,
+                reduction=getattr(objective, "log_prob_reduction", "mean"))  # ViPO: "per_position"
         policy.denoiser.train()
         # 3. rewards
         metadata = [r for r in epoch_rows for _ in range(on.group_size)]
@@ -241,9 +243,12 @@ def train(cfg: DictConfig) -> dict:
         else:
             advantages, adv_stats = group_advantages(scores, group_ids, std=on.advantage_std,
                                                      clip=on.advantage_clip)
-        # 5. updates
+        # 5. updates (an objective with `prepare_epoch`, e.g. ViPO's advantage maps, sees the whole epoch first and is
+        # then called with `rows=` the minibatch's row indices)
         sums: dict[str, float] = {}
         n_units = 0
+        prepare = getattr(objective, "prepare_epoch", None)
+        epoch_stats = prepare(policy, traj, advantages) if prepare is not None else None
 
         def add(metrics):
             nonlocal n_units
@@ -288,7 +293,8 @@ def train(cfg: DictConfig) -> dict:
                         mb = traj.index(idx)
                         with accelerator.autocast():
                             loss, metrics = objective(policy, mb, advantages[idx].to(mb.latents.device), k,
-                                                      reference=reference)
+                                                      reference=reference,
+                                                      **({"rows": idx} if prepare is not None else {}))
                         _check_finite(loss, global_step)
                         accelerator.backward(loss / len(part))
                         add(metrics)
@@ -298,6 +304,7 @@ def train(cfg: DictConfig) -> dict:
         logs = {k: v / max(1, n_units) for k, v in sums.items()}
         logs.update(reward_metrics(scored))
         logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
+        logs.update({f"vipo/{k}": v for k, v in (epoch_stats or {}).items()})
         logs.update({"lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
                      "train_seconds": train_clock, "rollouts": epoch * on.groups_per_epoch * on.group_size})
         logs.update(monitor_logs())

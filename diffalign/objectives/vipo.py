@@ -1,0 +1,150 @@
+r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719), ALGORITHMS.md §6.
+
+GRPO whose scalar group advantage A_i is redistributed over latent positions p (space, and time for video) by a
+perceptual allocation map M_i ∈ [0, 1] (`diffalign.vipo.psm.PerceptualStructuring`, built once per epoch from the
+decoded rollouts):
+
+$$A_i^p=\operatorname{clip}(M_i(p)\,A_i,\pm5),\qquad
+\mathcal L=\operatorname{mean}_{i,p}\max\big(-A_i^p\rho^p_{ik},\,-A_i^p\operatorname{clip}(\rho^p_{ik},1\pm\epsilon_c)\big),$$
+
+with ρ^p the *local* likelihood ratio of the stochastic step at position p: the Gaussian log-density summed over the
+latent channels only (``reduction="per_position"``; the rollout stores `(B, K, *grid)` log-probs). No KL and no
+reference (β = 0, as DanceGRPO). ``reduction="scalar_weighted"`` reproduces the released FLUX script, which
+mean-reduces the log-prob to one scalar per sample: its per-pixel loss is plain GRPO with A_i replaced by
+mean_p clip(M_i(p) A_i, ±5) (the max/clip commutes with M ≥ 0) — with an all-ones map it *is* GRPO.
+
+The online loop calls `prepare_epoch(policy, trajectory, advantages)` once per epoch, before any update (it decodes
+nothing twice: the maps are computed from `trajectory.images`), then the objective with ``rows=`` the minibatch's row
+indices into that epoch's trajectory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffalign.samplers.rollout import recompute_step
+from diffalign.types import Trajectory
+from diffalign.vipo.psm import PerceptualStructuring, advantage_maps
+
+REDUCTIONS = ("per_position", "scalar_weighted")
+MAPS = ("psm", "ones")
+
+
+class ViPO:
+    """ViPO (data flow "online_trajectories": DanceGRPO-style rollouts with stored per-position log-probs).
+
+    Args:
+        clip_range (`float`, defaults to 1e-4): ε_c of the per-position clipped ratio (released code: 1e-4).
+        reduction (`str`): "per_position" (paper form; Wan script) or "scalar_weighted" (released FLUX script).
+        timestep_fraction (`float`, defaults to 0.6): fraction of each rollout's transitions trained per epoch.
+        detach_unconditional (`bool`, defaults to True): the unconditional CFG branch under no-grad (Wan script).
+        advantage_clip (`float`, defaults to 5): clip of A_i^p.
+        map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
+        backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
+            object with ``patch_tokens``.
+        num_components, aggregation, orientation, spatial_sigma, temporal_sigma: the PSM's options
+            (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3, weighted, σ = 1, temporal σ = 0.3).
+
+    Raises:
+        ValueError: for a non-positive clip range, an unknown reduction/map, or a fraction outside (0, 1].
+    """
+
+    data_flow = "online_trajectories"
+    rollout_sampler_kind = "sde"
+    advantage = "group"
+
+    def __init__(self, clip_range: float = 1e-4, reduction: str = "per_position", timestep_fraction: float = 0.6,
+                 detach_unconditional: bool = True, advantage_clip: float | None = 5.0, map: str = "psm",
+                 backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
+                 orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3):
+        if clip_range <= 0:
+            raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"method.reduction={reduction!r} must be one of {REDUCTIONS}.")
+        if map not in MAPS:
+            raise ValueError(f"method.map={map!r} must be one of {MAPS}.")
+        if not 0 < timestep_fraction <= 1:
+            raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
+        self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
+        self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
+        self._psm_args = dict(backbone=backbone, num_components=num_components, aggregation=aggregation,
+                              orientation=orientation, spatial_sigma=spatial_sigma, temporal_sigma=temporal_sigma)
+        self._psm: PerceptualStructuring | None = None
+        self.maps: torch.Tensor | None = None
+        self.advantage_maps: torch.Tensor | None = None
+        self.map_stats: dict[str, float] = {}
+
+    @property
+    def log_prob_reduction(self) -> str:
+        """The log-prob reduction the rollouts must store: "per_position" (`(B, K, *grid)`) or "mean"."""
+        return "per_position" if self.reduction == "per_position" else "mean"
+
+    @property
+    def psm(self) -> PerceptualStructuring:
+        if self._psm is None:
+            self._psm = PerceptualStructuring(**self._psm_args)
+        return self._psm
+
+    def compute_maps(self, policy, trajectory: Trajectory) -> torch.Tensor:
+        """M_i on the latent grid (`policy.latent_shape[1:]`) for every rollout of `trajectory`, `(B, *grid)`."""
+        grid = tuple(trajectory.latents.shape[3:])
+        if self.map == "ones":
+            self.map_stats = {"map_mean": 1.0, "map_fallback": 0.0}
+            return torch.ones((len(trajectory.prompts), *grid))
+        images = trajectory.images
+        if images is None:
+            with torch.no_grad():
+                images = policy.decode(trajectory.latents[:, -1])
+        maps, info = self.psm(images, grid)
+        self.map_stats = {"map_mean": info["map_mean"], "map_fallback": float(info["fallback"].float().mean())}
+        return maps
+
+    def prepare_epoch(self, policy, trajectory: Trajectory, advantages: torch.Tensor) -> dict[str, float]:
+        """Builds this epoch's maps and advantage maps A_i^p (called by the online loop before the updates)."""
+        self.maps = self.compute_maps(policy, trajectory)
+        self.advantage_maps = advantage_maps(self.maps, advantages, self.advantage_clip)
+        return dict(self.map_stats)
+
+    def __call__(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, *, reference=None,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of transition `k` of every rollout in the minibatch `trajectory`.
+
+        Args:
+            trajectory (`Trajectory`): rows `rows` of the epoch's trajectory; `log_probs` `(B, K, *grid)` for
+                "per_position", `(B, K)` for "scalar_weighted".
+            advantages (`torch.Tensor`): `(B,)` scalar group advantages A_i.
+            k (`int`): the transition index.
+            rows (`torch.Tensor`, *optional*): the minibatch's row indices into the trajectory given to
+                `prepare_epoch`; without it (or before `prepare_epoch`) the maps are computed for this minibatch.
+
+        Returns:
+            (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, adv_map_abs``).
+        """
+        if rows is not None and self.advantage_maps is not None:
+            adv_map = self.advantage_maps[torch.as_tensor(rows).cpu()]
+        else:
+            adv_map = advantage_maps(self.compute_maps(policy, trajectory), advantages, self.advantage_clip)
+        step = recompute_step(policy, trajectory, k, reduction=self.log_prob_reduction,
+                              detach_unconditional=self.detach_unconditional)
+        device = step.log_prob.device
+        old = trajectory.log_probs[:, k].to(device)
+        if self.reduction == "scalar_weighted":
+            # mean over positions in float64, so an all-ones map gives back A_i bit for bit (test: equals GRPO)
+            adv = adv_map.to(device).double().reshape(len(adv_map), -1).mean(dim=1).float()
+        else:
+            adv = adv_map.to(device).float()
+            if tuple(old.shape) != tuple(adv.shape):
+                raise ValueError(f"per-position log-probs {tuple(old.shape)} do not match the advantage maps "
+                                 f"{tuple(adv.shape)}; the rollout must use reduction='per_position'.")
+        ratio = torch.exp(step.log_prob - old)
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
+        loss = torch.maximum(unclipped, clipped).mean()
+        metrics = {
+            "loss": loss.detach(),
+            "ratio": ratio.detach().mean(),
+            "clipfrac": ((ratio.detach() - 1).abs() > self.clip_range).float().mean(),
+            "approx_kl": (0.5 * (step.log_prob.detach() - old) ** 2).mean(),
+            "adv_map_abs": adv_map.abs().mean(),
+        }
+        return loss, metrics

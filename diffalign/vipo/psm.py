@@ -1,0 +1,188 @@
+r"""ViPO's Perceptual Structuring Module (PSM) and advantage maps (ALGORITHMS.md §6(a); arXiv:2511.18719 Eq. 5–8).
+
+For each decoded sample (each frame of a video):
+
+1. patch tokens F ∈ R^{N×d} from a frozen backbone (`diffalign.vipo.backbones`);
+2. PCA of the mean-centred tokens, K components (default 3): projections z_j and explained-variance ratios λ_j. The
+   sign of a principal axis is arbitrary; diffalign fixes it as scikit-learn ≥ 1.5 does (`svd_flip` on the axes: the
+   loading of largest magnitude of each axis is positive), so the map is deterministic;
+3. aggregation into one patch-grid map S: ``"weighted"`` (the released code) Σ_j λ_j z'_j clipped to [0, 1], with each
+   component normalised *reversed*, z'_j = (max z_j − z_j)/(max z_j − min z_j) (``orientation="reverse"``, as both
+   official training scripts; ``"forward"`` flips it); ``"average"`` the mean of the z'_j; ``"first"`` z'_1 only;
+4. Gaussian smoothing on the patch grid (σ = 1; 0 disables), min-max normalisation;
+5. antialiased bilinear resampling to the latent grid (h, w), min-max normalisation;
+6. video: the per-frame maps (F, h, w) are resampled (trilinear) to the latent frame count F_lat, smoothed along time
+   with a Gaussian (σ = 0.3), and min-max normalised over the whole volume;
+7. any failure (an exception, a non-finite value, or a constant map with nothing to normalise) gives an all-ones map
+   for that sample, i.e. plain GRPO for it; the number of such fallbacks is reported.
+
+Advantage maps (Eq. 8): A_i^p = clip(M_i(p) · A_i, ±5). Since M ≥ 0 the sign of A_i is kept at every position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+AGGREGATIONS = ("weighted", "average", "first")
+ORIENTATIONS = ("reverse", "forward")
+
+
+def minmax(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x − min)/(max − min) over `dims`, and a bool mask (over the remaining dims) of the slices that were constant
+    (those are returned as ones)."""
+    lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    span = hi - lo
+    flat = span <= 1e-8 * (1 + hi.abs())
+    out = torch.where(flat, torch.ones_like(x), (x - lo) / torch.where(flat, torch.ones_like(span), span))
+    return out, flat.reshape(flat.shape[0], -1).any(dim=1)
+
+
+def gaussian_kernel1d(sigma: float, device=None) -> torch.Tensor:
+    """A normalised 1-D Gaussian of std `sigma`, radius ceil(3σ) (at least 1)."""
+    radius = max(1, math.ceil(3 * sigma))
+    x = torch.arange(-radius, radius + 1, dtype=torch.float32, device=device)
+    k = torch.exp(-0.5 * (x / sigma) ** 2)
+    return k / k.sum()
+
+
+def smooth_1d(x: torch.Tensor, sigma: float, dim: int) -> torch.Tensor:
+    """Gaussian smoothing of `x` along `dim` with replicate padding (identity for σ ≤ 0 or a length-1 axis)."""
+    if sigma <= 0 or x.shape[dim] == 1:
+        return x
+    k = gaussian_kernel1d(sigma, x.device)
+    r = (len(k) - 1) // 2
+    moved = x.movedim(dim, -1)
+    shape = moved.shape
+    flat = moved.reshape(-1, 1, shape[-1])
+    flat = F.pad(flat, (r, r), mode="replicate")
+    out = F.conv1d(flat, k.view(1, 1, -1)).reshape(shape)
+    return out.movedim(-1, dim)
+
+
+def smooth_2d(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian smoothing of `(N, h, w)` maps."""
+    return smooth_1d(smooth_1d(x, sigma, -1), sigma, -2)
+
+
+def pca_components(tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-image PCA of `(N, P, d)` tokens: projections `(N, P, K)` and explained-variance ratios `(N, K)`
+    (K = min(k, P, d)); axes oriented as scikit-learn's `svd_flip` (largest-magnitude loading positive)."""
+    x = tokens.double() - tokens.double().mean(dim=1, keepdim=True)
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    k = min(k, s.shape[1])
+    vh = vh[:, :k]
+    idx = vh.abs().argmax(dim=2, keepdim=True)
+    sign = torch.sign(torch.gather(vh, 2, idx))
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    proj = x @ (vh * sign).transpose(1, 2)
+    var = s**2
+    ratio = var[:, :k] / var.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    return proj.float(), ratio.float()
+
+
+class PerceptualStructuring:
+    """The PSM: decoded samples → allocation maps on the latent grid, values in [0, 1].
+
+    Args:
+        backbone: a `diffalign.vipo.backbones.VisionBackbone` (or a spec string for `build_backbone`).
+        num_components (`int`, defaults to 3): K.
+        aggregation (`str`): "weighted" (default, released code), "average" or "first".
+        orientation (`str`): "reverse" (default, released code) or "forward" normalisation of each component.
+        spatial_sigma (`float`, defaults to 1.0): Gaussian σ on the patch grid (0 disables).
+        temporal_sigma (`float`, defaults to 0.3): Gaussian σ along latent frames (video only; 0 disables).
+        batch_size (`int`): frames per backbone forward.
+
+    Raises:
+        ValueError: for an unknown aggregation/orientation or K < 1.
+    """
+
+    def __init__(self, backbone, num_components: int = 3, aggregation: str = "weighted",
+                 orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
+                 batch_size: int = 64):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
+        if orientation not in ORIENTATIONS:
+            raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
+        if num_components < 1:
+            raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+        if isinstance(backbone, str) or backbone is None:
+            from diffalign.vipo.backbones import build_backbone
+
+            backbone = build_backbone(backbone)
+        self.backbone, self.num_components = backbone, num_components
+        self.aggregation, self.orientation = aggregation, orientation
+        self.spatial_sigma, self.temporal_sigma, self.batch_size = spatial_sigma, temporal_sigma, batch_size
+
+    def patch_maps(self, frames: torch.Tensor) -> torch.Tensor:
+        """Steps 1–4 for `(N, 3, H, W)` frames: `(N, gh, gw)` maps in [0, 1] (NaN where a frame failed)."""
+        tokens = torch.cat([self.backbone.patch_tokens(frames[s:s + self.batch_size])
+                            for s in range(0, len(frames), self.batch_size)])
+        n, gh, gw, d = tokens.shape
+        tokens = tokens.reshape(n, gh * gw, d)
+        broken = ~torch.isfinite(tokens).reshape(n, -1).all(dim=1)  # one bad frame must not sink the batch's SVD
+        proj, ratio = pca_components(torch.where(broken[:, None, None], torch.zeros_like(tokens), tokens),
+                                     self.num_components)
+        lo, hi = proj.amin(dim=1, keepdim=True), proj.amax(dim=1, keepdim=True)
+        span = (hi - lo).clamp_min(1e-12)
+        z = (hi - proj) / span if self.orientation == "reverse" else (proj - lo) / span
+        if self.aggregation == "weighted":
+            s = (z * ratio[:, None, :]).sum(dim=2).clamp(0, 1)
+        elif self.aggregation == "average":
+            s = z.mean(dim=2)
+        else:
+            s = z[:, :, 0]
+        s = smooth_2d(s.reshape(n, gh, gw), self.spatial_sigma)
+        s, flat = minmax(s, (1, 2))
+        s[flat | broken] = float("nan")
+        return s
+
+    @torch.no_grad()
+    def __call__(self, samples: torch.Tensor, latent_grid: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
+        """Maps for `samples` — images `(B, 3, H, W)` or videos `(B, F, 3, H, W)` in [0, 1] — on `latent_grid`
+        `(h, w)` (images) or `(F_lat, h, w)` (videos).
+
+        Returns:
+            (`(B, *latent_grid)` float32 maps in [0, 1], ``{"fallback": (B,) bool, "map_mean": float}``).
+        """
+        video = samples.ndim == 5
+        b = len(samples)
+        grid = tuple(int(g) for g in latent_grid)
+        fallback = torch.zeros(b, dtype=torch.bool)
+        try:
+            frames = samples.reshape(-1, *samples.shape[-3:]).float()
+            s = self.patch_maps(frames)  # (B·F, gh, gw)
+            bad = ~torch.isfinite(s).reshape(s.shape[0], -1).all(dim=1)
+            s = torch.nan_to_num(s, nan=1.0)
+            s = F.interpolate(s[:, None], size=grid[-2:], mode="bilinear", antialias=True, align_corners=False)[:, 0]
+            s, flat = minmax(s, (1, 2))
+            bad |= flat
+            if video:
+                nf = samples.shape[1]
+                s, bad = s.reshape(b, nf, *grid[-2:]), bad.reshape(b, nf).any(dim=1)
+                f_lat = grid[0] if len(grid) == 3 else 1
+                if f_lat != nf:
+                    s = F.interpolate(s[:, None], size=(f_lat, *grid[-2:]), mode="trilinear", align_corners=False)[:, 0]
+                s = smooth_1d(s, self.temporal_sigma, 1)
+                s, flat = minmax(s, (1, 2, 3))
+                bad |= flat
+                if len(grid) == 2:
+                    s = s[:, 0]
+            fallback |= bad.cpu()
+            s = s.clamp(0, 1)
+            s[fallback.to(s.device)] = 1.0
+        except Exception:  # noqa: BLE001 — ALGORITHMS.md §6(a) step 7: an all-ones map (plain GRPO) on failure
+            s = torch.ones((b, *grid))
+            fallback[:] = True
+        if tuple(s.shape[1:]) != grid:
+            s, fallback[:] = torch.ones((b, *grid)), True
+        return s.float(), {"fallback": fallback, "map_mean": float(s.mean())}
+
+
+def advantage_maps(maps: torch.Tensor, advantages: torch.Tensor, clip: float | None = 5.0) -> torch.Tensor:
+    """A_i^p = clip(M_i(p) · A_i, ±clip) (Eq. 8): `(B, *grid)` from `(B, *grid)` maps and `(B,)` advantages."""
+    adv = advantages.float().to(maps.device).reshape(-1, *([1] * (maps.ndim - 1)))
+    out = maps.float() * adv
+    return out.clamp(-clip, clip) if clip is not None else out

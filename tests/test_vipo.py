@@ -1,0 +1,216 @@
+"""ViPO (ALGORITHMS.md §6): per-position log-probs, the Perceptual Structuring Module, advantage maps, the objective
+(per-position and scalar-weighted) and the online loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffalign.models.tiny_flow import build_tiny_flow_policy
+from diffalign.models.tiny_random import build_tiny_random_policy
+from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+from diffalign.objectives.vipo import ViPO
+from diffalign.samplers.rollout import recompute_step, rollout
+from diffalign.vipo.backbones import Dinov2Backbone, TinyClipBackbone, build_backbone
+from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, pca_components
+from diffalign.world.render import render_spec, to_tensor
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle", "a blue square"]
+
+
+def world_images(n: int = 4) -> torch.Tensor:
+    specs = [{"tag": "single_object", "include": [{"class": "circle", "count": 1, "color": "red"}]},
+             {"tag": "counting", "include": [{"class": "square", "count": 2, "color": "blue"}]},
+             {"tag": "two_object", "include": [{"class": "triangle", "count": 1, "color": "green"},
+                                               {"class": "circle", "count": 1, "color": "yellow"}]},
+             {"tag": "single_object", "include": [{"class": "square", "count": 1, "color": "blue"}]}]
+    return to_tensor(__import__("numpy").stack([render_spec(specs[i % 4], seed=i) for i in range(n)]))
+
+
+def policy_for(family: str):
+    if family == "flow":
+        return build_tiny_flow_policy(seed=0), 0.7
+    return build_tiny_random_policy(seed=0), 1.0
+
+
+def perturb(policy, scale=0.05):
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+
+
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_per_position_log_probs_sum_over_channels_only(family):
+    policy, eta = policy_for(family)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    traj = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
+                   decode=False, reduction="per_position")
+    grid = tuple(traj.latents.shape[3:])
+    assert traj.log_probs.shape == (2, 3, *grid)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    summed = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
+                     decode=False, reduction="sum")
+    torch.testing.assert_close(traj.log_probs.sum(dim=(2, 3)), summed.log_probs, rtol=1e-5, atol=1e-3)
+    with torch.no_grad():
+        step = recompute_step(policy, traj, 1, reduction="per_position")
+    torch.testing.assert_close(step.log_prob, traj.log_probs[:, 1], rtol=0, atol=1e-4)
+
+
+def test_psm_maps_are_in_unit_interval_on_the_latent_grid():
+    psm = PerceptualStructuring(TinyClipBackbone())
+    images = world_images(4)
+    for grid in [(8, 8), (16, 12), (4, 4)]:
+        maps, info = psm(images, grid)
+        assert maps.shape == (4, *grid) and maps.min() >= 0 and maps.max() <= 1
+        assert not info["fallback"].any()
+        assert torch.allclose(maps.amax(dim=(1, 2)), torch.ones(4)) and torch.allclose(maps.amin(dim=(1, 2)),
+                                                                                       torch.zeros(4))
+    # videos: per-frame maps resampled to the latent frames, one min-max over the volume
+    video = torch.stack([images, images.flip(-1), images.flip(-2)], dim=1)  # (4, 3 frames, 3, 32, 32)
+    maps, info = psm(video, (2, 8, 8))
+    assert maps.shape == (4, 2, 8, 8) and maps.min() >= 0 and maps.max() <= 1 and not info["fallback"].any()
+
+
+def test_psm_options_change_the_map_and_pca_weights_are_variance_ratios():
+    images = world_images(2)
+    tokens = TinyClipBackbone().patch_tokens(images)
+    assert tokens.shape[:3] == (2, 8, 8)
+    proj, ratio = pca_components(tokens.reshape(2, 64, -1), 3)
+    assert proj.shape == (2, 64, 3) and (ratio[:, :-1] >= ratio[:, 1:]).all() and (ratio.sum(1) <= 1 + 1e-6).all()
+    base, _ = PerceptualStructuring(TinyClipBackbone())(images, (8, 8))
+    for kwargs in [{"aggregation": "first"}, {"orientation": "forward"}, {"spatial_sigma": 0.0}]:
+        other, _ = PerceptualStructuring(TinyClipBackbone(), **kwargs)(images, (8, 8))
+        assert not torch.allclose(base, other)
+
+
+def test_psm_falls_back_to_all_ones_on_failure_or_constant_images():
+    class Broken:
+        def patch_tokens(self, images):
+            raise RuntimeError("backbone down")
+
+    maps, info = PerceptualStructuring(Broken())(world_images(3), (8, 8))
+    assert torch.equal(maps, torch.ones(3, 8, 8)) and info["fallback"].all()
+    class Constant:  # every patch token identical: no structure to find
+        def patch_tokens(self, images):
+            return torch.ones(len(images), 8, 8, 16)
+
+    class NaNs:
+        def patch_tokens(self, images):
+            out = torch.randn(len(images), 8, 8, 16)
+            out[0, 0, 0, 0] = float("nan")  # only sample 0 is broken
+            return out
+
+    maps, info = PerceptualStructuring(Constant())(world_images(2), (8, 8))
+    assert torch.equal(maps, torch.ones(2, 8, 8)) and info["fallback"].all()
+    maps, info = PerceptualStructuring(NaNs())(world_images(2), (8, 8))
+    assert torch.equal(maps[0], torch.ones(8, 8)) and info["fallback"].tolist() == [True, False]
+    assert maps[1].min() == 0 and maps[1].max() == 1
+
+
+def test_dinov2_backbone_loads_from_a_local_folder(tmp_path):
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                             patch_size=4, image_size=32)).save_pretrained(tmp_path / "dinov2")
+    backbone = build_backbone(f"dinov2:{tmp_path / 'dinov2'}")
+    assert isinstance(backbone, Dinov2Backbone)
+    tokens = backbone.patch_tokens(world_images(2))
+    assert tokens.shape == (2, 8, 8, 32)
+    maps, info = PerceptualStructuring(backbone)(world_images(2), (8, 8))
+    assert maps.shape == (2, 8, 8) and maps.min() >= 0 and maps.max() <= 1
+    with pytest.raises(ValueError, match="not a folder"):
+        build_backbone(f"dinov2:{tmp_path / 'missing'}")
+
+
+def test_advantage_maps_keep_the_sign_of_each_sample_everywhere_and_clip():
+    maps = torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(0))
+    adv = torch.tensor([2.0, -1.5, 0.0, 9.0])
+    a = advantage_maps(maps, adv, clip=5.0)
+    assert (a[0] >= 0).all() and (a[1] <= 0).all() and (a[2] == 0).all()
+    assert a.abs().max() <= 5.0 and torch.allclose(a[1], -1.5 * maps[1])
+    for i, s in enumerate([1, -1]):
+        nz = a[i][maps[i] > 0]
+        assert (torch.sign(nz) == s).all()
+
+
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_all_ones_map_with_scalar_reduction_equals_grpo_exactly(family):
+    policy, eta = policy_for(family)
+    perturb(policy)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=4.5, eta=eta, generator=gens)
+    perturb(policy, 0.01)  # θ ≠ θ_old so the ratio and the clip are active
+    adv = torch.tensor([1.2, -0.7, 0.3, -2.0])
+    grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=0.0, detach_unconditional=True)
+    vipo = ViPO(clip_range=1e-2, reduction="scalar_weighted", map="ones")
+    vipo.prepare_epoch(policy, traj, adv)
+    rows = torch.tensor([2, 0, 3])
+    results = []
+    for objective, kwargs in [(grpo, {}), (vipo, {"rows": rows})]:
+        for p in policy.trainable_parameters():
+            p.grad = None
+        loss, metrics = objective(policy, traj.index(rows), adv[rows], 2, **kwargs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in policy.trainable_parameters()], metrics))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert results[0][2]["clipfrac"] == results[1][2]["clipfrac"]
+
+
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_per_position_objective_before_any_update_is_minus_the_mean_advantage_map(family):
+    policy, eta = policy_for(family)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    traj = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
+                   reduction="per_position")
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    vipo = ViPO(clip_range=1e-4)
+    vipo.prepare_epoch(policy, traj, adv)
+    assert vipo.maps.shape == (4, *traj.latents.shape[3:]) and vipo.maps.min() >= 0 and vipo.maps.max() <= 1
+    loss, metrics = vipo(policy, traj, adv, 1, rows=torch.arange(4))
+    torch.testing.assert_close(loss, -vipo.advantage_maps.mean(), rtol=1e-4, atol=1e-5)
+    assert abs(float(metrics["ratio"]) - 1) < 1e-4
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.trainable_parameters())
+
+
+def test_scalar_weighted_uses_the_mean_of_the_clipped_advantage_map():
+    policy, eta = policy_for("flow")
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    traj = rollout(policy, PROMPTS[:2], num_inference_steps=2, guidance_scale=1.0, eta=eta, generator=gens)
+    vipo = ViPO(reduction="scalar_weighted")
+    adv = torch.tensor([3.0, -3.0])
+    vipo.prepare_epoch(policy, traj, adv)
+    loss, _ = vipo(policy, traj, adv, 0, rows=torch.arange(2))
+    expected = -(vipo.advantage_maps.flatten(1).mean(1)).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_vipo_options_raise():
+    for kwargs, match in [({"reduction": "max"}, "reduction"), ({"map": "sam"}, "map"), ({"clip_range": 0},
+                          "clip_range"), ({"timestep_fraction": 0}, "timestep_fraction")]:
+        with pytest.raises(ValueError, match=match):
+            ViPO(**kwargs)
+    with pytest.raises(ValueError, match="aggregation"):
+        PerceptualStructuring(TinyClipBackbone(), aggregation="max")
+
+
+@pytest.mark.parametrize("case", ["flow", "sd"])
+def test_vipo_runs_in_the_online_loop(case, tmp_path):
+    from diffalign.train.online import train
+    from diffalign.validation import validate_train_config
+    from tests.test_cli import compose_cfg
+    from tests.test_online import online_overrides
+
+    model = ["model=tiny_flow_random", "sampler=flow_sde"] if case == "flow" else ["model=tiny_random",
+                                                                                  "sampler=ddim"]
+    cfg = compose_cfg(model + ["method=vipo", "online.shared_initial_noise=true"] + online_overrides(tmp_path))
+    validate_train_config(cfg)
+    results = train(cfg)
+    assert results["rollouts"] == 16
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    assert 0 < history[0]["vipo/map_mean"] <= 1 and history[0]["vipo/map_fallback"] < 1
