@@ -147,6 +147,26 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def remove_temporaries(output_dir: str | os.PathLike) -> list[Path]:
+    """Removes the ``.tmp-checkpoint-*`` / ``.tmp-delete-*`` folders that a run killed while saving or pruning left in
+    `output_dir` (they are never picked by `latest_checkpoint`). Call it from the main process when a run starts in
+    `output_dir`, never while another run writes there.
+
+    Returns:
+        `list[Path]`: the removed folders.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for child in sorted(output_dir.iterdir()):
+        if child.is_dir() and child.name.startswith((".tmp-checkpoint-", ".tmp-delete-")):
+            shutil.rmtree(child)
+            logger.warning("removed %s, left by a run that was killed while writing a checkpoint", child)
+            removed.append(child)
+    return removed
+
+
 def save_checkpoint(
     output_dir: str | os.PathLike,
     step: int,

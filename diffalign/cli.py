@@ -82,7 +82,15 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
-    run(cfg)
+    from diffalign.faults import NonFiniteError, TrainingInterrupted
+
+    try:
+        run(cfg)
+    except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
+        print(f"diffalign: {err}", file=sys.stderr)
+        raise SystemExit(err.exit_code) from None
+    except NonFiniteError as err:
+        raise SystemExit(f"diffalign: error: {err}") from None
 
 
 def _eval_main(cfg: DictConfig) -> None:

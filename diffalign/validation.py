@@ -34,6 +34,9 @@ def validate_train_config(cfg: DictConfig) -> None:
         _positive(cfg, f"trainer.{k}", t[k])
     if t.checkpointing_steps is not None and t.checkpointing_steps < 1:
         raise ValueError(f"trainer.checkpointing_steps must be >= 1 or null, got {t.checkpointing_steps}")
+    if t.get("max_consecutive_nonfinite", 5) is None or t.get("max_consecutive_nonfinite", 5) < 1:
+        raise ValueError(f"trainer.max_consecutive_nonfinite must be >= 1 (non-finite updates skipped in a row before "
+                         f"the run stops with a checkpoint), got {t.max_consecutive_nonfinite}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"trainer.mixed_precision must be one of {MIXED_PRECISION}, got {t.mixed_precision!r}")
     if not cfg.get("reward"):

@@ -19,7 +19,10 @@ ViPO).
      minibatches, each over a random ``method.timestep_fraction`` of the stored transitions.
 
 Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
-exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻ and the DDPO tracker. After training the
+exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻, the DDPO tracker and the non-finite
+counters. A non-finite loss or gradient skips that update (``nonfinite_skips``; ``trainer.max_consecutive_nonfinite``
+in a row stop the run with a checkpoint); SIGTERM / SIGINT stop it at the next epoch boundary with a checkpoint
+(`diffalign.faults`). After training the
 base and fine-tuned models are evaluated on ``eval.prompts`` as in the preference loop.
 """
 
@@ -39,8 +42,16 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from diffalign.advantages import PerPromptStatTracker, group_advantages
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
+from diffalign.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    remove_temporaries,
+    save_checkpoint,
+    write_state,
+)
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.monitors import build_monitor
 from diffalign.objectives.dgpo import select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
@@ -90,12 +101,20 @@ def train(cfg: DictConfig) -> dict:
             policy-gradient method needs stored log-probs: ``sampler.name=sde`` with ``sampler.eta > 0``), a group
             size < 2, or a DGPO micro-batch that is not a whole number of groups.
         RewardError: when a reward fails (after a checkpoint is written).
+        NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
+        TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
+    with StopSignals() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     t_start = time.time()
     output_dir = Path(cfg.output_dir)
     tr, on, sp = cfg.trainer, cfg.online, cfg.sampler
     log_with = None if tr.log_with in (None, "none") else tr.log_with
     accelerator = Accelerator(mixed_precision=tr.mixed_precision, log_with=log_with, cpu=tr.cpu,
+                              step_scheduler_with_optimizer=False,  # one LR step per update on any number of processes
                               project_config=ProjectConfiguration(project_dir=str(output_dir),
                                                                   logging_dir=str(output_dir / "logs")))
     set_seed(cfg.seed)
@@ -152,6 +171,9 @@ def train(cfg: DictConfig) -> dict:
 
     # ---------------------------------------------------------------------------------------------------- resume
     epoch, global_step = 0, 0
+    guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
+    if accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
+        remove_temporaries(output_dir)
     if cfg.resume is not None:
         ckpt = latest_checkpoint(output_dir) if cfg.resume == "latest" else Path(cfg.resume)
         if ckpt is None:
@@ -165,6 +187,7 @@ def train(cfg: DictConfig) -> dict:
                 old_policy.load_state_dict(read_state(ckpt, "old_policy_state"))
             if tracker is not None:
                 tracker.load_state_dict(state["tracker"])
+            guard.load_state_dict(state.get("nonfinite", guard.state_dict()))
             accelerator.print(f"[diffalign] resumed from {ckpt} at epoch {epoch} (step {global_step})")
 
     def write_dir(directory: Path) -> None:
@@ -177,19 +200,35 @@ def train(cfg: DictConfig) -> dict:
         return save_checkpoint(output_dir, global_step, lora_dir_writer=write_dir, optimizer=optimizer,
                                lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
                                state={"epoch": at_epoch, "global_step": global_step,
-                                      "tracker": tracker.state_dict() if tracker is not None else {}})
+                                      "tracker": tracker.state_dict() if tracker is not None else {},
+                                      "nonfinite": guard.state_dict()})
 
-    def optimizer_step() -> None:
+    def stop_with_checkpoint(at_epoch: int) -> Path:
+        """The checkpoint of the current step (written by the main process unless it exists), after a barrier."""
+        ckpt = output_dir / f"checkpoint-{global_step}"
+        if accelerator.is_main_process and not ckpt.exists():
+            write_checkpoint(at_epoch)
+        accelerator.wait_for_everyone()
+        return ckpt
+
+    def optimizer_step(loss_finite: bool) -> None:
         nonlocal global_step
-        if tr.max_grad_norm is not None:
-            accelerator.clip_grad_norm_(params, tr.max_grad_norm)
-        optimizer.step()
+        # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
+        if guard.update_ok(accelerator, params, tr.max_grad_norm, loss_finite):
+            optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         global_step += 1
         reference.on_step(policy, global_step)
         if old_policy is not None:
             old_policy.after_update()
+        if guard.exhausted:
+            ckpt = stop_with_checkpoint(epoch)
+            raise NonFiniteError(
+                f"{guard.consecutive} updates in a row had a non-finite loss or gradient (epoch {epoch}, step "
+                f"{global_step}, trainer.max_consecutive_nonfinite={guard.max_consecutive}); checkpoint saved to "
+                f"{ckpt} (mid-epoch: it restarts epoch {epoch}). Lower trainer.learning_rate, set "
+                "trainer.max_grad_norm, or use trainer.mixed_precision=no", checkpoint=ckpt)
 
     # ---------------------------------------------------------------------------------------------------- train
     progress = tqdm(total=on.num_epochs, initial=epoch, desc="epochs", disable=not accelerator.is_main_process)
@@ -209,6 +248,12 @@ def train(cfg: DictConfig) -> dict:
             history.append({"epoch": 0, "step": 0, "rollouts": 0, "train_seconds": 0.0, **first})
     per_proc = on.groups_per_epoch // num_proc
     while epoch < on.num_epochs:
+        if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint at this epoch boundary, then exit
+            ckpt = stop_with_checkpoint(epoch)
+            accelerator.print(f"[diffalign] {stop.name} received: stopped before epoch {epoch}, checkpoint {ckpt}; "
+                              "continue with resume=latest")
+            raise TrainingInterrupted(f"stopped by {stop.name} before epoch {epoch} (step {global_step}); checkpoint "
+                                      f"saved to {ckpt}; continue with resume=latest", stop.signum, checkpoint=ckpt)
         t_epoch = time.time()
         # 1. prompts of this epoch (the same draw on every process; each takes its own slice)
         pick = torch.randint(len(rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, _PROMPTS))
@@ -266,6 +311,7 @@ def train(cfg: DictConfig) -> dict:
                                             generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS))
             units = [(ti, start) for ti in range(len(chosen)) for start in range(0, len(x0), tr.batch_size)]
             for part in _split(units, on.updates_per_epoch):
+                part_finite = True
                 for ti, start in part:
                     rows_idx = slice(start, start + tr.batch_size)
                     gids = group_ids[rows_idx]
@@ -276,10 +322,10 @@ def train(cfg: DictConfig) -> dict:
                         loss, metrics = objective(policy, batch, timesteps=chosen[ti].to(x0.device),
                                                   noise=noise.to(x0.device), reference=reference,
                                                   old_policy=old_policy)
-                    _check_finite(loss, global_step)
+                    part_finite = part_finite and bool(torch.isfinite(loss))
                     accelerator.backward(loss / len(part))
                     add(metrics)
-                optimizer_step()
+                optimizer_step(part_finite)
         else:
             num_steps = len(traj.timesteps)
             n_train = max(1, math.floor(num_steps * objective.timestep_fraction))
@@ -289,23 +335,24 @@ def train(cfg: DictConfig) -> dict:
                 steps = torch.randperm(num_steps, generator=gen)[:n_train].sort().values.tolist()
                 units = [(perm[s:s + tr.batch_size], k) for s in range(0, len(perm), tr.batch_size) for k in steps]
                 for part in _split(units, on.updates_per_epoch):
+                    part_finite = True
                     for idx, k in part:
                         mb = traj.index(idx)
                         with accelerator.autocast():
                             loss, metrics = objective(policy, mb, advantages[idx].to(mb.latents.device), k,
                                                       reference=reference,
                                                       **({"rows": idx} if prepare is not None else {}))
-                        _check_finite(loss, global_step)
+                        part_finite = part_finite and bool(torch.isfinite(loss))
                         accelerator.backward(loss / len(part))
                         add(metrics)
-                    optimizer_step()
+                    optimizer_step(part_finite)
         epoch += 1
         train_clock += time.time() - t_epoch
         logs = {k: v / max(1, n_units) for k, v in sums.items()}
         logs.update(reward_metrics(scored))
         logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
         logs.update({f"vipo/{k}": v for k, v in (epoch_stats or {}).items()})
-        logs.update({"lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
+        logs.update({"nonfinite_skips": guard.skips, "lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
                      "train_seconds": train_clock, "rollouts": epoch * on.groups_per_epoch * on.group_size})
         logs.update(monitor_logs())
         history.append({"epoch": epoch, "step": global_step, **logs})
@@ -347,12 +394,6 @@ def train(cfg: DictConfig) -> dict:
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
     accelerator.end_training()
     return results
-
-
-def _check_finite(loss: torch.Tensor, step: int) -> None:
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}; lower trainer.learning_rate or "
-                                 "method.beta, or use trainer.mixed_precision=no")
 
 
 class _null:

@@ -39,9 +39,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, write_state
+from diffalign.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    remove_temporaries,
+    save_checkpoint,
+    write_state,
+)
 from diffalign.data.preference import ResumableSampler
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.report import write_report
@@ -97,7 +105,14 @@ def train(cfg: DictConfig) -> dict:
     Raises:
         ValueError: when the selected method's ``data_flow`` is neither "pairs" nor "winners", when a "pairs" method
             gets data without losers, or when the data's image size is not the model's pixel size.
+        NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
+        TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
+    with StopSignals() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     # ------------------------------------------------------------------------------------------------------------------
     # 1. setup: accelerator, seeds, policy, objective, data, optimizer
     # ------------------------------------------------------------------------------------------------------------------
@@ -111,6 +126,7 @@ def train(cfg: DictConfig) -> dict:
         log_with=log_with,
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         cpu=tr.cpu,
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, whatever the number of processes
     )
     set_seed(cfg.seed)
     objective = instantiate(cfg.method)
@@ -142,6 +158,7 @@ def train(cfg: DictConfig) -> dict:
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, tr.max_steps, tr.lr_scheduler)
     policy.denoiser, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
     noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
@@ -157,7 +174,7 @@ def train(cfg: DictConfig) -> dict:
             lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
             state={"global_step": step, "epoch": sampler.state_dict()["epoch"] if sampler is not None else 0,
                    "sampler": sampler.state_dict() if sampler is not None else None,  # None: stopped while preparing
-                   "noise_generator": noise_generator.get_state().tolist()},
+                   "noise_generator": noise_generator.get_state().tolist(), "nonfinite": guard.state_dict()},
         )
 
     def checkpoint_before_stop(step: int) -> Path | None:
@@ -166,6 +183,12 @@ def train(cfg: DictConfig) -> dict:
         if not accelerator.is_main_process:
             return None
         return existing if existing.exists() else write_checkpoint(step)
+
+    def stop_with_checkpoint(step: int) -> Path:
+        """`checkpoint_before_stop` on the main process, then a barrier (the others wait for the write to finish)."""
+        ckpt = checkpoint_before_stop(step)
+        accelerator.wait_for_everyone()
+        return ckpt if ckpt is not None else output_dir / f"checkpoint-{step}"
 
     sampler = None
     if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
@@ -186,6 +209,8 @@ def train(cfg: DictConfig) -> dict:
     # 2. resume
     # ------------------------------------------------------------------------------------------------------------------
     global_step = 0
+    if accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
+        remove_temporaries(output_dir)
     if cfg.resume is not None:
         ckpt = latest_checkpoint(output_dir) if cfg.resume == "latest" else Path(cfg.resume)
         if ckpt is None:
@@ -198,6 +223,7 @@ def train(cfg: DictConfig) -> dict:
                 sampler.load_state_dict(state["sampler"])
             noise_generator.set_state(torch.tensor(state["noise_generator"], dtype=torch.uint8))
             reference.load_state_dict(read_state(ckpt, "reference_state"))
+            guard.load_state_dict(state.get("nonfinite", guard.state_dict()))
             accelerator.print(f"[diffalign] resumed from {ckpt} at step {global_step}")
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -211,7 +237,14 @@ def train(cfg: DictConfig) -> dict:
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
             monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
     while global_step < tr.max_steps:
+        if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
+            ckpt = stop_with_checkpoint(global_step)
+            accelerator.print(f"[diffalign] {stop.name} received: stopped at step {global_step}, checkpoint {ckpt}; "
+                              "continue with resume=latest")
+            raise TrainingInterrupted(f"stopped by {stop.name} at step {global_step}; checkpoint saved to {ckpt}; "
+                                      "continue with resume=latest", stop.signum, checkpoint=ckpt)
         sums: dict[str, float] = {}
+        loss_finite = True
         reference.on_step(policy, global_step)
         for _ in range(tr.gradient_accumulation_steps):
             batch_data = dataset.collate(sampler.next_batch())
@@ -240,20 +273,26 @@ def train(cfg: DictConfig) -> dict:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
             with accelerator.accumulate(policy.denoiser), accelerator.autocast():
                 loss, metrics = objective(policy, batch, generator=noise_generator, reference=reference)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {global_step}; lower "
-                                             "trainer.learning_rate or method.beta, or use mixed_precision=no")
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and tr.max_grad_norm is not None:
-                    accelerator.clip_grad_norm_(params, tr.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                loss_finite = loss_finite and bool(torch.isfinite(loss))
+                accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
             for k, v in metrics.items():
                 if torch.is_tensor(v) and v.numel() == 1:
                     sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
+        # a non-finite loss or gradient (on any process) skips the update; the step still counts (data, LR schedule)
+        if guard.update_ok(accelerator, params, tr.max_grad_norm, loss_finite):
+            optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         global_step += 1
+        sums["nonfinite_skips"] = guard.skips
         sums["lr"] = lr_scheduler.get_last_lr()[0]
+        if guard.exhausted:
+            ckpt = stop_with_checkpoint(global_step)
+            raise NonFiniteError(
+                f"{guard.consecutive} updates in a row had a non-finite loss or gradient (step {global_step}, "
+                f"trainer.max_consecutive_nonfinite={guard.max_consecutive}); checkpoint saved to {ckpt}. Lower "
+                "trainer.learning_rate or method.beta, set trainer.max_grad_norm, or use trainer.mixed_precision=no, "
+                "then resume with resume=latest", checkpoint=ckpt)
         history.append({"step": global_step, **sums})
         accelerator.log(sums, step=global_step)
         if monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps

@@ -1,0 +1,131 @@
+"""Fault handling shared by the training loops: non-finite updates and stop signals.
+
+- `NonFiniteGuard` decides, once per optimizer update, whether the update may be applied: a non-finite loss on any
+  micro-batch or a non-finite gradient norm (after clipping; all-reduced over processes) skips it. Skips are counted
+  (``nonfinite_skips``, logged); after ``trainer.max_consecutive_nonfinite`` skips in a row the loop saves a
+  checkpoint and raises `NonFiniteError`.
+- `StopSignals` turns SIGTERM / SIGINT into a flag that the loops read between updates (agreed over processes); the
+  loop then writes a checkpoint and raises `TrainingInterrupted`, which the CLI turns into exit code 128 + signal
+  (143 for SIGTERM, 130 for SIGINT). A second SIGINT interrupts at once (KeyboardInterrupt).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many non-finite updates in a row; `checkpoint` is the folder saved before stopping."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class TrainingInterrupted(RuntimeError):
+    """A stop signal ended the run after a checkpoint was saved; `exit_code` is 128 + the signal number."""
+
+    def __init__(self, message: str, signum: int, checkpoint: Path | None = None):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.checkpoint = checkpoint
+
+
+def any_process(accelerator, flag: bool) -> bool:
+    """`flag` OR-ed over all processes (a no-op on one process), so every process takes the same branch."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum").item() > 0)
+
+
+class NonFiniteGuard:
+    """Counts skipped updates and says when to stop.
+
+    Args:
+        max_consecutive (`int`): skips in a row after which `update_ok` raises `NonFiniteError` (≥ 1).
+    """
+
+    def __init__(self, max_consecutive: int):
+        if max_consecutive < 1:
+            raise ValueError(f"trainer.max_consecutive_nonfinite must be >= 1, got {max_consecutive}")
+        self.max_consecutive = max_consecutive
+        self.skips = 0
+        self.consecutive = 0
+
+    def update_ok(self, accelerator, params, max_grad_norm: float | None, loss_finite: bool) -> bool:
+        """Clips the gradients (when `max_grad_norm` is set), then returns whether the update may be applied: every
+        micro-batch loss of this update finite (`loss_finite`, this process's) and the gradient norm finite, on every
+        process. On a skip the caller zeroes the gradients and does not call ``optimizer.step()``.
+
+        Under fp16 mixed precision a non-finite gradient with finite losses is a loss-scale overflow: it is left to
+        the GradScaler (which skips the step and lowers the scale), so it returns True and is not counted here.
+        """
+        norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
+        grads_finite = norm is None or bool(torch.isfinite(torch.as_tensor(norm)).all())
+        if accelerator.scaler is not None and loss_finite:
+            grads_finite = True
+        bad = any_process(accelerator, not (loss_finite and grads_finite))
+        if bad:
+            self.skips += 1
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+        return not bad
+
+    @property
+    def exhausted(self) -> bool:
+        return self.consecutive >= self.max_consecutive
+
+    def state_dict(self) -> dict:
+        return {"skips": self.skips, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skips, self.consecutive = int(state["skips"]), int(state["consecutive"])
+
+
+class StopSignals:
+    """A context manager that records SIGTERM / SIGINT instead of dying, so the loop can checkpoint and exit.
+
+    Handlers are installed only in the main thread (elsewhere this does nothing) and restored on exit. After the first
+    SIGINT the default SIGINT handler is back, so a second Ctrl-C interrupts at once.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def __enter__(self) -> StopSignals:  # noqa: PYI034 (Python 3.10 has no typing.Self)
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        return False
+
+    def requested(self, accelerator) -> bool:
+        """Whether any process received a stop signal (every process must call this at the same point)."""
+        if any_process(accelerator, self.signum is not None):
+            self.signum = self.signum or signal.SIGTERM  # (another process got it)
+            return True
+        return False
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "signal"
