@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
@@ -259,6 +260,34 @@ def save_checkpoint(
     return final
 
 
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Checks that `path` is a complete checkpoint whose files all read back: the state files exist, every
+    ``*.json`` parses and every ``*.safetensors`` has a valid header and its full length (a truncated copy fails).
+
+    Raises:
+        FileNotFoundError: if `path` or one of ``trainer_state.json``, ``optimizer.json``, ``rng_state.json``,
+            ``rng_state.safetensors`` is missing.
+        ValueError: naming the damaged file and the earlier checkpoints to resume from instead.
+    """
+    path = Path(path)
+    for name in ("trainer_state.json", "optimizer.json", "rng_state.json", "rng_state.safetensors"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint directory (no {name}); pass a "
+                                    "checkpoint-<step> folder written by diffalign-train")
+    for file in sorted(path.iterdir()):
+        try:
+            if file.suffix == ".json":
+                json.loads(file.read_text())
+            elif file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as handle:
+                    handle.keys()
+        except (SafetensorError, OSError, ValueError) as err:
+            step = _CHECKPOINT_RE.match(path.name)
+            earlier = [p.name for s, p in _numbered_checkpoints(path.parent) if step and s < int(step.group(1))]
+            raise ValueError(f"{file} is truncated or damaged ({err}); resume from an earlier checkpoint "
+                             f"(resume=<folder>; in {path.parent}: {earlier[-3:] or 'none'}) or delete {path}") from None
+
+
 def load_checkpoint(
     path: str | os.PathLike, *, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None
 ) -> dict[str, Any]:
@@ -280,11 +309,11 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: if `path` or one of its state files is missing (e.g. a scheduler is passed but none was
             saved).
-        ValueError: if the checkpoint holds CUDA RNG states for a different number of devices.
+        ValueError: if a file of the checkpoint is truncated or damaged (see `verify_checkpoint`), or the checkpoint
+            holds CUDA RNG states for a different number of devices.
     """
     path = Path(path)
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint directory (no trainer_state.json).")
+    verify_checkpoint(path)
     optimizer.load_state_dict(_read_state(path, "optimizer"))
     if lr_scheduler is not None:
         if not (path / "scheduler.json").is_file():

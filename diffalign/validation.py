@@ -82,9 +82,9 @@ def validate_train_config(cfg: DictConfig) -> None:
     if cfg.eval.enabled:
         validate_eval_config(cfg)
     resume = cfg.get("resume")
-    if resume not in (None, "latest") and not Path(resume).is_dir():
-        raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder; use resume=latest or a path to a "
-                                "checkpoint-<step> folder")
+    if resume not in (None, "latest") and not (Path(resume) / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder (no trainer_state.json); use "
+                                "resume=latest or a path to a checkpoint-<step> folder")
     output_dir = Path(str(cfg.output_dir))
     if cfg.get("resume") is None and output_dir.is_dir() and any(output_dir.glob("checkpoint-*")):
         raise ValueError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "

@@ -68,12 +68,22 @@ def prepare_image(image: Image.Image, resolution: int | None) -> torch.Tensor:
     """RGB, shorter side resized to `resolution` (bilinear), center crop to `resolution` × `resolution`.
 
     Args:
-        image (`PIL.Image.Image`): any mode (palette, grey, RGBA, ...; alpha is dropped).
+        image (`PIL.Image.Image`): any 8-bit mode (palette, grey, RGBA, CMYK, ...; alpha is dropped) or 16-bit grey
+            (modes ``I;16*`` / ``I``, scaled by 255/65535: PIL's own conversion would clip everything above 255).
         resolution (`int`, *optional*): side in pixels; `None` keeps the size (RGB conversion only).
 
     Returns:
         `torch.Tensor` float32 `(3, resolution, resolution)` (or `(3, H, W)`) in [0, 1].
+
+    Raises:
+        ValueError: for floating-point images (mode ``F``), whose value range is unknown.
     """
+    if image.mode.startswith("I"):  # 16-bit grey PNG/TIFF
+        grey = np.clip(np.round(np.asarray(image, dtype=np.float64) / 257.0), 0, 255).astype(np.uint8)
+        image = Image.fromarray(grey, mode="L")
+    elif image.mode == "F":
+        raise ValueError("floating-point (mode F) images are not supported: their value range is unknown; save them "
+                         "as 8- or 16-bit PNG")
     image = image.convert("RGB")
     if resolution is not None:
         width, height = image.size
@@ -89,4 +99,8 @@ def prepare_image(image: Image.Image, resolution: int | None) -> torch.Tensor:
 
 def load_image(value: Any, where: str, resolution: int | None, root: str | os.PathLike | None = None) -> torch.Tensor:
     """`open_image` then `prepare_image`: a float32 `(3, resolution, resolution)` tensor in [0, 1]."""
-    return prepare_image(open_image(value, where, root), resolution)
+    image = open_image(value, where, root)
+    try:
+        return prepare_image(image, resolution)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None

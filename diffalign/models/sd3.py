@@ -406,7 +406,16 @@ class FlowMatchingPolicy(nn.Module):
         path = os.path.join(directory, LORA_WEIGHT_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"No {LORA_WEIGHT_NAME} in {directory!r}; pass the folder `save_lora_weights` wrote.")
-        state_dict = safetensors.torch.load_file(path)
+        try:
+            state_dict = safetensors.torch.load_file(path)
+        except (safetensors.SafetensorError, OSError) as err:  # a truncated or damaged file
+            raise ValueError(f"{path!r} cannot be read ({err}); the file is truncated or damaged: use another "
+                             "checkpoint folder") from None
+        if not any(k.startswith("transformer.") for k in state_dict):
+            found = sorted({k.split(".", 1)[0] for k in state_dict})
+            raise ValueError(f"{path!r} holds LoRA weights for {found} modules, not for an SD3-format transformer "
+                             f"('transformer.*' keys); it was saved from another model family: pass a LoRA folder of a "
+                             "run with this model")
         state_dict = {k.removeprefix("transformer."): v for k, v in state_dict.items() if k.startswith("transformer.")}
         state_dict = convert_unet_state_dict_to_peft(state_dict)
         expected = get_peft_model_state_dict(self.transformer)

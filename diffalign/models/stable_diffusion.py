@@ -12,6 +12,7 @@ FLUX, Wan) predict a velocity on a continuous sigma; video models keep their nat
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from torch import nn
 from transformers import CLIPTextModel, PreTrainedTokenizerBase
 
 from diffalign.types import PromptEmbeds
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -125,6 +128,7 @@ class StableDiffusionPolicy(nn.Module):
         self.text_encoder = text_encoder.requires_grad_(False).eval()
         self.unet = unet.requires_grad_(False)
         self.tokenizer = tokenizer
+        self._warned_truncated: set[str] = set()  # prompts already reported as too long
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
@@ -350,6 +354,13 @@ class StableDiffusionPolicy(nn.Module):
         return embeds if num_images_per_prompt == 1 else embeds.repeat_interleave(num_images_per_prompt)
 
     def _encode_text(self, texts: list[str]) -> torch.Tensor:
+        # prompts longer than the text encoder's context are truncated, as in diffusers; say so once per prompt
+        max_length = self.tokenizer.model_max_length
+        for text, n in zip(texts, (len(ids) for ids in self.tokenizer(texts).input_ids)):
+            if n > max_length and text not in self._warned_truncated:
+                self._warned_truncated.add(text)
+                logger.warning("prompt %r has %d tokens; the text encoder reads only the first %d, the rest is "
+                               "ignored", text, n, max_length)
         ids = self.tokenizer(
             texts,
             padding="max_length",
@@ -542,7 +553,16 @@ class StableDiffusionPolicy(nn.Module):
         path = os.path.join(directory, LORA_WEIGHT_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"No {LORA_WEIGHT_NAME} in {directory!r}; pass the folder `save_lora_weights` wrote.")
-        state_dict = safetensors.torch.load_file(path)
+        try:
+            state_dict = safetensors.torch.load_file(path)
+        except (safetensors.SafetensorError, OSError) as err:  # a truncated or damaged file
+            raise ValueError(f"{path!r} cannot be read ({err}); the file is truncated or damaged: use another "
+                             "checkpoint folder") from None
+        if not any(k.startswith("unet.") for k in state_dict):
+            found = sorted({k.split(".", 1)[0] for k in state_dict})
+            raise ValueError(f"{path!r} holds LoRA weights for {found} modules, not for a UNet (SD1.x/2.x) "
+                             f"('unet.*' keys); it was saved from another model family: pass a LoRA folder of a "
+                             "run with this model")
         state_dict = {k.removeprefix("unet."): v for k, v in state_dict.items() if k.startswith("unet.")}
         state_dict = convert_unet_state_dict_to_peft(state_dict)
         expected = get_peft_model_state_dict(self.unet)

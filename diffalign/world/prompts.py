@@ -23,6 +23,7 @@ caption using one of them is held out entirely (compositional generalisation). N
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 from pathlib import Path
@@ -89,10 +90,13 @@ def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
       (the per-tag breakdown), and every other column is kept under its lower-cased name;
     - anything else (``.txt``): one prompt per non-empty line.
 
+    Blank lines (and CSV rows with an empty prompt cell) are skipped. Files are read as UTF-8 (a BOM is allowed).
+
     Raises:
         FileNotFoundError: when the path does not exist (the message says which splits ship with the package).
-        ValueError: when the file holds no prompts, a jsonl row lacks a ``prompt`` field, or a CSV/TSV has no prompt
-            column.
+        ValueError: when the file holds no prompts, is not UTF-8, a jsonl line is not JSON or lacks a ``prompt``
+            field, a jsonl prompt is not a string or is empty/whitespace, or a CSV/TSV has no prompt column; the
+            message names the file and line.
     """
     shipped = ("train", "heldout", "video_train", "video_heldout")  # video_*: diffalign.world.video
     path = PROMPT_DIR / f"{split_or_path}.jsonl" if split_or_path in shipped else Path(split_or_path)
@@ -101,10 +105,16 @@ def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
                                 "jsonl/csv/tsv/txt file or to one of the shipped splits 'train' / 'heldout' (video: "
                                 "'video_train' / 'video_heldout')")
     rows = []
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise ValueError(f"{field}: {path}:{line} is not UTF-8 (byte {err.object[err.start:err.start + 1]!r} at offset "
+                         f"{err.start}); re-save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name}`") from None
     if path.suffix.lower() in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            records = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-            fieldnames = list(records[0]) if records else []
+        records = list(csv.DictReader(io.StringIO(text, newline=""),
+                                      delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+        fieldnames = list(records[0]) if records else []
         columns = {c.strip().lower(): c for c in fieldnames if c is not None}
         prompt_col = next((columns[c] for c in ("prompt", "prompts", "text") if c in columns), None)
         if records and prompt_col is None:
@@ -118,12 +128,18 @@ def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
                 row["tag"] = row.pop("category")
             rows.append({"prompt": record[prompt_col].strip(), **row})
     else:
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        for n, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
-            row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
-            if "prompt" not in row:
+            try:
+                row = json.loads(line) if path.suffix == ".jsonl" else {"prompt": line.strip()}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{field}: {path}:{n}: not a JSON object ({err})") from None
+            if not isinstance(row, dict) or "prompt" not in row:
                 raise ValueError(f"{field}: {path}:{n}: row has no 'prompt' field")
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                raise ValueError(f"{field}: {path}:{n}: prompt {row['prompt']!r} is empty or not text; give it text "
+                                 "or remove the line")
             rows.append(row)
     if not rows:
         raise ValueError(f"{field}={split_or_path!r}: prompt file {str(path)!r} holds no prompts; add at least one line")
