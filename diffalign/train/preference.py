@@ -54,8 +54,11 @@ from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.report import write_report
 from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
+from diffalign.samplers.groups import stream_seed
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
+
+_NOISE_TAG = 20  # stream tag of the training noise of processes > 0 (diffalign.samplers.groups.stream_seed)
 
 
 def _flat_hparams(cfg: DictConfig) -> dict:
@@ -196,7 +199,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
             dataset.prepare(policy, rewards)
         accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
-    sampler = ResumableSampler(len(dataset), tr.batch_size, seed=cfg.seed, shuffle=True, drop_last=True)
+    # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
+    num_proc, rank = accelerator.num_processes, accelerator.process_index
+    sampler = ResumableSampler(len(dataset), tr.batch_size * num_proc, seed=cfg.seed, shuffle=True, drop_last=True)
     n_trainable = sum(p.numel() for p in params)
     effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
     unit = "pairs" if data_flow == "pairs" else "winners"
@@ -246,8 +251,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         sums: dict[str, float] = {}
         loss_finite = True
         reference.on_step(policy, global_step)
-        for _ in range(tr.gradient_accumulation_steps):
-            batch_data = dataset.collate(sampler.next_batch())
+        for micro in range(tr.gradient_accumulation_steps):
+            batch_data = dataset.collate(sampler.next_batch()[rank * tr.batch_size:(rank + 1) * tr.batch_size])
             if "latents_w" in batch_data:
                 if tuple(batch_data["latents_w"].shape[1:]) != tuple(policy.latent_shape):
                     raise ValueError(f"data latents are {tuple(batch_data['latents_w'].shape[1:])} but the model's are "
@@ -272,7 +277,11 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             else:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
             with accelerator.accumulate(policy.denoiser), accelerator.autocast():
-                loss, metrics = objective(policy, batch, generator=noise_generator, reference=reference)
+                # process 0 uses the checkpointed noise stream; the others one seeded per (seed, process, step), so
+                # processes never share noise and every stream resumes exactly
+                generator = noise_generator if rank == 0 else torch.Generator().manual_seed(
+                    stream_seed(cfg.seed, global_step, rank, micro, _NOISE_TAG))
+                loss, metrics = objective(policy, batch, generator=generator, reference=reference)
                 loss_finite = loss_finite and bool(torch.isfinite(loss))
                 accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
             for k, v in metrics.items():
