@@ -214,3 +214,16 @@ def test_vipo_runs_in_the_online_loop(case, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert 0 < history[0]["vipo/map_mean"] <= 1 and history[0]["vipo/map_fallback"] < 1
+
+
+@pytest.mark.parametrize("recipe", ["tiny_vipo_image", "tiny_vipo_video", "vipo_wan"])
+def test_vipo_recipes_compose(recipe, tmp_path):
+    from tests.test_cli import compose_cfg
+
+    cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}"])
+    assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and cfg.sampler.eta > 0
+    assert cfg.online.shared_initial_noise and cfg.method.clip_range == 1e-4 and cfg.method.timestep_fraction == 0.6
+    if recipe == "tiny_vipo_image":
+        from diffalign.validation import validate_train_config
+
+        validate_train_config(cfg)

@@ -32,7 +32,7 @@ def build_tiny_t2v_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, tex
                             unet: UNet3DConditionModel | None = None) -> TextToVideoSDPipeline:
     """A tiny `TextToVideoSDPipeline`; pass trained components to assemble the shipped model."""
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(video=True)
     if vae is None:
         vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
                             up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16),
@@ -63,7 +63,7 @@ def build_tiny_t2v_policy(seed: int = 0, num_frames: int = 4, lora_rank: int | N
 def build_tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> WanPipeline:
     """A tiny random `WanPipeline` (32×32 px; 8× spatial, 4× temporal VAE compression, z_dim 4)."""
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(video=True)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1,
                                                num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
                                                eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0))
@@ -82,7 +82,7 @@ def build_tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> WanPipeli
 
 def build_tiny_wan_policy(seed: int = 0, num_frames: int = 9, lora_rank: int | None = 4,
                           lora_alpha: float | None = None, lora_seed: int = 0,
-                          max_sequence_length: int = 12) -> WanPolicy:
+                          max_sequence_length: int = 16) -> WanPolicy:
     """`WanPolicy` around `build_tiny_wan_pipeline(seed)` (32×32 px, `num_frames` = 1 + 4k)."""
     return WanPolicy(build_tiny_wan_pipeline(seed), num_frames=num_frames, height=32, width=32, lora_rank=lora_rank,
                      lora_alpha=lora_alpha, lora_seed=lora_seed, max_sequence_length=max_sequence_length)

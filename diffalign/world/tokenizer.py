@@ -25,9 +25,16 @@ def vocabulary() -> list[str]:
     return SPECIAL_TOKENS + list(dict.fromkeys(words))
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Builds the world's tokenizer: ``model_max_length`` 12, pad ``[PAD]`` (id 0), BOS id 1, EOS id 2, UNK id 3."""
-    vocab = {tok: i for i, tok in enumerate(vocabulary())}
+VIDEO_WORDS = ["moving", "staying", "still", "up", "down"]  # "left", "right" are already words of the image world
+VIDEO_MODEL_MAX_LENGTH = 16  # "a red circle moving left and a green triangle staying still" is 11 words + BOS/EOS
+
+
+def build_tokenizer(video: bool = False) -> PreTrainedTokenizerFast:
+    """Builds the world's tokenizer: ``model_max_length`` 12, pad ``[PAD]`` (id 0), BOS id 1, EOS id 2, UNK id 3.
+    ``video=True`` appends `VIDEO_WORDS` (the image ids are unchanged) and allows 16 tokens, for the video captions of
+    `diffalign.world.video`."""
+    words = vocabulary() + (VIDEO_WORDS if video else [])
+    vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
@@ -35,7 +42,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        model_max_length=MODEL_MAX_LENGTH,
+        model_max_length=VIDEO_MODEL_MAX_LENGTH if video else MODEL_MAX_LENGTH,
         pad_token="[PAD]",
         bos_token="[BOS]",
         eos_token="[EOS]",
