@@ -154,3 +154,21 @@ def test_seppo_accepts_video_latents(family):
     assert loss.item() == pytest.approx(math.log(2.0), abs=1e-5)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in policy.trainable_parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("fmt", ["gif", "mp4"])
+def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, tmp_path):
+    from diffalign.evaluate import EvalConfig, evaluate_policy
+    from diffalign.rewards.video import VideoMotion
+    from diffalign.world.prompts import load_prompts
+
+    policy = build_tiny_t2v_policy(num_frames=4)
+    rows = load_prompts("video_heldout")[:3]
+    cfg = EvalConfig(prompts="video_heldout", seeds=[0, 1], num_inference_steps=2, batch_size=4, video_format=fmt)
+    metrics = evaluate_policy(policy, rows, {"video_motion": VideoMotion()}, cfg, tmp_path, {"base": True},
+                              progress=False)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6 and len({s["video"] for s in samples}) == 6
+    for s in samples:
+        assert s["video"].endswith(f".{fmt}") and iio.imread(tmp_path / s["video"]).shape[0] == 4
+    assert metrics["variants"]["base"]["video_motion/accuracy"] == 0.0  # a random model moves nothing correctly
