@@ -31,7 +31,7 @@ def run(method: str, seed: int, args) -> Path:
         return out
     cmd = ["diffalign-train", f"recipe=tiny_{method}", f"seed={seed}", f"online.num_epochs={args.epochs}",
            f"monitor.every={args.monitor_every}", f"monitor.num_prompts={args.monitor_prompts}",
-           "monitor.seeds=[0,1]", "monitor.diversity=false", "eval.enabled=false", "trainer.log_with=none",
+           f"monitor.seeds=[{','.join(str(i) for i in range(args.monitor_seeds))}]", "monitor.diversity=false", "eval.enabled=false", "trainer.log_with=none",
            f"output_dir={out}", *args.overrides]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -50,7 +50,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--monitor-every", type=int, default=10, help="optimizer steps between accuracy measurements")
-    p.add_argument("--monitor-prompts", type=int, default=48)
+    p.add_argument("--monitor-prompts", type=int, default=117, help="held-out prompts (117 = all)")
+    p.add_argument("--monitor-seeds", type=int, default=1, help="images per prompt at each measurement")
     p.add_argument("--target-gain", type=float, default=0.05)
     p.add_argument("--methods", nargs="+", default=["dgpo", "flow_grpo"])
     p.add_argument("--out", default="runs/bench_dgpo")
@@ -65,7 +66,7 @@ def main() -> None:
             histories[method, seed] = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     base = statistics.mean(h[0][KEY] for h in histories.values() if KEY in h[0])
     target = base + args.target_gain
-    print(f"\nbase held-out accuracy {base:.3f} ({args.monitor_prompts} prompts x 2 seeds); target {target:.3f}\n")
+    print(f"\nbase held-out accuracy {base:.3f} ({args.monitor_prompts} prompts x {args.monitor_seeds} seeds); target {target:.3f}\n")
     print(f"{'method':<10} {'seed':>4} {'reached':>8} {'seconds':>8} {'rollouts':>9} {'best acc':>9} {'final acc':>9}")
     summary = {}
     for method in args.methods:

@@ -33,13 +33,25 @@ from diffalign.types import GroupBatch
 
 
 def group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Σ of `values` over each sample's group, returned per sample `(N,)`; summed across processes when
-    `torch.distributed` is initialised (a group spanning processes gets its full sum on every process; the processes
-    must hold the same set of group ids, in any order)."""
+    """Σ of `values` over each sample's group, returned per sample `(N,)`.
+
+    When `torch.distributed` is initialised with several processes, the sums run over the members of a group on every
+    process: each process contributes ``(group id, partial sum)`` pairs (`all_gather_object`, so processes may hold
+    different groups, or different members of the same groups, in any order), and each sample gets its group's total.
+    The values are detached statistics (z_g), so no gradient crosses processes.
+    """
+    values_d = values.detach()
     uniq, inverse = torch.unique(group_ids.to(values.device), return_inverse=True)
-    sums = torch.zeros(len(uniq), device=values.device, dtype=values.dtype).index_add_(0, inverse, values)
+    sums = torch.zeros(len(uniq), device=values.device, dtype=values.dtype).index_add_(0, inverse, values_d)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
+        mine = (uniq.cpu().tolist(), sums.cpu().tolist())
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        totals: dict[int, float] = {}
+        for ids, partial in gathered:
+            for g, v in zip(ids, partial):
+                totals[g] = totals.get(g, 0.0) + v
+        sums = torch.tensor([totals[g] for g in uniq.cpu().tolist()], device=values.device, dtype=values.dtype)
     return sums[inverse]
 
 

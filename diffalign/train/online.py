@@ -330,9 +330,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             num_steps = len(traj.timesteps)
             n_train = max(1, math.floor(num_steps * objective.timestep_fraction))
             for inner in range(on.num_inner_epochs):
-                gen = epoch_generator(cfg.seed, epoch, _SHUFFLE, inner)
-                perm = torch.randperm(len(traj.prompts), generator=gen)
-                steps = torch.randperm(num_steps, generator=gen)[:n_train].sort().values.tolist()
+                # the trained transitions are the same on every process (their own stream); the shuffle is local
+                steps = torch.randperm(num_steps, generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
+                steps = steps[:n_train].sort().values.tolist()
+                perm = torch.randperm(len(traj.prompts), generator=epoch_generator(cfg.seed, epoch, _SHUFFLE, inner))
                 units = [(perm[s:s + tr.batch_size], k) for s in range(0, len(perm), tr.batch_size) for k in steps]
                 for part in _split(units, on.updates_per_epoch):
                     part_finite = True
