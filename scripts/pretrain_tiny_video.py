@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=str(ASSETS / "tiny_t2v"))
     p.add_argument("--eval-seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default: all 28)")
+    p.add_argument("--eval-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -151,7 +153,7 @@ def main() -> None:
     pipe.tokenizer = tokenizer
     pipe.scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
     policy = TextToVideoPolicy.from_video_pipeline(pipe, num_frames=args.frames, lora_rank=None)
-    held = evaluate(policy, load_prompts("video_heldout"), args.eval_seeds)
+    held = evaluate(policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds, steps=args.eval_steps)
     log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} {held['per_tag']}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)

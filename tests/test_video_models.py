@@ -172,3 +172,20 @@ def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, 
     for s in samples:
         assert s["video"].endswith(f".{fmt}") and iio.imread(tmp_path / s["video"]).shape[0] == 4
     assert metrics["variants"]["base"]["video_motion/accuracy"] == 0.0  # a random model moves nothing correctly
+
+
+def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
+    import subprocess
+    import sys
+
+    from diffalign.models.video import TextToVideoPolicy
+
+    out = tmp_path / "tiny_t2v"
+    subprocess.run([sys.executable, "scripts/pretrain_tiny_video.py", "--steps", "2", "--batch", "2", "--num-videos",
+                    "8", "--eval-seeds", "0", "--eval-prompts", "2", "--eval-steps", "2", "--out", str(out)],
+                   check=True, capture_output=True)
+    metrics = json.loads((out / "pretrain_metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["heldout"]["n"] == 2
+    policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4)
+    assert policy.latent_shape == (4, 8, 8, 8) and policy.dtype == torch.float32
+    assert len(policy.tokenizer) == 28  # the video tokenizer (motion words)
