@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.utils import DistributedType
 
@@ -67,3 +68,29 @@ def test_two_process_online_run(tmp_path):
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [1, 2] and history[-1]["rollouts"] == 16
     assert len(list(run.glob("checkpoint-*"))) == 2
+
+
+def test_two_process_dgpo_matches_one_process(tmp_path):
+    """DGPO with the same global batch: 2 processes × 1 group each vs 1 process × 2 groups. Rollout noise, prompts,
+    training timesteps and noise are keyed by global group index, z_g is summed over processes, and DDP averages the
+    per-process surrogate gradients, so the final LoRA must agree up to float rounding (stated tolerance 1e-4).
+    adam_epsilon=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
+    each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
+    from safetensors.torch import load_file
+
+    from diffalign.train.online import train
+    from tests.test_cli import compose_cfg
+
+    common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
+              "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=2",
+              "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
+              "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0"]
+    res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=4", *common], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=8", "trainer.log_with=none",
+                       "eval.enabled=false", *common]))
+    one = load_file(tmp_path / "one" / "final" / "pytorch_lora_weights.safetensors")
+    two = load_file(tmp_path / "two" / "final" / "pytorch_lora_weights.safetensors")
+    assert set(one) == set(two)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-4)
