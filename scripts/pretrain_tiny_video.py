@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default: all 28)")
     p.add_argument("--eval-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--init", default=None, help="continue from a folder this script wrote (its UNet and text encoder)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -108,6 +109,12 @@ def main() -> None:
         max_position_embeddings=tokenizer.model_max_length, projection_dim=64, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
     unet = tiny_unet3d(block_out_channels=tuple(args.channels), cross_attention_dim=64, attention_head_dim=8)
+    if args.init:  # a second stage: same architecture, weights from an earlier run (saved in float16)
+        from diffusers import UNet3DConditionModel
+
+        unet = UNet3DConditionModel.from_pretrained(Path(args.init) / "unet", torch_dtype=torch.float32)
+        text_encoder = CLIPTextModel.from_pretrained(Path(args.init) / "text_encoder", torch_dtype=torch.float32)
+        log(f"initialised from {args.init}")
     log(f"unet3d {sum(p.numel() for p in unet.parameters()) / 1e6:.3f}M params, text encoder "
         f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M")
     rows = load_prompts("video_train")
@@ -157,7 +164,7 @@ def main() -> None:
     log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} {held['per_tag']}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
-    metrics = {"steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
+    metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
                "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held,
                "total_minutes": (time.time() - t_start) / 60, "threads": args.threads}
