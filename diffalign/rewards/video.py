@@ -16,8 +16,8 @@ metadata row i) always belongs to video i: per-frame rewards see prompt i repeat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ class PerFrameConfig:
 
     _target_: str = "diffalign.rewards.video.PerFrame"
     image_reward: str = "clip_score"
-    image_reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    image_reward_kwargs: Optional[dict[str, Any]] = None  # noqa: UP045 — OmegaConf needs Optional
     aggregate: str = "mean"
     layout: str = "BFCHW"
 
