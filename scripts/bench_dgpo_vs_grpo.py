@@ -67,7 +67,8 @@ def main() -> None:
     base = statistics.mean(h[0][KEY] for h in histories.values() if KEY in h[0])
     target = base + args.target_gain
     print(f"\nbase held-out accuracy {base:.3f} ({args.monitor_prompts} prompts x {args.monitor_seeds} seeds); target {target:.3f}\n")
-    print(f"{'method':<10} {'seed':>4} {'reached':>8} {'seconds':>8} {'rollouts':>9} {'best acc':>9} {'final acc':>9}")
+    print(f"{'method':<10} {'seed':>4} {'reached':>8} {'seconds':>8} {'rollouts':>9} {'best acc':>9} {'final acc':>9}"
+          f" {'train reward first/last 5 epochs':>34}")
     summary = {}
     for method in args.methods:
         secs, rolls = [], []
@@ -80,8 +81,10 @@ def main() -> None:
             r = hit["rollouts"] if hit else last["rollouts"]
             secs.append(s)
             rolls.append(r)
+            train_r = [x["reward/mean"] for x in h if "reward/mean" in x]
+            first, last = statistics.mean(train_r[:5]), statistics.mean(train_r[-5:])
             print(f"{method:<10} {seed:>4} {'yes' if hit else 'no':>8} {s:>8.0f}{'' if hit else '+'} {r:>9}"
-                  f"{'' if hit else '+'} {max(accs):>9.3f} {accs[-1]:>9.3f}")
+                  f"{'' if hit else '+'} {max(accs):>9.3f} {accs[-1]:>9.3f} {first:>22.3f} / {last:.3f}")
         summary[method] = {"median_seconds": statistics.median(secs), "median_rollouts": statistics.median(rolls),
                            "reached": sum(first_reach(histories[method, s], target) is not None for s in args.seeds)}
     if {"dgpo", "flow_grpo"} <= set(summary):
