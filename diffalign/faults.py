@@ -105,7 +105,8 @@ class StopSignals:
         if self.signum is None:
             self.signum = signum
         if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+            previous = self._previous.get(signal.SIGINT)  # SIG_IGN/SIG_DFL (e.g. under nohup) are not callables
+            signal.signal(signal.SIGINT, previous if callable(previous) else signal.default_int_handler)
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         if threading.current_thread() is threading.main_thread():
