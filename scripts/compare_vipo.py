@@ -26,21 +26,39 @@ import subprocess
 import time
 from pathlib import Path
 
+METRIC = ["accuracy"]
 ARMS = {"vipo": ["method.map=psm", "method.reduction=per_position"],
         "grpo": ["method.map=ones", "method.reduction=scalar_weighted"]}
 
 
-def train(arm: str, seed: int, args) -> Path:
+def train_cmd(arm: str, seed: int, args) -> tuple[Path, list[str] | None]:
     out = Path(args.out) / f"{arm}-s{seed}"
     if (out / "final" / "pytorch_lora_weights.safetensors").is_file() and not args.force:
-        return out
-    cmd = ["diffalign-train", f"recipe={args.recipe}", f"seed={seed}", f"online.num_epochs={args.epochs}",
-           "eval.enabled=false", "trainer.log_with=none", f"output_dir={out}", *ARMS[arm], *args.overrides]
-    print("$", " ".join(cmd), flush=True)
-    t = time.time()
-    subprocess.run(cmd, check=True)
-    (out / "wall_seconds.txt").write_text(f"{time.time() - t:.1f}\n")
-    return out
+        return out, None
+    return out, ["diffalign-train", f"recipe={args.recipe}", f"seed={seed}", f"online.num_epochs={args.epochs}",
+                 "eval.enabled=false", "trainer.log_with=none", f"output_dir={out}", *ARMS[arm], *args.overrides]
+
+
+def train_all(args) -> dict[str, list[Path]]:
+    """Every (arm, seed) run, `--jobs` at a time (each process single-threaded via OMP_NUM_THREADS)."""
+    jobs = [(arm, seed, *train_cmd(arm, seed, args)) for arm in ARMS for seed in args.seeds]
+    pending, running = [j for j in jobs if j[3] is not None], []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            arm, seed, out, cmd = pending.pop(0)
+            print("$", " ".join(cmd), flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out.parent / f"{arm}-s{seed}.log", "w")
+            running.append((out, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        for item in list(running):
+            out, t, proc = item
+            if proc.poll() is not None:
+                if proc.returncode:
+                    raise RuntimeError(f"training run {out} failed (exit {proc.returncode}); see {out}.log")
+                (out / "wall_seconds.txt").write_text(f"{time.time() - t:.1f}\n")
+                running.remove(item)
+        time.sleep(2)
+    return {arm: [out for a, _, out, _ in jobs if a == arm] for arm in ARMS}
 
 
 def main() -> None:
@@ -54,9 +72,13 @@ def main() -> None:
     p.add_argument("--eval-overrides", nargs="*", default=[])
     p.add_argument("--out", default="runs/compare_vipo")
     p.add_argument("--force", action="store_true")
+    p.add_argument("--jobs", type=int, default=1, help="training runs at a time")
+    p.add_argument("--metric", default="accuracy", choices=["accuracy", "mean"],
+                   help="what is compared: the reward's binary accuracy or its mean (dense) score")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every training run")
     args = p.parse_args()
-    runs = {arm: [train(arm, s, args) for s in args.seeds] for arm in ARMS}
+    METRIC[0] = args.metric
+    runs = train_all(args)
     ckpts = ["base"] + [str(r / "final") for arm in ARMS for r in runs[arm]]
     eval_dir = Path(args.out) / "eval"
     cmd = ["diffalign-eval", f"model={args.model}", f"checkpoints=[{','.join(ckpts)}]", f"eval.seeds={args.eval_seeds}",
@@ -70,13 +92,13 @@ def main() -> None:
 
 
 def accuracy_of(metrics: dict, label: str, reward: str) -> float:
-    return float(metrics["variants"][label][f"{reward}/accuracy"])
+    return float(metrics["variants"][label][f"{reward}/{METRIC[0]}"])
 
 
 def summarise(metrics: dict, runs: dict, args) -> dict:
     labels = metrics["labels"]
     base = accuracy_of(metrics, labels[0], args.reward)
-    out = {"recipe": args.recipe, "epochs": args.epochs, "seeds": args.seeds, "reward": args.reward,
+    out = {"recipe": args.recipe, "metric": f"{args.reward}/{args.metric}", "epochs": args.epochs, "seeds": args.seeds, "reward": args.reward,
            "base_accuracy": base, "eval_images_per_model": metrics["variants"][labels[0]].get("num_images"),
            "arms": {}}
     for arm, arm_runs in runs.items():
