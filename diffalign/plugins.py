@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,14 +101,24 @@ def register_configs() -> dict[str, list[str]]:
     Raises:
         ValueError: if two distributions declare the same name in one group (both are named), or a reward config has
             a field named ``weight`` or ``normalize``.
-        ImportError: if an entry point cannot be loaded (named, with its value).
+        ImportError: if one of diffalign's own entry points cannot be loaded (named, with its value). A third-party
+            plugin that cannot be loaded is skipped with a warning naming it and the error, so one broken package
+            does not stop runs that do not use it (selecting it then fails as an unknown option).
     """
     store, stored = ConfigStore.instance(), {}
     for group, config_group in GROUPS.items():
         eps = _entry_points(group)
         for name in sorted(eps):
             provider = eps[name].dist.name if eps[name].dist is not None else None
-            node = _load(group, name, eps)
+            try:
+                node = _load(group, name, eps)
+            except ImportError as err:
+                if provider == "diffalign":
+                    raise
+                warnings.warn(f"skipping the {GROUPS.get(group, group)} plugin '{name}' from '{provider}': {err}",
+                              stacklevel=2)
+                eps.pop(name)
+                continue
             if config_group == "reward":
                 node = _reward_node(node, name)
                 for reward_group in REWARD_GROUPS:

@@ -130,7 +130,7 @@ def validate_online_config(cfg: DictConfig) -> None:
 
     try:
         method_class = get_class(cfg.method._target_)
-    except Exception:  # an unknown target is reported by Hydra's instantiate with its own message
+    except (ImportError, AttributeError, ValueError):  # an unknown target is reported by Hydra's instantiate with its own message
         return
     flow = getattr(method_class, "data_flow", None)
     if flow not in ONLINE_FLOWS:

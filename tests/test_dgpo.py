@@ -95,7 +95,7 @@ def test_initial_noise_shared_inside_a_group_only_and_rollouts_reproduce_bit_for
     assert not any(torch.equal(a, b) for a in independent for b in other)
 
     policy = build_tiny_flow_policy(seed=0)
-    kwargs = dict(group_indices=[5, 6], seed=1, epoch=3, num_inference_steps=3, guidance_scale=2.0)
+    kwargs = {"group_indices": [5, 6], "seed": 1, "epoch": 3, "num_inference_steps": 3, "guidance_scale": 2.0}
     a, ids = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="sde", eta=0.7,
                            rollout_batch_size=4, **kwargs)
     b, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="sde", eta=0.7,

@@ -26,6 +26,11 @@ def installed_plugin():
                                  "--no-index", "-e", str(PLUGIN_DIR)], capture_output=True, text=True, timeout=300,
                                 check=False)
         assert result.returncode == 0, result.stdout + result.stderr
+    # the editable install's .pth is read at interpreter start-up; make the package importable in this process too,
+    # since its entry point is now visible to every later test in it
+    if str(PLUGIN_DIR) not in sys.path:
+        sys.path.append(str(PLUGIN_DIR))
+        importlib.invalidate_caches()
     return PLUGIN_DIR
 
 

@@ -220,3 +220,27 @@ def test_unloadable_entry_point_names_it(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="'broken'.*not_a_module_xyz"):
         plugins.build_reward("broken")
     assert isinstance(plugins.build_reward("jpeg_compressibility"), JpegCompressibility)  # others still load
+
+
+def test_a_broken_third_party_plugin_is_skipped_with_a_warning(monkeypatch):
+    import importlib.metadata
+
+    from diffalign import plugins
+
+    real = plugins._entry_points
+
+    class Dist:
+        name = "someone-elses-rewards"
+
+    def with_broken(group):
+        eps = dict(real(group))
+        if group == "diffalign.rewards":
+            ep = importlib.metadata.EntryPoint("broken_reward", "no_such_module_xyz:Config", group)
+            object.__setattr__(ep, "dist", Dist())
+            eps["broken_reward"] = ep
+        return eps
+
+    monkeypatch.setattr(plugins, "_entry_points", with_broken)
+    with pytest.warns(UserWarning, match="broken_reward.*someone-elses-rewards"):
+        stored = plugins.register_configs()
+    assert "broken_reward" not in stored["reward"] and "geneval_shapes" in stored["reward"]

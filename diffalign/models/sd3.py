@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import safetensors.torch
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from diffusers.training_utils import cast_training_params
 from diffusers.utils import convert_unet_state_dict_to_peft
 from omegaconf import MISSING
@@ -71,8 +71,8 @@ class FlowMatchingPolicy(nn.Module):
             pipeline's argument of the same name; the tiny world's model was trained with 8.
 
     Raises:
-        ValueError: for a scheduler that is not a `FlowMatchEulerDiscreteScheduler`, `lora_rank < 1`, empty targets,
-            or a VAE without `shift_factor`.
+        TypeError: for a scheduler that is not a `FlowMatchEulerDiscreteScheduler`.
+        ValueError: for `lora_rank < 1`, empty targets, or a VAE without `shift_factor`.
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class FlowMatchingPolicy(nn.Module):
     ):
         super().__init__()
         if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
-            raise ValueError(
+            raise TypeError(
                 f"FlowMatchingPolicy needs a FlowMatchEulerDiscreteScheduler, the pipeline has a"
                 f" {type(pipe.scheduler).__name__}; load an SD3-format (rectified flow) checkpoint."
             )
@@ -160,7 +160,8 @@ class FlowMatchingPolicy(nn.Module):
         no_t5 = not load_t5
         index = os.path.join(path, "model_index.json")
         if os.path.isfile(index):  # a folder saved without T5 (the tiny world's) lists it as [null, null]
-            no_t5 = no_t5 or json.loads(open(index).read()).get("text_encoder_3", [None])[0] is None
+            with open(index) as f:
+                no_t5 = no_t5 or json.load(f).get("text_encoder_3", [None])[0] is None
         extra = {"text_encoder_3": None, "tokenizer_3": None} if no_t5 else {}
         pipe = StableDiffusion3Pipeline.from_pretrained(
             path, revision=revision, variant=variant, dtype=TORCH_DTYPES[torch_dtype],

@@ -28,6 +28,7 @@ base and fine-tuned models are evaluated on ``eval.prompts`` as in the preferenc
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -89,7 +90,7 @@ def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, e
 def _split(units: list, parts: int) -> list[list]:
     """`units` in `parts` contiguous, nearly equal chunks (empty ones dropped)."""
     bounds = np.linspace(0, len(units), parts + 1).round().astype(int)
-    return [units[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [units[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def train(cfg: DictConfig) -> dict:
@@ -295,7 +296,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         prepare = getattr(objective, "prepare_epoch", None)
         epoch_stats = prepare(policy, traj, advantages) if prepare is not None else None
 
-        def add(metrics):
+        def add(metrics, sums=sums):
             nonlocal n_units
             n_units += 1
             for k, v in metrics.items():
