@@ -105,11 +105,11 @@ def summarise(metrics: dict, runs: dict, args) -> dict:
         accs = [accuracy_of(metrics, f"{r.name}/final", args.reward) for r in arm_runs]
         se = statistics.stdev(accs) / len(accs) ** 0.5 if len(accs) > 1 else float("nan")
         wall = [float((r / "wall_seconds.txt").read_text()) for r in arm_runs if (r / "wall_seconds.txt").is_file()]
-        out["arms"][arm] = {"accuracy": accs, "mean": statistics.mean(accs), "se": se,
+        out["arms"][arm] = {"per_seed": accs, "mean": statistics.mean(accs), "se": se,
                             "gain_over_base": statistics.mean(accs) - base,
                             "train_wall_seconds_mean": statistics.mean(wall) if wall else None}
     v, g = out["arms"]["vipo"], out["arms"]["grpo"]
-    diffs = [a - b for a, b in zip(v["accuracy"], g["accuracy"])]
+    diffs = [a - b for a, b in zip(v["per_seed"], g["per_seed"])]
     out["vipo_minus_grpo"] = {"per_seed": diffs, "mean": statistics.mean(diffs),
                               "se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")}
     return out
