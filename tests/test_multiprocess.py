@@ -84,7 +84,8 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
               "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=2",
               "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
-              "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0"]
+              "trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0",
+              "trainer.max_grad_norm=null"]
     res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=4", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=8", "trainer.log_with=none",

@@ -6,6 +6,8 @@ adapter. Latents keep the model's native layout, documented by each adapter (`(B
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -81,3 +83,19 @@ class DiffusionPolicy(Protocol):
     def reference(self) -> AbstractContextManager:
         """Context under which `predict` is the frozen reference model (e.g. the LoRA adapter disabled)."""
         ...
+
+
+@contextlib.contextmanager
+def bare_forward(policy) -> Iterator[None]:
+    """Runs the block with forward passes through the bare denoiser instead of its distributed wrapper
+    (`set_forward_module`): for work only the main process does, such as monitors and evaluation, where a DDP forward
+    on one process alone could wait for the others. The wrapper is restored on exit."""
+    setter = getattr(policy, "set_forward_module", None)
+    wrapped = policy.__dict__.get("_forward_module")
+    if setter is not None:
+        setter(None)
+    try:
+        yield
+    finally:
+        if setter is not None:
+            setter(wrapped)

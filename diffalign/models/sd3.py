@@ -181,12 +181,21 @@ class FlowMatchingPolicy(nn.Module):
 
     @property
     def denoiser(self) -> nn.Module:
-        """The trained network (the transformer); loops wrap it with `accelerator.prepare`."""
+        """The bare trained network (the transformer); LoRA adapters are switched on it."""
         return self.transformer
 
-    @denoiser.setter
-    def denoiser(self, module: nn.Module) -> None:
-        self.transformer = module
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
+        wrapped = self.__dict__.get("_forward_module")
+        return wrapped if wrapped is not None else self.transformer
+
+    def set_forward_module(self, module: nn.Module | None) -> None:
+        """Runs forward passes through `module` — the denoiser as returned by `accelerate.Accelerator.prepare` (DDP,
+        FSDP), so gradients are synchronised — while adapter switches (`reference()`, extra adapters) keep acting on
+        the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
+        registered as a submodule."""
+        self.__dict__["_forward_module"] = module
 
     @property
     def prediction_type(self) -> str:
@@ -293,14 +302,14 @@ class FlowMatchingPolicy(nn.Module):
         t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32)
         t = t.expand(batch) if t.ndim == 0 else t
         if guidance_scale == 1.0:
-            out = self.transformer(
+            out = self.forward_module(
                 hidden_states=latents.to(dtype), timestep=t,
                 encoder_hidden_states=prompt_embeds.prompt_embeds.to(dtype),
                 pooled_projections=prompt_embeds.pooled_prompt_embeds.to(dtype), return_dict=False,
             )[0]
             return out.float()
         latents = latents.to(dtype)
-        out = self.transformer(
+        out = self.forward_module(
             hidden_states=torch.cat([latents, latents]), timestep=torch.cat([t, t]),
             encoder_hidden_states=cfg_batch(prompt_embeds).to(dtype),
             pooled_projections=cfg_batch(prompt_embeds, pooled=True).to(dtype), return_dict=False,

@@ -269,12 +269,21 @@ class StableDiffusionPolicy(nn.Module):
 
     @property
     def denoiser(self) -> nn.Module:
-        """The trained network (the UNet); loops wrap it with `accelerate.Accelerator.prepare`."""
+        """The bare trained network (the UNet); LoRA adapters are switched on it."""
         return self.unet
 
-    @denoiser.setter
-    def denoiser(self, module: nn.Module) -> None:
-        self.unet = module
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
+        wrapped = self.__dict__.get("_forward_module")
+        return wrapped if wrapped is not None else self.unet
+
+    def set_forward_module(self, module: nn.Module | None) -> None:
+        """Runs forward passes through `module` — the denoiser as returned by `accelerate.Accelerator.prepare` (DDP,
+        FSDP), so gradients are synchronised — while adapter switches (`reference()`, extra adapters) keep acting on
+        the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
+        registered as a submodule."""
+        self.__dict__["_forward_module"] = module
 
     @property
     def num_train_timesteps(self) -> int:
@@ -409,7 +418,7 @@ class StableDiffusionPolicy(nn.Module):
             )
         dtype = self.dtype
         if guidance_scale == 1.0:
-            out = self.unet(
+            out = self.forward_module(
                 latents.to(dtype),
                 timesteps,
                 encoder_hidden_states=prompt_embeds.prompt_embeds.to(dtype),
@@ -419,7 +428,7 @@ class StableDiffusionPolicy(nn.Module):
         if isinstance(timesteps, torch.Tensor) and timesteps.ndim == 1:
             timesteps = torch.cat([timesteps, timesteps])
         latents = latents.to(dtype)
-        out = self.unet(
+        out = self.forward_module(
             torch.cat([latents, latents]),
             timesteps,
             encoder_hidden_states=cfg_batch(prompt_embeds).to(dtype),

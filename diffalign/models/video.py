@@ -246,11 +246,11 @@ class WanPolicy(FlowMatchingPolicy):
         t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32)
         t = t.expand(batch) if t.ndim == 0 else t
         if guidance_scale == 1.0:
-            return self.transformer(hidden_states=latents.to(dtype), timestep=t,
+            return self.forward_module(hidden_states=latents.to(dtype), timestep=t,
                                     encoder_hidden_states=prompt_embeds.prompt_embeds.to(dtype),
                                     return_dict=False)[0].float()
         latents = latents.to(dtype)
-        out = self.transformer(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([t, t]),
+        out = self.forward_module(hidden_states=torch.cat([latents, latents]), timestep=torch.cat([t, t]),
                                encoder_hidden_states=cfg_batch(prompt_embeds).to(dtype), return_dict=False)[0]
         uncond, cond = out.float().chunk(2)
         if detach_unconditional:

@@ -53,6 +53,7 @@ from diffalign.checkpoint import (
 )
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.objectives.dgpo import select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
@@ -155,7 +156,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
     total_updates = on.num_epochs * on.updates_per_epoch * (on.num_inner_epochs if flow == "online_trajectories" else 1)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
-    policy.denoiser, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
+        policy.set_forward_module(wrapped)
     num_proc, rank = accelerator.num_processes, accelerator.process_index
     if on.groups_per_epoch % num_proc:
         raise ValueError(f"online.groups_per_epoch={on.groups_per_epoch} must be divisible by the {num_proc} "
@@ -239,7 +242,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         if monitor is None or not accelerator.is_main_process:
             return {}
         policy.denoiser.eval()
-        out = monitor.maybe_log(global_step, policy, accelerator=accelerator, log=accelerator.print) or {}
+        with bare_forward(policy):
+            out = monitor.maybe_log(global_step, policy, accelerator=accelerator, log=accelerator.print) or {}
         policy.denoiser.train()
         return out
 
@@ -380,8 +384,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         policy.denoiser.eval()
         ecfg = eval_config_from(cfg.eval)
         eval_rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
-        results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
-                                          {"base": True, "finetuned": False}, log=accelerator.print)
+        with bare_forward(policy):
+            results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
+                                              {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
         try:
             from diffalign.report import write_report

@@ -50,6 +50,7 @@ from diffalign.checkpoint import (
 from diffalign.data.preference import ResumableSampler
 from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.report import write_report
@@ -159,7 +160,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, tr.max_steps, tr.lr_scheduler)
-    policy.denoiser, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
+        policy.set_forward_module(wrapped)
     noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     if accelerator.is_main_process:
@@ -240,7 +243,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     t_train = time.time()
     if monitor is not None and global_step == 0 and accelerator.is_main_process:  # the baseline of the monitors
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
-            monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
+            with bare_forward(policy):
+                monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
     while global_step < tr.max_steps:
         if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
             ckpt = stop_with_checkpoint(global_step)
@@ -276,7 +280,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                                         degraded_prompts=degraded, degraded_prompt_embeds=degraded_embeds)
             else:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
-            with accelerator.accumulate(policy.denoiser), accelerator.autocast():
+            with accelerator.accumulate(policy.forward_module), accelerator.autocast():
                 # process 0 uses the checkpointed noise stream; the others one seeded per (seed, process, step), so
                 # processes never share noise and every stream resumes exactly
                 generator = noise_generator if rank == 0 else torch.Generator().manual_seed(
@@ -306,7 +310,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         accelerator.log(sums, step=global_step)
         if monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
             with stop_on_reward_error(lambda step=global_step: checkpoint_before_stop(step), log=accelerator.print):
-                monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
+                with bare_forward(policy):
+                    monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
         progress.update(1)
         progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
         if tr.checkpointing_steps and global_step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
@@ -331,8 +336,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
         set_reward_step(eval_rewards, global_step, reset_calls=True)
         with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print):
-            results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
-                                              {"base": True, "finetuned": False}, log=accelerator.print)
+            with bare_forward(policy):
+                results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
+                                                  {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
         results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
         accelerator.print(f"[diffalign] report: {results['report']}")
