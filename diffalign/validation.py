@@ -151,6 +151,11 @@ def validate_online_config(cfg: DictConfig) -> None:
         raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
                          f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={sp.eta}. Use "
                          "sampler=flow_sde (flow models) or sampler=ddim (eps-models) with eta > 0")
+    if flow == "online_groups" and name == "sde" and sp.eta > 0:
+        raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
+                         f"ALGORITHMS.md §5(b)), but sampler.name='sde' with sampler.eta={sp.eta} is stochastic. Use "
+                         "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler.eta=0 for deterministic "
+                         "DDIM")
     if flow == "online_groups":
         m = cfg.method
         if m.timestep_max_index >= sp.num_inference_steps:
@@ -163,4 +168,7 @@ def validate_online_config(cfg: DictConfig) -> None:
         if tr.batch_size % on.group_size:
             raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size="
                              f"{on.group_size} for DGPO (a micro-batch holds whole groups)")
+    if on.prompts is None:
+        raise ValueError("online.prompts is required by this recipe (it trains on your prompts, not the tiny world's); "
+                         "pass online.prompts=<prompt file: .jsonl with GenEval metadata, .txt or .csv>")
     load_prompts(on.prompts, field="online.prompts")

@@ -57,6 +57,8 @@ def test_resume_continues_exactly(tmp_path):
     ha = (tmp_path / "full" / "history.jsonl").read_text().splitlines()[-1]
     hb = (tmp_path / "part" / "history.jsonl").read_text().splitlines()[-1]
     assert json.loads(ha)["loss"] == json.loads(hb)["loss"]
+    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "part" / "history.jsonl").read_text().splitlines()]
+    assert epochs == [1, 2, 3]  # the resumed run keeps the log of the epochs before its checkpoint
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -66,6 +68,8 @@ def test_resume_continues_exactly(tmp_path):
     (["method=dgpo", "sampler=dpm_ode", "sampler.num_inference_steps=4"], "method.timestep_max_index"),
     (["method=dgpo", "sampler=dpm_ode", "trainer.batch_size=12", "online.group_size=8"], "trainer.batch_size"),
     (["method=dgpo", "sampler=dpm_ode", "online.prompts=/nonexistent.jsonl"], "online.prompts"),
+    (["recipe=dgpo_sd35_geneval"], "online.prompts is required"),
+    (["method=dgpo"], "deterministic ODE solver"),
 ])
 def test_bad_online_configs_fail_before_any_model_loads(overrides, match, tmp_path):
     cfg = compose_cfg(["model=tiny_random", f"output_dir={tmp_path}"] + overrides)

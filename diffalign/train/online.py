@@ -167,14 +167,17 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
                                   OmegaConf.to_container(cfg, resolve=True))
+    sampler_label = sampler_name if sampler_name != "sde" else (
+        f"{'flow SDE a' if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
-        f"({sampler_name}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
+        f"({sampler_label}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
         f"reward {rewards!r}; output {output_dir}")
 
     # ---------------------------------------------------------------------------------------------------- resume
     epoch, global_step = 0, 0
+    resumed_history: list[dict] = []
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     if accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
         remove_temporaries(output_dir)
@@ -192,6 +195,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             if tracker is not None:
                 tracker.load_state_dict(state["tracker"])
             guard.load_state_dict(state.get("nonfinite", guard.state_dict()))
+            if (output_dir / "history.jsonl").is_file():  # keep the log of the epochs before the checkpoint
+                resumed_history = [json.loads(line) for line in (output_dir / "history.jsonl").read_text().splitlines()
+                                   if line.strip()]
+                resumed_history = [h for h in resumed_history if h.get("epoch", 0) <= epoch]
             accelerator.print(f"[diffalign] resumed from {ckpt} at epoch {epoch} (step {global_step})")
 
     def write_dir(directory: Path) -> None:
@@ -236,7 +243,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
 
     # ---------------------------------------------------------------------------------------------------- train
     progress = tqdm(total=on.num_epochs, initial=epoch, desc="epochs", disable=not accelerator.is_main_process)
-    history, t_train, train_clock = [], time.time(), 0.0  # train_clock: seconds of rollouts + updates (no monitors)
+    history, t_train = list(resumed_history), time.time()
+    # train_clock: seconds of rollouts + updates (no monitors), carried over a resume
+    train_clock = float(history[-1].get("train_seconds", 0.0)) if history else 0.0
 
     def monitor_logs() -> dict:
         if monitor is None or not accelerator.is_main_process:
@@ -247,7 +256,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         policy.denoiser.train()
         return out
 
-    if epoch == 0 and monitor is not None:
+    if epoch == 0 and monitor is not None and not history:
         first = monitor_logs()
         if first:
             history.append({"epoch": 0, "step": 0, "rollouts": 0, "train_seconds": 0.0, **first})
