@@ -99,3 +99,28 @@ def bare_forward(policy) -> Iterator[None]:
     finally:
         if setter is not None:
             setter(wrapped)
+
+
+def check_prompts(prompts, negative_prompts: list[str] | None, num_images_per_prompt: int) -> None:
+    """The argument checks every policy's `encode_prompts` makes before encoding.
+
+    Raises:
+        ValueError: if `prompts` is not a non-empty list of strings, `num_images_per_prompt < 1`, or
+            `negative_prompts` has a length other than 1 or ``len(prompts)``.
+    """
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"`prompts` must be a non-empty list of strings, got {prompts!r}.")
+    if num_images_per_prompt < 1:
+        raise ValueError(f"`num_images_per_prompt` must be >= 1, got {num_images_per_prompt}.")
+    if negative_prompts is not None and len(negative_prompts) not in (1, len(prompts)):
+        raise ValueError(
+            f"`negative_prompts` has {len(negative_prompts)} entries for {len(prompts)} prompts; pass one negative"
+            " prompt per prompt, or a single one for all."
+        )
+
+
+def expand_negative_prompts(prompts: list[str], negative_prompts: list[str] | None) -> list[str]:
+    """One negative prompt per prompt: the empty prompt "" (the unconditional embedding) by default, a single one
+    repeated, or the given list."""
+    negatives = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
+    return negatives * len(prompts) if len(negatives) == 1 else negatives

@@ -28,7 +28,14 @@ from omegaconf import MISSING
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from diffalign.models.stable_diffusion import LORA_WEIGHT_NAME, TORCH_DTYPES, _truthy_env, cfg_batch
+from diffalign.models.base import check_prompts, expand_negative_prompts
+from diffalign.models.stable_diffusion import (
+    LORA_WEIGHT_NAME,
+    TORCH_DTYPES,
+    _truthy_env,
+    cfg_batch,
+    check_pipeline_folder,
+)
 from diffalign.types import PromptEmbeds
 
 # Flow-GRPO / DGPO adapt the joint-attention projections of both streams (ALGORITHMS.md §2.3(d), §5(d)).
@@ -36,23 +43,6 @@ DEFAULT_SD3_LORA_TARGET_MODULES = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
 )
-
-
-def check_pipeline_folder(path: str, original: str) -> None:
-    """Raises a clear `ValueError` (naming `model.pretrained_model_name_or_path`) when a local-looking path is not a
-    diffusers pipeline folder; hub ids pass through."""
-    looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or "\\" in path
-    if os.path.exists(path) or looks_local:
-        if not os.path.isdir(path):
-            raise ValueError(
-                f"Model folder {original!r} does not exist. Point `model.pretrained_model_name_or_path` at a diffusers"
-                " pipeline folder (the one holding `model_index.json`) or at a hub id."
-            )
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ValueError(
-                f"{original!r} has no `model_index.json`, so it is not a diffusers pipeline folder. Point"
-                " `model.pretrained_model_name_or_path` at the folder that holds `model_index.json`."
-            )
 
 
 class FlowMatchingPolicy(nn.Module):
@@ -154,7 +144,8 @@ class FlowMatchingPolicy(nn.Module):
         if torch_dtype not in TORCH_DTYPES:
             raise ValueError(f"`torch_dtype` must be one of {sorted(TORCH_DTYPES)}, got {torch_dtype!r}.")
         path = os.path.expanduser(pretrained_model_name_or_path)
-        check_pipeline_folder(path, pretrained_model_name_or_path)
+        check_pipeline_folder(path, pretrained_model_name_or_path, kind="SD3-format",
+                              example_hub_id="stabilityai/stable-diffusion-3.5-medium")
         if local_files_only is None:
             local_files_only = _truthy_env("HF_HUB_OFFLINE")
         no_t5 = not load_t5
@@ -248,17 +239,8 @@ class FlowMatchingPolicy(nn.Module):
             ValueError: if `prompts` is not a non-empty list of strings, `num_images_per_prompt < 1`, or
                 `negative_prompts` has a length other than 1 or `P`.
         """
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"`prompts` must be a non-empty list of strings, got {prompts!r}.")
-        if num_images_per_prompt < 1:
-            raise ValueError(f"`num_images_per_prompt` must be >= 1, got {num_images_per_prompt}.")
-        if negative_prompts is not None and len(negative_prompts) not in (1, len(prompts)):
-            raise ValueError(f"`negative_prompts` has {len(negative_prompts)} entries for {len(prompts)} prompts; "
-                             "pass one per prompt or a single one for all.")
-        negatives = None
-        if do_classifier_free_guidance:
-            negatives = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
-            negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
+        check_prompts(prompts, negative_prompts, num_images_per_prompt)
+        negatives = expand_negative_prompts(prompts, negative_prompts) if do_classifier_free_guidance else None
         pe, npe, pooled, npooled = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
             num_images_per_prompt=num_images_per_prompt, do_classifier_free_guidance=do_classifier_free_guidance,

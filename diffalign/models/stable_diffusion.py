@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dic
 from torch import nn
 from transformers import CLIPTextModel, PreTrainedTokenizerBase
 
+from diffalign.models.base import check_prompts, expand_negative_prompts
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,33 @@ def cfg_batch(prompt_embeds: PromptEmbeds, *, pooled: bool = False) -> torch.Ten
 def _truthy_env(name: str) -> bool:
     """True if environment variable `name` is set to 1/ON/YES/TRUE (the `huggingface_hub` convention)."""
     return os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def check_pipeline_folder(path: str, original: str, kind: str = "", example_hub_id: str | None = None) -> None:
+    """Raises a clear `ValueError` (naming `model.pretrained_model_name_or_path`) when a local-looking path is not a
+    diffusers pipeline folder, before anything is loaded; hub ids pass through.
+
+    Args:
+        path (`str`): the path with ``~`` expanded.
+        original (`str`): the value as the user wrote it (quoted in the message).
+        kind (`str`): the model family named in the message, e.g. "Stable Diffusion".
+        example_hub_id (`str`, *optional*): a hub id quoted as an example.
+    """
+    looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or "\\" in path
+    if not (os.path.exists(path) or looks_local):
+        return
+    if not os.path.isdir(path):
+        family = f"{kind} " if kind else ""
+        example = f" such as {example_hub_id!r}" if example_hub_id else ""
+        raise ValueError(
+            f"Model folder {original!r} does not exist. Point `model.pretrained_model_name_or_path` at a diffusers"
+            f" {family}folder (the one holding `model_index.json`) or at a hub id{example}."
+        )
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise ValueError(
+            f"{original!r} has no `model_index.json`, so it is not a diffusers pipeline folder. Point"
+            " `model.pretrained_model_name_or_path` at the folder that holds `model_index.json`."
+        )
 
 
 class StableDiffusionPolicy(nn.Module):
@@ -185,19 +213,8 @@ class StableDiffusionPolicy(nn.Module):
         if torch_dtype not in TORCH_DTYPES:
             raise ValueError(f"`torch_dtype` must be one of {sorted(TORCH_DTYPES)}, got {torch_dtype!r}.")
         path = os.path.expanduser(pretrained_model_name_or_path)
-        looks_local = os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or "\\" in path
-        if os.path.exists(path) or looks_local:
-            if not os.path.isdir(path):
-                raise ValueError(
-                    f"Model folder {pretrained_model_name_or_path!r} does not exist. Point"
-                    " `model.pretrained_model_name_or_path` at a diffusers Stable Diffusion folder (the one holding"
-                    " `model_index.json`) or at a hub id such as 'stable-diffusion-v1-5/stable-diffusion-v1-5'."
-                )
-            if not os.path.isfile(os.path.join(path, "model_index.json")):
-                raise ValueError(
-                    f"{pretrained_model_name_or_path!r} has no `model_index.json`, so it is not a diffusers pipeline"
-                    " folder. Point `model.pretrained_model_name_or_path` at the folder that holds `model_index.json`."
-                )
+        check_pipeline_folder(path, pretrained_model_name_or_path, kind="Stable Diffusion",
+                              example_hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5")
         if local_files_only is None:
             local_files_only = _truthy_env("HF_HUB_OFFLINE")
         pipe = StableDiffusionPipeline.from_pretrained(
@@ -345,21 +362,10 @@ class StableDiffusionPolicy(nn.Module):
             ValueError: if `prompts` is not a non-empty list of strings, `num_images_per_prompt < 1`, or
                 `negative_prompts` has a length other than 1 or `P`.
         """
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"`prompts` must be a non-empty list of strings, got {prompts!r}.")
-        if num_images_per_prompt < 1:
-            raise ValueError(f"`num_images_per_prompt` must be >= 1, got {num_images_per_prompt}.")
-        if negative_prompts is not None and len(negative_prompts) not in (1, len(prompts)):
-            raise ValueError(
-                f"`negative_prompts` has {len(negative_prompts)} entries for {len(prompts)} prompts; pass one negative"
-                " prompt per prompt, or a single one for all."
-            )
+        check_prompts(prompts, negative_prompts, num_images_per_prompt)
         embeds = PromptEmbeds(self._encode_text(prompts))
         if do_classifier_free_guidance:
-            negatives = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
-            if len(negatives) == 1:
-                negatives = negatives * len(prompts)
-            embeds.negative_prompt_embeds = self._encode_text(negatives)
+            embeds.negative_prompt_embeds = self._encode_text(expand_negative_prompts(prompts, negative_prompts))
         return embeds if num_images_per_prompt == 1 else embeds.repeat_interleave(num_images_per_prompt)
 
     def _encode_text(self, texts: list[str]) -> torch.Tensor:

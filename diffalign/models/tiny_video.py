@@ -9,8 +9,16 @@
 from __future__ import annotations
 
 import torch
-from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, TextToVideoSDPipeline, UNet3DConditionModel,
-                       UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    DDIMScheduler,
+    TextToVideoSDPipeline,
+    UNet3DConditionModel,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
 from transformers import CLIPTextConfig, CLIPTextModel, UMT5Config, UMT5EncoderModel
 
 from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG

@@ -26,17 +26,27 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import (DDIMScheduler, FlowMatchEulerDiscreteScheduler, TextToVideoSDPipeline,
-                       UNet3DConditionModel, WanPipeline)
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    TextToVideoSDPipeline,
+    UNet3DConditionModel,
+    WanPipeline,
+)
 from diffusers.loaders import PeftAdapterMixin
 from diffusers.training_utils import cast_training_params
 from omegaconf import MISSING
 from peft import LoraConfig
 from torch import nn
 
-from diffalign.models.sd3 import FlowMatchingPolicy, check_pipeline_folder
-from diffalign.models.stable_diffusion import (DEFAULT_LORA_TARGET_MODULES, TORCH_DTYPES, StableDiffusionPolicy,
-                                               cfg_batch)
+from diffalign.models.base import check_prompts, expand_negative_prompts
+from diffalign.models.sd3 import FlowMatchingPolicy
+from diffalign.models.stable_diffusion import (
+    DEFAULT_LORA_TARGET_MODULES,
+    TORCH_DTYPES,
+    StableDiffusionPolicy,
+    cfg_batch,
+    check_pipeline_folder,
+)
 from diffalign.types import PromptEmbeds
 
 DEFAULT_WAN_LORA_TARGET_MODULES = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
@@ -221,12 +231,8 @@ class WanPolicy(FlowMatchingPolicy):
     def encode_prompts(self, prompts: list[str], negative_prompts: list[str] | None = None,
                        do_classifier_free_guidance: bool = True, num_images_per_prompt: int = 1) -> PromptEmbeds:
         """`WanPipeline.encode_prompt` (umT5, zero-padded to `max_sequence_length`); negatives default to ""."""
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"`prompts` must be a non-empty list of strings, got {prompts!r}.")
-        negatives = None
-        if do_classifier_free_guidance:
-            negatives = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
-            negatives = negatives * len(prompts) if len(negatives) == 1 else negatives
+        check_prompts(prompts, negative_prompts, num_images_per_prompt)
+        negatives = expand_negative_prompts(prompts, negative_prompts) if do_classifier_free_guidance else None
         pe, npe = self.pipe.encode_prompt(prompt=prompts, negative_prompt=negatives,
                                           do_classifier_free_guidance=do_classifier_free_guidance,
                                           num_videos_per_prompt=num_images_per_prompt,

@@ -204,27 +204,11 @@ def recompute_log_probs(
                          " DDIM-η or flow SDE rollout.")
     if any(k < 0 or k >= num_steps for k in indices):
         raise ValueError(f"`step_indices` {indices} must lie in [0, {num_steps}) for a {num_steps}-step trajectory.")
-    scheduler = policy.scheduler
-    is_flow = trajectory.sampler == "flow_sde"
-    if not is_flow and scheduler.num_inference_steps != num_steps:
-        scheduler.set_timesteps(num_steps, device=policy.device)
-    guidance_scale = trajectory.guidance_scale if guidance_scale is None else guidance_scale
-    device = trajectory.latents.device
-    log_probs = []
-    for k in indices:
-        sample, next_sample = trajectory.latents[:, k], trajectory.latents[:, k + 1]
-        t = trajectory.timesteps[k].to(device)
-        kwargs = {"detach_unconditional": True} if detach_unconditional else {}
-        model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale, **kwargs)
-        if is_flow:
-            sigmas = trajectory.sigmas.to(device)
-            step = flow_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=trajectory.eta,
-                                 sigma_max=float(sigmas[1]), prev_sample=next_sample, reduction=reduction)
-        else:
-            step = ddim_step(
-                scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample, reduction=reduction
-            )
-        log_probs.append(step.log_prob)
+    log_probs = [
+        recompute_step(policy, trajectory, k, guidance_scale=guidance_scale, reduction=reduction,
+                       detach_unconditional=detach_unconditional).log_prob
+        for k in indices
+    ]
     return torch.stack(log_probs, dim=1)
 
 
