@@ -95,10 +95,11 @@ def _train_main(cfg: DictConfig) -> None:
 
 def _eval_main(cfg: DictConfig) -> None:
     from diffalign.evaluate import resolve_checkpoints
-    from diffalign.validation import validate_eval_config
+    from diffalign.validation import validate_eval_config, validate_reward_modality
 
     try:
         validate_eval_config(cfg)
+        validate_reward_modality(cfg)
         if cfg.checkpoints is not None and cfg.checkpoint is not None:
             raise ValueError("pass checkpoints=[...] or checkpoint=<folder>, not both (checkpoints=[base,<folder>] "
                              "is the same as checkpoint=<folder>)")

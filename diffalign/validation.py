@@ -77,6 +77,7 @@ def validate_train_config(cfg: DictConfig) -> None:
     if "path" in reference and not (Path(reference.path) / "pytorch_lora_weights.safetensors").is_file():
         raise FileNotFoundError(f"reference.path={reference.path!r} holds no pytorch_lora_weights.safetensors; "
                                 "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
+    validate_reward_modality(cfg)
     if "_target_" in method:
         validate_online_config(cfg)
     if cfg.eval.enabled:
@@ -89,6 +90,55 @@ def validate_train_config(cfg: DictConfig) -> None:
     if cfg.get("resume") is None and output_dir.is_dir() and any(output_dir.glob("checkpoint-*")):
         raise ValueError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
                          "that run, or choose a new output_dir")
+
+
+def target_modality(target: str | None) -> str | None:
+    """``"image"`` / ``"video"``: the ``modality`` class attribute of what a config's ``_target_`` builds (a class, a
+    classmethod such as ``StableDiffusionPolicy.from_pretrained``, or a builder function annotated with the class it
+    returns); None when it does not say (e.g. a plugin without the attribute) or cannot be imported."""
+    if not target:
+        return None
+    import inspect
+    import typing
+
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(target)
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
+        return None
+    owner = obj.__self__ if inspect.ismethod(obj) and inspect.isclass(obj.__self__) else obj
+    if not inspect.isclass(owner):
+        try:
+            owner = typing.get_type_hints(obj).get("return")
+        except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
+            return None
+    return getattr(owner, "modality", None) if inspect.isclass(owner) else None
+
+
+def validate_reward_modality(cfg: DictConfig) -> None:
+    """A video reward on an image model (or an image reward on a video model) is refused before anything loads.
+
+    Raises:
+        ValueError: naming the reward field, the model and the fix (``reward.per_frame`` wraps an image reward for
+            videos).
+    """
+    model = target_modality((cfg.get("model") or {}).get("_target_"))
+    if model is None:
+        return
+    for field in ("reward", "eval_reward"):
+        for name, node in (cfg.get(field) or {}).items():
+            kind = target_modality((node or {}).get("_target_"))
+            if kind is None or kind == model:
+                continue
+            if model == "image":
+                raise ValueError(f"{field}=[...{name}...]: {name} scores videos (B, F, C, H, W) but model="
+                                 f"{cfg.model._target_} makes images; pick an image reward (e.g. {field}=[geneval_shapes]"
+                                 " or [clip_score]) or a video model (e.g. model=tiny_t2v_random)")
+            raise ValueError(f"{field}=[...{name}...]: {name} scores images (B, C, H, W) but model="
+                             f"{cfg.model._target_} makes videos; wrap it per frame ({field}=[per_frame] "
+                             f"{field}.per_frame.image_reward={name}) or pick a video reward (video_motion, "
+                             "temporal_consistency)")
 
 
 def validate_eval_config(cfg: DictConfig) -> None:

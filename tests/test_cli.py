@@ -204,3 +204,27 @@ def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
     missing = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'nothing'}"], name="evaluate")
     with pytest.raises(SystemExit, match="checkpoint"):
         _eval_main(missing)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["reward=[video_motion]"], r"reward=\[...video_motion...\]: video_motion scores videos .* makes images"),
+    (["model=tiny_random", "reward=[geneval_shapes,temporal_consistency]"], "temporal_consistency scores videos"),
+    (["model=tiny_sd3", "eval_reward=[per_frame]"], r"eval_reward=\[...per_frame...\]"),
+    (["recipe=tiny_vipo_video", "reward=[geneval_shapes]"], "makes videos; wrap it per frame"),
+    (["recipe=tiny_vipo_video", "eval_reward=[clip_score]"], "eval_reward.per_frame.image_reward=clip_score"),
+])
+def test_reward_of_the_other_modality_is_refused_before_any_model_loads(overrides, match, tmp_path):
+    """A video reward on an image model (and an image reward on a video model) fails in validation, naming the field
+    and the fix (issue 10 item 4); the matching pairs pass."""
+    with pytest.raises(ValueError, match=match):
+        validate_train_config(compose_cfg([f"output_dir={tmp_path}"] + overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["recipe=tiny_vipo_video"],
+    ["recipe=tiny_vipo_video", "reward=[per_frame,temporal_consistency]"],
+    ["model=tiny_wan_random", "reward=[video_motion]", "eval.enabled=false"],
+    ["model=tiny_sd3", "reward=[geneval_shapes,clip_score]"],
+])
+def test_rewards_of_the_models_modality_pass_validation(overrides, tmp_path):
+    validate_train_config(compose_cfg([f"output_dir={tmp_path}"] + overrides))

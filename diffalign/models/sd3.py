@@ -65,6 +65,8 @@ class FlowMatchingPolicy(nn.Module):
         ValueError: for `lora_rank < 1`, empty targets, or a VAE without `shift_factor`.
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     def __init__(
         self,
         pipe: StableDiffusion3Pipeline,

@@ -127,6 +127,8 @@ class StableDiffusionPolicy(nn.Module):
         ValueError: for an unsupported `prediction_type`, `lora_rank < 1`, or empty `lora_target_modules`.
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     def __init__(
         self,
         *,

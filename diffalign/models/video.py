@@ -69,6 +69,8 @@ class TextToVideoPolicy(StableDiffusionPolicy):
         num_frames (`int`, defaults to 8): F, the frames of a rollout (the UNet3D takes any F).
     """
 
+    modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     def __init__(self, *, unet: UNet3DConditionModel, num_frames: int = 8, **kwargs):
         if num_frames < 1:
             raise ValueError(f"`num_frames` must be >= 1, got {num_frames}.")
@@ -157,6 +159,8 @@ class WanPolicy(FlowMatchingPolicy):
         lora_*: as `FlowMatchingPolicy`; targets default to `DEFAULT_WAN_LORA_TARGET_MODULES`.
         max_sequence_length (`int`, defaults to 512): text tokens (Wan: 512).
     """
+
+    modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
 
     def __init__(self, pipe: WanPipeline, *, num_frames: int = 9, height: int = 32, width: int = 32,
                  flow_shift: float | None = None, lora_rank: int | None = 4, lora_alpha: float | None = None,

@@ -97,6 +97,8 @@ class Aesthetic:
         FileNotFoundError: weights absent (the message says where to put them).
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "aesthetic"
 
     def __init__(self, head: str | None = None, clip_model_name: str = "ViT-L-14",

@@ -67,6 +67,8 @@ class ClipScore:
             `value_range`; image and prompt counts differ.
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "clip_score"
 
     def __init__(self, model_name: str = "diffalign-tiny-clip", pretrained: str | None = None, scale: float = 1.0,

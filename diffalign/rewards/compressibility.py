@@ -78,6 +78,8 @@ class JpegCompressibility:
         ValueError: if `quality` is outside [1, 100].
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     differentiable = False
     name = "jpeg_compressibility"
 
@@ -116,6 +118,8 @@ class JpegIncompressibility:
     Raises:
         ValueError: if `quality` is outside [1, 100].
     """
+
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
 
     differentiable = False
     name = "jpeg_incompressibility"

@@ -43,6 +43,8 @@ class GenevalShapes:
             caption and comes without metadata.
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "geneval_shapes"
     differentiable = False
 

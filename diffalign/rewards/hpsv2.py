@@ -61,6 +61,8 @@ class Hpsv2:
         FileNotFoundError: weights absent (the message says where to put them).
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "hpsv2"
 
     def __init__(self, weights: str | None = None, model_name: str = "ViT-H-14", scale: float = 1.0,

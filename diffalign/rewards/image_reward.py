@@ -50,6 +50,8 @@ class ImageRewardScore:
         ImportError: the ``ImageReward`` package is not importable (the message names the extra).
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "image_reward"
     differentiable = False
 

@@ -68,6 +68,8 @@ class PickScore:
         ValueError: bad images, or image and prompt counts differ.
     """
 
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "pickscore"
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",

@@ -68,6 +68,8 @@ class PerFrame:
         ValueError: for an unknown aggregate or layout.
     """
 
+    modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
     name = "per_frame"
     differentiable = False
 
@@ -116,6 +118,8 @@ class TemporalConsistency:
             `(N, 3, H, W) -> (N, d)`.
         layout (`str`): "BFCHW" or "BCFHW".
     """
+
+    modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
 
     name = "temporal_consistency"
     differentiable = False
@@ -170,6 +174,8 @@ class VideoMotion:
         ValueError: for an unknown score mode, mismatched batch sizes, or a prompt that is not a video caption and
             comes without metadata.
     """
+
+    modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
 
     name = "video_motion"
     differentiable = False
