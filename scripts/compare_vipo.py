@@ -48,13 +48,14 @@ def train_all(args) -> dict[str, list[Path]]:
             arm, seed, out, cmd = pending.pop(0)
             print("$", " ".join(cmd), flush=True)
             out.mkdir(parents=True, exist_ok=True)
-            log = open(out.parent / f"{arm}-s{seed}.log", "w")
-            running.append((out, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            log = open(out.parent / f"{arm}-s{seed}.log", "w")  # noqa: SIM115 - closed when the process ends
+            running.append((out, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
         for item in list(running):
-            out, t, proc = item
+            out, t, proc, log = item
             if proc.poll() is not None:
+                log.close()
                 if proc.returncode:
-                    raise RuntimeError(f"training run {out} failed (exit {proc.returncode}); see {out}.log")
+                    raise RuntimeError(f"training run {out} failed (exit {proc.returncode}); see {log.name}")
                 (out / "wall_seconds.txt").write_text(f"{time.time() - t:.1f}\n")
                 running.remove(item)
         time.sleep(2)

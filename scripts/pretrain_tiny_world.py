@@ -326,46 +326,67 @@ def eval_flow(pipe, n_prompts: int) -> float:
 # CLIP
 # ----------------------------------------------------------------------------------------------------------------------
 def train_clip(args) -> None:
+    """Contrastive training with hard negatives.
+
+    Loss: the symmetric InfoNCE of CLIP over the batch's true captions plus, per image, ``--clip-hard`` corrupted
+    captions (swapped relation, count off by one, other shape/colour) as extra negatives on the image→text side; plus
+    ``--clip-pair-weight`` × a pairwise term −log σ(s·(cos(x, c) − cos(x, c̃))) per hard negative, which is the signal
+    a bag-of-words solution cannot satisfy (the corrupted caption shares all but one word with the true one).
+    """
     from diffalign.rewards.tiny_clip import build_tiny_clip, tokenize
 
     torch.manual_seed(0)
     model = build_tiny_clip()
-    log(f"clip params {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M, {args.clip_steps} steps")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    log(f"clip params {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M, {args.clip_steps} steps, "
+        f"{args.clip_hard} hard negatives per image, pair weight {args.clip_pair_weight}")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.clip_lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(100, args.clip_steps))
     tokenizer = build_tokenizer()
     t0 = time.time()
+    k = max(1, args.clip_hard)
     for step in range(args.clip_steps):
         specs = sample_train_specs(128, seed=50_000 + step)
         x = render_batch(specs, seed=50_000 + step)
-        # hard negatives: each image's caption corrupted (swapped relation, count off by one, other shape/colour)
-        hard = [caption(corrupt_spec(s, 50_000 * step + i)[0]) for i, s in enumerate(specs)]
-        text = tokenize(tokenizer, [s["prompt"] for s in specs] + hard)
-        img_f, txt_f, scale = model(model_normalize(x), text)
-        logits = scale * img_f @ txt_f.T  # (B, 2B): true captions, then hard negatives
-        # the same caption may appear twice in a batch: every matching caption is a positive
-        same = torch.tensor([[a["prompt"] == b for b in [s["prompt"] for s in specs] + hard] for a in specs],
-                            dtype=torch.float32)
-        target = same / same.sum(1, keepdim=True)
         n = len(specs)
+        prompts = [s["prompt"] for s in specs]
+        # hard negatives: each image's caption corrupted k times, hard[j * n + i] belongs to image i
+        hard = [caption(corrupt_spec(s, 50_000 * step + 1_000 * j + i)[0]) for j in range(k) for i, s in enumerate(specs)]
+        text = tokenize(tokenizer, prompts + hard)
+        img_f, txt_f, scale = model(model_normalize(x), text)
+        logits = scale * img_f @ txt_f.T  # (B, B + kB): true captions, then hard negatives
+        # the same caption may appear twice in a batch: every matching caption is a positive
+        same = torch.tensor([[a["prompt"] == b for b in prompts + hard] for a in specs], dtype=torch.float32)
+        target = same / same.sum(1, keepdim=True)
         loss = 0.5 * (torch.sum(-target * logits.log_softmax(1), 1).mean()
                       + torch.sum(-target[:, :n].T * logits[:, :n].T.log_softmax(1), 1).mean())
+        if args.clip_pair_weight > 0:
+            pos = logits[torch.arange(n), torch.arange(n)]  # (B,)
+            neg = torch.stack([logits[torch.arange(n), n + j * n + torch.arange(n)] for j in range(k)], 1)  # (B, k)
+            loss = loss + args.clip_pair_weight * F.softplus(neg - pos[:, None]).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         if step % 100 == 0 or step == args.clip_steps - 1:
             log(f"clip step {step} loss {loss.item():.4f} ({(step + 1) / (time.time() - t0):.2f} it/s)")
+        if args.clip_eval_every and step and step % args.clip_eval_every == 0:
+            model.eval()
+            log(f"clip step {step} held-out {json.dumps(eval_clip(model, tokenizer, 500, by_kind=True))}")
+            model.train()
     model.eval()
     out = Path(args.work) / "tiny_clip"
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "open_clip_model.safetensors")
-    acc = eval_clip(model, tokenizer, args.eval_images)
+    by_kind = eval_clip(model, tokenizer, args.eval_images, by_kind=True)
+    random_acc = eval_clip(model, tokenizer, args.eval_images, random_negative=True)
     (Path(args.work) / "clip_metrics.json").write_text(json.dumps(
-        {"heldout_pair_accuracy": acc, "steps": args.clip_steps, "minutes": (time.time() - t0) / 60}, indent=2))
-    log(f"clip held-out matched-vs-mismatched caption accuracy {acc:.4f}")
+        {"heldout_pair_accuracy": by_kind["all"], "heldout_pair_accuracy_by_corruption": by_kind,
+         "heldout_random_caption_accuracy": random_acc, "steps": args.clip_steps, "hard_negatives": k,
+         "pair_weight": args.clip_pair_weight, "lr": args.clip_lr, "minutes": (time.time() - t0) / 60}, indent=2))
+    log(f"clip held-out matched-vs-corrupted caption accuracy {json.dumps(by_kind)}; vs a random other caption "
+        f"{random_acc:.4f}")
 
 
 def model_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -375,17 +396,36 @@ def model_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def eval_clip(model, tokenizer, n: int) -> float:
+def eval_clip(model, tokenizer, n: int, by_kind: bool = False, random_negative: bool = False):
+    """Held-out accuracy: how often the image's true caption scores above a corrupted one (one random corruption per
+    image, `corrupt_spec`), or with `random_negative` above the caption of another held-out image that differs from
+    it. With `by_kind` a dict ``{"all": acc, kind: acc, ...}`` per corruption kind."""
     from diffalign.rewards.tiny_clip import tokenize
     held = all_prompts()["heldout"]
     rng = np.random.default_rng(7)
     specs = [held[i] for i in rng.choice(len(held), size=n)]
     x = render_batch(specs, seed=7)
-    wrong = [corrupt_spec(s, i)[0] for i, s in enumerate(specs)]
+    if random_negative:
+        others = []
+        for i, s in enumerate(specs):
+            j = int(rng.integers(len(held)))
+            while held[j]["prompt"] == s["prompt"]:
+                j = int(rng.integers(len(held)))
+            others.append(held[j]["prompt"])
+        wrong_text, kinds = others, ["random"] * n
+    else:
+        wrong = [corrupt_spec(s, i) for i, s in enumerate(specs)]
+        wrong_text, kinds = [caption(w) for w, _ in wrong], [kd for _, kd in wrong]
     img_f = model.encode_image(model_normalize(x), normalize=True)
     right_f = model.encode_text(tokenize(tokenizer, [s["prompt"] for s in specs]), normalize=True)
-    wrong_f = model.encode_text(tokenize(tokenizer, [caption(s) for s in wrong]), normalize=True)
-    return float(((img_f * right_f).sum(-1) > (img_f * wrong_f).sum(-1)).float().mean())
+    wrong_f = model.encode_text(tokenize(tokenizer, wrong_text), normalize=True)
+    ok = ((img_f * right_f).sum(-1) > (img_f * wrong_f).sum(-1)).float().numpy()
+    if not by_kind:
+        return float(ok.mean())
+    out = {"all": round(float(ok.mean()), 4)}
+    for kd in sorted(set(kinds)):
+        out[kd] = round(float(np.mean([o for o, k2 in zip(ok, kinds) if k2 == kd])), 4)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -399,6 +439,10 @@ def main() -> None:
     p.add_argument("--unet-batch", type=int, default=64)
     p.add_argument("--num-latents", type=int, default=60_000)
     p.add_argument("--clip-steps", type=int, default=1200)
+    p.add_argument("--clip-lr", type=float, default=1e-3)
+    p.add_argument("--clip-hard", type=int, default=1, help="corrupted captions per image")
+    p.add_argument("--clip-pair-weight", type=float, default=0.0, help="weight of the pairwise hard-negative term")
+    p.add_argument("--clip-eval-every", type=int, default=0)
     p.add_argument("--flow-steps", type=int, default=3000)
     p.add_argument("--flow-lr", type=float, default=1e-3)
     p.add_argument("--flow-width", type=int, default=96)

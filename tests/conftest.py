@@ -8,10 +8,10 @@ import os
 # huggingface_hub is first imported, which reads it once).
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from diffalign.models.tiny_random import build_tiny_random_policy  # noqa: E402
+from diffalign.models.tiny_random import build_tiny_random_policy
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP oversubscription makes every op
 # 30-40x slower; one thread keeps the suite fast and its timing stable.

@@ -47,27 +47,114 @@ def launch_two_processes(args: list[str], tmp_path: Path) -> subprocess.Complete
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-def test_two_process_preference_run(tmp_path):
-    run = tmp_path / "run"
-    res = launch_two_processes([f"output_dir={run}", "model=tiny_random", "trainer.max_steps=2", "trainer.batch_size=2",
-                                "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "data.num_pairs=16"], tmp_path)
+# Updates proportional to the gradient (adam_epsilon=1, lr 10, no clipping): with Adam's default epsilon its first
+# steps divide each element by its own magnitude and turn float rounding on near-zero gradients into differences of
+# up to the lr. With these settings a run whose gradients are not synchronised fails the 1e-4 tolerance.
+LINEAR_UPDATES = ["trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0",
+                  "trainer.max_grad_norm=null"]
+
+
+def assert_same_lora(one: Path, two: Path, atol: float = 1e-4) -> None:
+    from safetensors.torch import load_file
+
+    a = load_file(one / "final" / "pytorch_lora_weights.safetensors")
+    b = load_file(two / "final" / "pytorch_lora_weights.safetensors")
+    assert set(a) == set(b)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=atol)
+    # training moved the weights: LoRA's up/B matrices start at zero
+    assert max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k or "lora.up" in k) > 10 * atol
+
+
+def test_launch_time_is_the_launchers_on_every_process():
+    """FIELD_CASES C27: two processes of one launch resolving the default run folder at 12:00:00 and 12:00:01 get the
+    same folder (the launcher's start time); one process gets its clock; a multi-node launch or an unreadable
+    launcher asks for output_dir."""
+    from datetime import datetime
+
+    from diffalign.launch import launch_time
+
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    started = datetime(2026, 1, 1, 11, 59, 58).timestamp()
+    rank0 = launch_time("%Y%m%d-%H%M%S", env={**env, "RANK": "0"}, now=lambda: datetime(2026, 1, 1, 12, 0, 0),
+                        launcher_start=lambda: started)
+    rank1 = launch_time("%Y%m%d-%H%M%S", env={**env, "RANK": "1"}, now=lambda: datetime(2026, 1, 1, 12, 0, 1),
+                        launcher_start=lambda: started)
+    assert rank0 == rank1 == "20260101-115958"
+    assert launch_time("%H%M%S", env={}, now=lambda: datetime(2026, 1, 1, 12, 0, 1)) == "120001"
+    assert launch_time("%H%M%S", env={**env, "DIFFALIGN_LAUNCH_TIME": str(started)}) == "115958"
+    with pytest.raises(ValueError, match="output_dir"):
+        launch_time("%H", env={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="output_dir"):
+        launch_time("%H", env=env, launcher_start=lambda: None)
+
+
+def test_process_start_time_reads_proc():
+    import time
+
+    from diffalign.launch import process_start_time
+
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        start = process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    if start is None:
+        pytest.skip("no /proc on this system")
+    assert before - 1.5 <= start <= time.time() + 1.5  # /proc/stat's btime has 1 s resolution
+    assert process_start_time(2**22 + 12345) is None
+
+
+def test_two_process_preference_run_matches_one_process(tmp_path):
+    """Diffusion-DPO: 2 processes × batch 2 vs 1 process × batch 4, same global batches (process r takes slice r)
+    and the same per-sample (t, ε) (keyed by the sample's global position): same LoRA within 1e-4. The 2-process run
+    leaves its output_dir to the default, run from `tmp_path`: both processes write into one folder (C27)."""
+    from diffalign.train.preference import train
+    from tests.test_cli import compose_cfg
+
+    common = ["model=tiny_random", "trainer.max_steps=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1",
+              "data.num_pairs=16", *LINEAR_UPDATES, "trainer.learning_rate=1.0"]  # (lr 10: a first DPO step that
+    # large sends step 2 where rounding differences of 1e-5 grow to 6e-4)
+    res = launch_two_processes(["trainer.batch_size=2", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("× 4 pairs (batch 2 × accumulation 1 × 2 processes)") == 1  # printed by process 0 only
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("train-"), runs  # one run folder for both processes
+    run = runs[0]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert len(list(run.rglob("config.yaml"))) == 1  # one .hydra/config.yaml
     assert json.loads((run / "results.json").read_text())["global_step"] == 2
-    assert not [p for p in tmp_path.iterdir() if p.is_dir() and p.name != "run"]  # one run folder
+    train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
+                       "eval.enabled=false", *common]))
+    assert_same_lora(tmp_path / "one", run)
 
 
-def test_two_process_online_run(tmp_path):
-    run = tmp_path / "run"
-    res = launch_two_processes([f"output_dir={run}", "model=tiny_random", "method=flow_grpo", "sampler=ddim",
-                                "online.num_epochs=2", "online.groups_per_epoch=2", "online.group_size=4",
-                                "online.checkpointing_epochs=1", "trainer.keep_last=-1", "trainer.batch_size=4",
-                                "sampler.num_inference_steps=4"], tmp_path)
+@pytest.mark.parametrize("method,extra", [
+    ("flow_grpo", []),
+    ("ddpo", ["online.tracker_buffer_size=8", "online.tracker_min_count=2"]),  # per-prompt statistics, gathered
+])
+def test_two_process_policy_gradient_matches_one_process(method, extra, tmp_path):
+    """Flow-GRPO / DDPO with the same global batch (2 groups × 4, 2 epochs): 2 processes × 1 group × batch 2 vs 1
+    process × 2 groups × batch 4. Rollouts are keyed by global group, advantages computed from the gathered rewards,
+    the minibatches stratified by group (each process's minibatch m is its share of the global minibatch m), and DDP
+    averages the gradients: same LoRA within 1e-4."""
+    from diffalign.train.online import train
+    from tests.test_cli import compose_cfg
+
+    common = ["model=tiny_random", f"method={method}", "sampler=ddim", "online.num_epochs=2",
+              "online.groups_per_epoch=2", "online.group_size=4", "online.checkpointing_epochs=1",
+              "online.updates_per_epoch=2", "trainer.keep_last=-1", "sampler.num_inference_steps=4", *LINEAR_UPDATES,
+              *extra]
+    res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=2", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    history = [json.loads(line) for line in (tmp_path / "two" / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [1, 2] and history[-1]["rollouts"] == 16
-    assert len(list(run.glob("checkpoint-*"))) == 2
+    assert len(list((tmp_path / "two").glob("checkpoint-*"))) == 2
+    train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
+                       "eval.enabled=false", *common]))
+    assert_same_lora(tmp_path / "one", tmp_path / "two")
 
 
 def test_two_process_dgpo_matches_one_process(tmp_path):
@@ -76,22 +163,15 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     per-process surrogate gradients, so the final LoRA must agree up to float rounding (stated tolerance 1e-4).
     adam_epsilon=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
     each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
-    from safetensors.torch import load_file
-
     from diffalign.train.online import train
     from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
               "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=2",
               "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
-              "trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0",
-              "trainer.max_grad_norm=null"]
+              *LINEAR_UPDATES]
     res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=4", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=8", "trainer.log_with=none",
                        "eval.enabled=false", *common]))
-    one = load_file(tmp_path / "one" / "final" / "pytorch_lora_weights.safetensors")
-    two = load_file(tmp_path / "two" / "final" / "pytorch_lora_weights.safetensors")
-    assert set(one) == set(two)
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-4)
+    assert_same_lora(tmp_path / "one", tmp_path / "two")

@@ -9,7 +9,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.media import save_video
 from diffalign.models.tiny_video import build_tiny_t2v_policy, build_tiny_wan_pipeline, build_tiny_wan_policy

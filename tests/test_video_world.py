@@ -12,8 +12,14 @@ from diffalign.rewards.video import PerFrame, TemporalConsistency, VideoMotion
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
-from diffalign.world.video import (all_video_prompts, parse_video_caption, render_video, verify_video, video_caption,
-                                   videos_to_tensor)
+from diffalign.world.video import (
+    all_video_prompts,
+    parse_video_caption,
+    render_video,
+    verify_video,
+    video_caption,
+    videos_to_tensor,
+)
 
 
 def test_ground_truth_videos_pass_the_motion_verifier_and_captions_round_trip():

@@ -119,7 +119,7 @@ def test_dinov2_backbone_loads_from_a_local_folder(tmp_path):
     assert isinstance(backbone, Dinov2Backbone)
     tokens = backbone.patch_tokens(world_images(2))
     assert tokens.shape == (2, 8, 8, 32)
-    maps, info = PerceptualStructuring(backbone)(world_images(2), (8, 8))
+    maps, _ = PerceptualStructuring(backbone)(world_images(2), (8, 8))
     assert maps.shape == (2, 8, 8) and maps.min() >= 0 and maps.max() <= 1
     with pytest.raises(ValueError, match="not a folder"):
         build_backbone(f"dinov2:{tmp_path / 'missing'}")

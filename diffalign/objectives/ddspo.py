@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffalign.data.degrade import random_word_removal
-from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
+from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, rand, randint
 from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
 from diffalign.types import PreferenceBatch, PromptEmbeds
 
@@ -332,17 +332,25 @@ class DDSPO(nn.Module):
         """(c, c⁻) embeddings for the masked pairs: drawn from the pool, or the batch shifted by s ∈ {1..B-1}."""
         bsz = len(batch.prompts)
         n = int(mask.sum())
-        device = generator.device if generator is not None else torch.device("cpu")
+        per_sample = isinstance(generator, (list, tuple))
+        masked = torch.arange(bsz)[mask.cpu()]
+        gens = [generator[i] for i in masked.tolist()] if per_sample else generator
         if self.pool is None:
             if bsz < 2:
                 raise ValueError("method.rand_cond draws the unpaired prompts from the batch, which needs "
                                  "trainer.batch_size >= 2; or set method.rand_cond_prompts to a prompt file.")
-            shift = int(torch.randint(1, bsz, (1,), generator=generator, device=device))
-            src = (torch.arange(bsz)[mask.cpu()] + shift) % bsz
+            # one shift for the batch, or one per masked pair with per-sample generators (in-batch partners depend on
+            # the local batch either way; a pool, method.rand_cond_prompts, does not)
+            shift = randint(1, bsz, n, gens).cpu() if per_sample else int(randint(1, bsz, 1, generator))
+            src = (masked + shift) % bsz
             src = src.to(batch.prompt_embeds.prompt_embeds.device)
             return batch.prompt_embeds.index(src), batch.degraded_prompt_embeds.index(src)
-        picks = torch.randint(0, len(self.pool), (n,), generator=generator, device=device).tolist()
-        variants = torch.randint(0, 2**31, (n,), generator=generator, device=device).tolist()
+        if per_sample:  # each masked pair draws its pick, then its variant, from its own generator
+            draws = [(int(randint(0, len(self.pool), 1, g)), int(randint(0, 2**31, 1, g))) for g in gens]
+            picks, variants = [a for a, _ in draws], [b for _, b in draws]
+        else:
+            picks = randint(0, len(self.pool), n, generator).tolist()
+            variants = randint(0, 2**31, n, generator).tolist()
         prompts = [self.pool[i][0] for i in picks]
         degraded = [self.pool[i][1][v % len(self.pool[i][1])] for i, v in zip(picks, variants)]
         return (policy.encode_prompts(prompts, do_classifier_free_guidance=False),
@@ -352,7 +360,7 @@ class DDSPO(nn.Module):
         self,
         policy: DiffusionPolicy,
         batch: PreferenceBatch,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         reference: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Computes the DDSPO loss for a batch of pairs (steps in the class docstring).
@@ -363,7 +371,8 @@ class DDSPO(nn.Module):
                 ``rand_cond_prompts`` pool).
             batch (`PreferenceBatch`): latents `(B, C, h, w)` (or any `(B, ...)` layout), `B` prompts and embeddings,
                 and, for TF-CPP or in-batch ``rand_cond``, ``degraded_prompt_embeds`` (`B` rows).
-            generator (`torch.Generator`, *optional*): source of t, ε, then u and the unpaired-prompt draws.
+            generator (`torch.Generator` or a list of `B`, *optional*): source of t, ε, then u and the unpaired-prompt
+                draws; a list gives each pair its own (`diffalign.objectives.common.randn`).
             reference (*optional*): a reference strategy (`diffalign.reference`); `None` uses ``policy.reference()``.
 
         Returns:
@@ -400,7 +409,7 @@ class DDSPO(nn.Module):
         cond, cond_minus = batch.prompt_embeds, batch.degraded_prompt_embeds
         mask = torch.zeros(bsz, dtype=torch.bool)
         if self.rand_cond:
-            u = torch.rand(bsz, generator=generator, device=timesteps.device)
+            u = rand(bsz, generator)
             mask = (u < rand_cond_probability(timesteps, num_train_timesteps, self.rand_cond_schedule,
                                               self.rand_cond_lambda)).cpu()
             if mask.any():

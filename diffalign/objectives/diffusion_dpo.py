@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
+from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
 from diffalign.types import PreferenceBatch
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class DiffusionDPO(nn.Module):
         self,
         policy: DiffusionPolicy,
         batch: PreferenceBatch,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         reference: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Computes the Diffusion-DPO loss for a batch of pairs.
@@ -185,10 +185,11 @@ class DiffusionDPO(nn.Module):
                 are used.
             batch (`PreferenceBatch`):
                 ``latents_w``/``latents_l`` of shape `(B, C, H, W)` (scaled VAE latents) and `B` prompt embeddings.
-            generator (`torch.Generator`, *optional*):
+            generator (`torch.Generator` or a list of `B`, *optional*):
                 Source of the timesteps and noise. Both are drawn in float32 on the generator's device (CPU when `None`,
                 from the global RNG) and then moved to the latents' device and dtype, so one CPU generator reproduces
-                the same draws on any device and precision.
+                the same draws on any device and precision. A list gives each pair its own generator
+                (`diffalign.objectives.common.randn`), as the training loop does.
             reference (*optional*):
                 A reference strategy of `diffalign.reference` (``reference.use(policy)`` runs the reference model).
                 `None` uses ``policy.reference()``, the adapter-disabled base, which is what the default

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
+from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.samplers.rollout import rollout
 from diffalign.types import WinnerBatch
@@ -324,7 +324,7 @@ class SePPO(nn.Module):
         self,
         policy: DiffusionPolicy,
         batch: WinnerBatch,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         reference: Any = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Computes the SePPO loss for a batch of winners.
@@ -333,8 +333,9 @@ class SePPO(nn.Module):
             policy (`DiffusionPolicy`, e.g. `StableDiffusionPolicy`): uses ``predict``, ``add_noise``,
                 ``training_target``, ``encode_prompts`` (through the rollout), ``scheduler`` and ``device``.
             batch (`WinnerBatch`): ``latents_w`` `(B, C, H, W)`, `B` prompts and their embeddings.
-            generator (`torch.Generator`, *optional*): source of t, ε (and, with ``sample_cache="off"``, the x^r
-                seeds), drawn in float32 on the generator's device and moved to the latents' device.
+            generator (`torch.Generator` or a list of `B`, *optional*): source of t, ε (and, with
+                ``sample_cache="off"``, the x^r seeds), drawn in float32 on the generator's device and moved to the
+                latents' device; a list gives each winner its own (`diffalign.objectives.common.randn`).
             reference: the reference strategy holding θ_r (`diffalign.reference.PoolReference` for SePPO; any
                 strategy works, e.g. `FrozenBaseReference` gives a DITTO-like fixed reference).
 
@@ -357,12 +358,10 @@ class SePPO(nn.Module):
         # 1. one (t, ε) per winner, reused for its reference sample: rows [w_0..w_{B-1}, r_0..r_{B-1}]
         timesteps, noise = draw_timesteps_and_noise(policy, tuple(latents_w.shape), self.timestep_min,
                                                     self.timestep_max, generator)
-        draw_device = noise.device
-        noise_r = noise if self.share_noise else torch.randn(latents_w.shape, generator=generator,
-                                                            device=draw_device, dtype=torch.float32)
+        noise_r = noise if self.share_noise else randn(tuple(latents_w.shape), generator)
         seeds = None
         if self.sample_cache == "off":
-            seeds = torch.randint(0, 2**62, (bsz,), generator=generator, device=draw_device).tolist()
+            seeds = randint(0, 2**62, bsz, generator).tolist()
 
         # 2. reference samples x^r ~ p_θr(·|c)
         latents_r, hits = self.reference_samples(policy, list(batch.prompts), reference, seeds)

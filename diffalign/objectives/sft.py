@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from diffalign.objectives.common import draw_timesteps_and_noise, per_sample_mse
+from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class WinnerSFT(nn.Module):
         self.timestep_min, self.timestep_max = timestep_min, timestep_max
 
     def forward(
-        self, policy: DiffusionPolicy, batch: WinnerBatch, generator: torch.Generator | None = None, reference: Any = None
+        self, policy: DiffusionPolicy, batch: WinnerBatch, generator: Generators = None, reference: Any = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Returns the mean denoising loss of the winners (scalar, with gradient) and ``{"loss"}``; `reference` is
         accepted for the loop's uniform call and ignored.

@@ -67,8 +67,8 @@ class ViPO:
             raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
         self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
         self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
-        self._psm_args = dict(backbone=backbone, num_components=num_components, aggregation=aggregation,
-                              orientation=orientation, spatial_sigma=spatial_sigma, temporal_sigma=temporal_sigma)
+        self._psm_args = {"backbone": backbone, "num_components": num_components, "aggregation": aggregation,
+                              "orientation": orientation, "spatial_sigma": spatial_sigma, "temporal_sigma": temporal_sigma}
         self._psm: PerceptualStructuring | None = None
         self.maps: torch.Tensor | None = None
         self.advantage_maps: torch.Tensor | None = None

@@ -133,7 +133,7 @@ class TemporalConsistency:
             clip = ClipScore()
             features = clip.embed_images
         elif features == "pixels":
-            features = lambda x: x.reshape(len(x), -1) - 0.5  # noqa: E731 — centred so black frames are not parallel
+            features = lambda x: x.reshape(len(x), -1) - 0.5
         elif not callable(features):
             raise ValueError(f"reward.temporal_consistency.features={features!r} must be 'tiny_clip' or 'pixels'")
         self.features, self.layout = features, layout

@@ -11,12 +11,14 @@ ViPO).
    ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
 3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
    checkpoint, naming the reward, batch and prompts);
-4. computes advantages (`diffalign.advantages`: per group with group or global std, or DDPO's per-prompt tracker);
+4. computes advantages (`diffalign.advantages`: per group with group or global std, or DDPO's per-prompt tracker)
+   from the whole epoch's rewards, gathered from every process;
 5. updates the policy ``online.updates_per_epoch`` times:
    - "online_groups" objectives (DGPO): ``method.num_train_timesteps`` timesteps from the high-noise part of the
      rollout schedule, noise shared per group, micro-batches of whole groups;
    - "online_trajectories" objectives (Flow-GRPO, DDPO): ``online.num_inner_epochs`` passes over shuffled
-     minibatches, each over a random ``method.timestep_fraction`` of the stored transitions.
+     minibatches (stratified by group, `trajectory_minibatches`), each over a random ``method.timestep_fraction`` of
+     the stored transitions.
 
 Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
 exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻, the DDPO tracker and the non-finite
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import ProjectConfiguration, gather_object, set_seed
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -86,6 +88,39 @@ def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, e
                 stream_seed(seed, epoch, g, timestep_index, _NOISE)))
         rows.append(cache[g])
     return torch.stack(rows)
+
+
+def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
+                           ) -> list[torch.Tensor]:
+    """Row indices of a process's policy-gradient minibatches for one inner epoch.
+
+    Stratified by group when `batch_size` is a whole number k of members from each of the process's groups (and k
+    divides the group size): each group's members are shuffled by a stream keyed by (seed, epoch, global group id,
+    inner epoch), and minibatch m takes members m·k … m·k + k − 1 of every group. A minibatch of one process is then
+    exactly its groups' share of the global minibatch m of a run on fewer processes with the same global batch, so N
+    processes reproduce one process up to float rounding. Otherwise the process's rows are shuffled as a whole (by a
+    stream keyed by (seed, epoch, inner)) and cut into chunks of `batch_size` — a local shuffle, which does not
+    reproduce across process counts.
+
+    Args:
+        group_ids (`torch.Tensor`): `(N,)` global group id of each local row.
+        batch_size (`int`): rows per minibatch on this process (``trainer.batch_size``).
+
+    Returns:
+        `list[torch.Tensor]` of int64 row indices, covering every row once.
+    """
+    ids = group_ids.tolist()
+    groups = list(dict.fromkeys(ids))
+    members = {g: [i for i, x in enumerate(ids) if x == g] for g in groups}
+    sizes = {len(m) for m in members.values()}
+    k = batch_size // len(groups) if batch_size % len(groups) == 0 else 0
+    if len(sizes) == 1 and k and next(iter(sizes)) % k == 0:
+        size = next(iter(sizes))
+        order = {g: [members[g][j] for j in torch.randperm(size, generator=torch.Generator().manual_seed(
+            stream_seed(seed, epoch, g, inner, _SHUFFLE))).tolist()] for g in groups}
+        return [torch.tensor([i for g in groups for i in order[g][m * k:(m + 1) * k]]) for m in range(size // k)]
+    perm = torch.randperm(len(ids), generator=epoch_generator(seed, epoch, _SHUFFLE, inner))
+    return [perm[s:s + batch_size] for s in range(0, len(perm), batch_size)]
 
 
 def _split(units: list, parts: int) -> list[list]:
@@ -295,13 +330,21 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                               f"and resume with resume=latest", step=global_step, batch_index=epoch,
                               prompts=sorted(set(traj.prompts))) from err
         scores = scored.scores.detach().cpu()
-        # 4. advantages
+        # 4. advantages, computed from the whole epoch's rewards on every process (gathered in rank order), so the
+        # global std and the per-prompt tracker see what one process would; each process keeps its own rows
+        all_scores, all_ids, all_prompts = scores, group_ids, list(traj.prompts)
+        if num_proc > 1:
+            all_scores = accelerator.gather(scores.to(accelerator.device)).cpu()
+            all_ids = accelerator.gather(group_ids.to(accelerator.device)).cpu()
+            all_prompts = gather_object(list(traj.prompts))
+        mine_rows = slice(rank * len(scores), (rank + 1) * len(scores))
         if tracker is not None:
-            advantages = tracker.update(traj.prompts, scores)
-            adv_stats = {"zero_std_fraction": group_advantages(scores, group_ids)[1]["zero_std_fraction"]}
+            advantages = tracker.update(all_prompts, all_scores)[mine_rows]
+            adv_stats = {"zero_std_fraction": group_advantages(all_scores, all_ids)[1]["zero_std_fraction"]}
         else:
-            advantages, adv_stats = group_advantages(scores, group_ids, std=on.advantage_std,
+            advantages, adv_stats = group_advantages(all_scores, all_ids, std=on.advantage_std,
                                                      clip=on.advantage_clip)
+            advantages = advantages[mine_rows]
         # 5. updates (an objective with `prepare_epoch`, e.g. ViPO's advantage maps, sees the whole epoch first and is
         # then called with `rows=` the minibatch's row indices)
         sums: dict[str, float] = {}
@@ -344,11 +387,11 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             num_steps = len(traj.timesteps)
             n_train = max(1, math.floor(num_steps * objective.timestep_fraction))
             for inner in range(on.num_inner_epochs):
-                # the trained transitions are the same on every process (their own stream); the shuffle is local
+                # the trained transitions are the same on every process (their own stream)
                 steps = torch.randperm(num_steps, generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
                 steps = steps[:n_train].sort().values.tolist()
-                perm = torch.randperm(len(traj.prompts), generator=epoch_generator(cfg.seed, epoch, _SHUFFLE, inner))
-                units = [(perm[s:s + tr.batch_size], k) for s in range(0, len(perm), tr.batch_size) for k in steps]
+                minibatches = trajectory_minibatches(group_ids, tr.batch_size, seed=cfg.seed, epoch=epoch, inner=inner)
+                units = [(idx, k) for idx in minibatches for k in steps]
                 for part in _split(units, on.updates_per_epoch):
                     part_finite = True
                     for idx, k in part:

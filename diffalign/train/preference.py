@@ -3,8 +3,10 @@
 ``main(cfg)`` → setup → train → evaluate. The loop is written out (no Trainer class): one optimizer step per
 ``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` items, gradient clipping, an LR
 schedule with warmup, trackers, and atomic checkpoints every ``trainer.checkpointing_steps`` holding the LoRA (diffusers
-format), optimizer, scheduler, RNG, noise-generator, data-sampler and reference state, so ``resume=latest`` continues
-exactly.
+format), optimizer, scheduler, data-sampler and reference state, so ``resume=latest`` continues exactly: the
+training draws (t, ε, ...) come from one generator per sample seeded by (seed, step, micro-step, global position)
+(`sample_generators`), so they need no saved state and do not depend on how the global batch is split across
+processes.
 
 Two data flows, chosen by the objective's ``data_flow``:
 
@@ -59,7 +61,19 @@ from diffalign.samplers.groups import stream_seed
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
 
-_NOISE_TAG = 20  # stream tag of the training noise of processes > 0 (diffalign.samplers.groups.stream_seed)
+_NOISE_TAG = 20  # stream tag of the training draws (diffalign.samplers.groups.stream_seed)
+
+
+def sample_generators(seed: int, step: int, micro: int, start: int, count: int) -> list[torch.Generator]:
+    """One CPU generator per sample of a micro-batch, seeded by (seed, step, micro-step, the sample's position in the
+    global batch): global positions ``start .. start + count - 1``.
+
+    The objective draws each sample's t and ε (and any further per-sample draws) from its own generator, so what a
+    sample gets depends neither on the number of processes nor on which other samples share its process: N processes
+    with batch B draw exactly what one process with batch N·B does, and a resumed run draws what the uninterrupted one
+    did (the seeds are a function of the step; no generator state is carried)."""
+    return [torch.Generator(device="cpu").manual_seed(stream_seed(seed, step, micro, start + i, _NOISE_TAG))
+            for i in range(count)]
 
 
 def _flat_hparams(cfg: DictConfig) -> dict:
@@ -163,7 +177,6 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
     if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
         policy.set_forward_module(wrapped)
-    noise_generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +193,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
             state={"global_step": step, "epoch": sampler.state_dict()["epoch"] if sampler is not None else 0,
                    "sampler": sampler.state_dict() if sampler is not None else None,  # None: stopped while preparing
-                   "noise_generator": noise_generator.get_state().tolist(), "nonfinite": guard.state_dict()},
+                   "nonfinite": guard.state_dict()},
         )
 
     def checkpoint_before_stop(step: int) -> Path | None:
@@ -229,7 +242,6 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             global_step = state["global_step"]
             if state["sampler"] is not None:  # (None: a run stopped by a reward failure while preparing data)
                 sampler.load_state_dict(state["sampler"])
-            noise_generator.set_state(torch.tensor(state["noise_generator"], dtype=torch.uint8))
             reference.load_state_dict(read_state(ckpt, "reference_state"))
             guard.load_state_dict(state.get("nonfinite", guard.state_dict()))
             accelerator.print(f"[diffalign] resumed from {ckpt} at step {global_step}")
@@ -242,9 +254,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     history = []
     t_train = time.time()
     if monitor is not None and global_step == 0 and accelerator.is_main_process:  # the baseline of the monitors
-        with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
-            with bare_forward(policy):
-                monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
+        with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print), bare_forward(policy):
+            monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
     while global_step < tr.max_steps:
         if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
             ckpt = stop_with_checkpoint(global_step)
@@ -281,11 +292,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             else:
                 batch = WinnerBatch(latents_w, batch_data["prompts"], embeds, batch_data["ids"])
             with accelerator.accumulate(policy.forward_module), accelerator.autocast():
-                # process 0 uses the checkpointed noise stream; the others one seeded per (seed, process, step), so
-                # processes never share noise and every stream resumes exactly
-                generator = noise_generator if rank == 0 else torch.Generator().manual_seed(
-                    stream_seed(cfg.seed, global_step, rank, micro, _NOISE_TAG))
-                loss, metrics = objective(policy, batch, generator=generator, reference=reference)
+                # one generator per sample, keyed by its position in the global batch (`sample_generators`)
+                generators = sample_generators(cfg.seed, global_step, micro, rank * tr.batch_size,
+                                               len(batch_data["prompts"]))
+                loss, metrics = objective(policy, batch, generator=generators, reference=reference)
                 loss_finite = loss_finite and bool(torch.isfinite(loss))
                 accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
             for k, v in metrics.items():
@@ -309,9 +319,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         history.append({"step": global_step, **sums})
         accelerator.log(sums, step=global_step)
         if monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
-            with stop_on_reward_error(lambda step=global_step: checkpoint_before_stop(step), log=accelerator.print):
-                with bare_forward(policy):
-                    monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
+            with stop_on_reward_error(lambda step=global_step: checkpoint_before_stop(step), log=accelerator.print), \
+                    bare_forward(policy):
+                monitor.maybe_log(global_step, policy, accelerator, log=accelerator.print)
         progress.update(1)
         progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
         if tr.checkpointing_steps and global_step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
@@ -335,10 +345,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         ecfg = eval_config_from(cfg.eval)
         rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
         set_reward_step(eval_rewards, global_step, reset_calls=True)
-        with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print):
-            with bare_forward(policy):
-                results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
-                                                  {"base": True, "finetuned": False}, log=accelerator.print)
+        with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print), \
+                bare_forward(policy):
+            results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
+                                              {"base": True, "finetuned": False}, log=accelerator.print)
         results["eval_seconds"] = time.time() - t_eval
         results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
         accelerator.print(f"[diffalign] report: {results['report']}")

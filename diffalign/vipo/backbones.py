@@ -62,7 +62,7 @@ class TinyClipBackbone:
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", antialias=True,
                               align_corners=False)
         _, tokens = self.visual(normalize(x))
-        side = int(round(tokens.shape[1] ** 0.5))
+        side = round(tokens.shape[1] ** 0.5)
         return tokens.float().reshape(len(x), side, side, -1)
 
 

@@ -71,7 +71,7 @@ def pca_components(tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     """Per-image PCA of `(N, P, d)` tokens: projections `(N, P, K)` and explained-variance ratios `(N, K)`
     (K = min(k, P, d)); axes oriented as scikit-learn's `svd_flip` (largest-magnitude loading positive)."""
     x = tokens.double() - tokens.double().mean(dim=1, keepdim=True)
-    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
     k = min(k, s.shape[1])
     vh = vh[:, :k]
     idx = vh.abs().argmax(dim=2, keepdim=True)
