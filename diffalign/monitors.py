@@ -11,7 +11,10 @@ visible in the logs before it ruins a run (DESIGN.md §2.5):
   same image) drives it towards 0.
 
 Logged keys (``accelerator.log``): ``monitor/gold/<reward>/mean`` (and ``monitor/gold/<reward>/accuracy`` for
-rewards that report GenEval correctness), ``monitor/diversity``. Rewards are called through
+rewards that report GenEval correctness), ``monitor/diversity``. With ``save_samples`` the first seed's sample of
+every monitor prompt is also written at each measurement, so the logs show what the numbers measure:
+``<output_dir>/logs/samples/step-<N>/<prompt index>.png`` for images, one ``.gif`` / ``.mp4`` of all F frames per
+video (``video_format``). For videos the diversity embeds every frame and averages the embeddings over frames. Rewards are called through
 `diffalign.rewards.guard.score_or_raise`, so a NaN gold score stops the run like any other reward failure.
 
 Config (``monitor:`` in ``configs/train.yaml``)::
@@ -28,12 +31,15 @@ Config (``monitor:`` in ``configs/train.yaml``)::
       num_inference_steps: 20
       guidance_scale: 4.0
       batch_size: 64
+      save_samples: true       # one sample per prompt to logs/samples/step-<N>/ (PNG; GIF/MP4 for videos)
+      video_format: gif
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +64,8 @@ class MonitorConfig:
     num_inference_steps: int = 20
     guidance_scale: float = 4.0
     batch_size: int = 64
+    save_samples: bool = True
+    video_format: str = "gif"
 
 
 def pairwise_diversity(embeddings: torch.Tensor) -> torch.Tensor:
@@ -101,7 +109,7 @@ class HackingMonitor:
 
     def __init__(self, rewards: Mapping[str, Reward], rows: list[dict], seeds: list[int], *, every: int,
                  embedder: Any | None = None, num_inference_steps: int = 20, guidance_scale: float = 4.0,
-                 batch_size: int = 64):
+                 batch_size: int = 64, samples_dir: str | Path | None = None, video_format: str = "gif"):
         if every < 1:
             raise ValueError(f"monitor.every must be >= 1 (0 turns the monitors off), got {every}")
         if not rows or not seeds:
@@ -110,7 +118,10 @@ class HackingMonitor:
             raise ValueError(f"monitor.seeds={list(seeds)}: diversity needs >= 2 seeds per prompt (or "
                              "monitor.diversity=false)")
         self.rewards, self.rows, self.seeds, self.every = dict(rewards), list(rows), list(seeds), every
+        if video_format not in ("gif", "mp4"):
+            raise ValueError(f"monitor.video_format must be gif or mp4, got {video_format!r}")
         self.embedder, self.batch_size = embedder, batch_size
+        self.samples_dir, self.video_format = (Path(samples_dir) if samples_dir is not None else None), video_format
         self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "eta": 0.0}
         self.history: list[dict[str, float]] = []
 
@@ -144,11 +155,37 @@ class HackingMonitor:
             metrics[f"monitor/gold/{name}/mean"] = float(out.scores.mean())
             if "correct" in out.info:
                 metrics[f"monitor/gold/{name}/accuracy"] = float(torch.as_tensor(out.info["correct"]).float().mean())
+        if self.samples_dir is not None and step is not None:
+            self.save_samples(images, step)
         if self.embedder is not None:
             g = len(self.seeds)
-            embeddings = self.embedder.embed_images(images).float().view(len(self.rows), g, -1)
+            if images.ndim == 5:  # videos (N, F, C, H, W): the mean embedding of the frames
+                n, f = images.shape[:2]
+                embeddings = self.embedder.embed_images(images.flatten(0, 1)).float().view(n, f, -1).mean(1)
+                embeddings = embeddings.view(len(self.rows), g, -1)
+            else:
+                embeddings = self.embedder.embed_images(images).float().view(len(self.rows), g, -1)
             metrics["monitor/diversity"] = float(torch.stack([pairwise_diversity(e) for e in embeddings]).mean())
         return metrics
+
+    def save_samples(self, images: torch.Tensor, step: int) -> Path:
+        """Writes the first seed's sample of each prompt to ``<samples_dir>/step-<step>/<prompt index>.png`` (images
+        `(N, C, H, W)`) or ``.gif`` / ``.mp4`` (videos `(N, F, C, H, W)`, all F frames), plus ``prompts.txt``;
+        returns the folder. `images` are grouped by prompt, ``len(seeds)`` per prompt, in [0, 1]."""
+        from diffalign.media import save_png, save_video
+
+        out = self.samples_dir / f"step-{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        g = len(self.seeds)
+        for p, row in enumerate(self.rows):
+            sample = images[p * g]
+            if sample.ndim == 4:
+                save_video(sample, out / f"{p:03d}.{self.video_format}")
+            else:
+                save_png(sample, out / f"{p:03d}.png")
+        (out / "prompts.txt").write_text("".join(f"{p:03d}\t{row['prompt']}\n" for p, row in enumerate(self.rows)),
+                                         encoding="utf-8")
+        return out
 
     def maybe_log(self, step: int, policy, accelerator=None, log: Callable[[str], None] | None = None
                   ) -> dict[str, float] | None:
@@ -172,12 +209,14 @@ class HackingMonitor:
         return metrics
 
 
-def build_monitor(node: Mapping[str, Any] | None, eval_rewards: Mapping[str, Reward]) -> HackingMonitor | None:
+def build_monitor(node: Mapping[str, Any] | None, eval_rewards: Mapping[str, Reward],
+                  samples_dir: str | Path | None = None) -> HackingMonitor | None:
     """The `HackingMonitor` of a ``monitor:`` config node, or `None` when it is absent or ``every`` is 0.
 
     Args:
         node: the ``monitor`` config node (fields of `MonitorConfig`; missing fields take its defaults).
         eval_rewards (`Mapping[str, Reward]`): the evaluation reward set; ``monitor.rewards`` picks names from it.
+        samples_dir (*optional*): where ``save_samples`` writes (the loops pass ``<output_dir>/logs/samples``).
 
     Raises:
         ValueError: an unknown field, a reward name not in `eval_rewards`, or the checks of `HackingMonitor`.
@@ -208,4 +247,5 @@ def build_monitor(node: Mapping[str, Any] | None, eval_rewards: Mapping[str, Rew
         embedder = ClipScore(model_name=cfg.diversity_model, pretrained=cfg.diversity_pretrained)
     return HackingMonitor({n: eval_rewards[n] for n in names}, rows, cfg.seeds, every=cfg.every, embedder=embedder,
                           num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-                          batch_size=cfg.batch_size)
+                          batch_size=cfg.batch_size, samples_dir=samples_dir if cfg.save_samples else None,
+                          video_format=cfg.video_format)

@@ -76,6 +76,69 @@ def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
             "per_tag": per_tag}
 
 
+def inflate_image_model(image_dir: Path, tokenizer):
+    """(UNet3D, text encoder, names of the UNet3D tensors taken from the image UNet) built from the image pipeline in
+    `image_dir`: same spatial layout (block channels, attention, norm groups), every image weight copied (the 1×1
+    convolution projections of the spatial transformers become the UNet3D's linear ones), and the output projections
+    of every temporal attention (``transformer_in``, ``temp_attentions``) zeroed — the temporal convolutions' last
+    layer is zero-initialised by diffusers — so the video model starts as the image model applied to each frame. The
+    text encoder gets the video vocabulary (image token ids unchanged, new words initialised from [UNK]) and 16
+    positions (positions 12–15 copied from position 11)."""
+    from diffusers import UNet2DConditionModel, UNet3DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    u2 = UNet2DConditionModel.from_pretrained(image_dir / "unet")
+    c = u2.config
+    attention_channels = {c.block_out_channels[-1]}  # (cross-attention only in the last down block, mid, first up)
+    if len(attention_channels) != 1 or c.block_out_channels[-1] % c.attention_head_dim:
+        raise ValueError("--inflate expects attention at one width divisible by the head count")
+    # diffusers reads UNet2DConditionModel's `attention_head_dim` as the number of heads, while the UNet3D's blocks
+    # pass it to Transformer2DModel as the head *width*: give the UNet3D width // heads to keep the image heads
+    unet = UNet3DConditionModel(
+        sample_size=c.sample_size, in_channels=c.in_channels, out_channels=c.out_channels,
+        block_out_channels=tuple(c.block_out_channels), down_block_types=("DownBlock3D", "CrossAttnDownBlock3D"),
+        up_block_types=("CrossAttnUpBlock3D", "UpBlock3D"), layers_per_block=c.layers_per_block,
+        cross_attention_dim=c.cross_attention_dim,
+        attention_head_dim=c.block_out_channels[-1] // c.attention_head_dim, norm_num_groups=c.norm_num_groups)
+    if tuple(c.down_block_types) != ("DownBlock2D", "CrossAttnDownBlock2D"):
+        raise ValueError(f"--inflate expects the tiny image UNet's layout, got {c.down_block_types}")
+    target = unet.state_dict()
+    source = {k: v.reshape(target[k].shape) if k in target and v.numel() == target[k].numel() else v
+              for k, v in u2.state_dict().items()}
+    bad = [k for k in source if k not in target or source[k].shape != target[k].shape]
+    if bad:
+        raise ValueError(f"image UNet tensors without a place in the UNet3D: {bad[:5]}")
+    unet.load_state_dict(source, strict=False)
+    with torch.no_grad():
+        for name, module in unet.named_modules():
+            if (name.startswith("transformer_in.") or ".temp_attentions." in name) and name.endswith("proj_out"):
+                module.weight.zero_()
+                module.bias.zero_()
+    te2 = CLIPTextModel.from_pretrained(image_dir / "text_encoder")
+    tc = te2.config
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+        max_position_embeddings=tokenizer.model_max_length, projection_dim=tc.projection_dim,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    sd = te2.state_dict()
+    new = text_encoder.state_dict()
+    for k, v in sd.items():
+        if k.endswith("token_embedding.weight"):
+            rows = new[k].clone()
+            rows[:len(v)] = v
+            rows[len(v):] = v[3]  # [UNK]
+            sd[k] = rows
+        elif k.endswith("position_embedding.weight"):
+            rows = new[k].clone()
+            rows[:len(v)] = v
+            rows[len(v):] = v[-1]
+            sd[k] = rows
+    sd = {k: v for k, v in sd.items() if k in new}
+    text_encoder.load_state_dict(sd, strict=False)
+    return unet, text_encoder, set(source)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=1300)
@@ -90,6 +153,12 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--init", default=None, help="continue from a folder this script wrote (its UNet and text encoder)")
+    p.add_argument("--inflate", action="store_true",
+                   help="start from the shipped image model (diffalign/assets/tiny_sd): its UNet inflated to a UNet3D "
+                        "with the temporal layers' outputs zeroed (each frame = the image model at step 0) and its "
+                        "text encoder extended to the video vocabulary")
+    p.add_argument("--spatial-lr", type=float, default=None,
+                   help="learning rate of the inflated image weights (default: --lr); the temporal layers use --lr")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -109,6 +178,10 @@ def main() -> None:
         max_position_embeddings=tokenizer.model_max_length, projection_dim=64, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
     unet = tiny_unet3d(block_out_channels=tuple(args.channels), cross_attention_dim=64, attention_head_dim=8)
+    inflated: set[str] = set()
+    if args.inflate:
+        unet, text_encoder, inflated = inflate_image_model(ASSETS / "tiny_sd", tokenizer)
+        log(f"inflated {ASSETS / 'tiny_sd'}: {len(inflated)} image tensors reused")
     if args.init:  # a second stage: same architecture, weights from an earlier run (saved in float16)
         from diffusers import UNet3DConditionModel
 
@@ -126,7 +199,14 @@ def main() -> None:
     noise_scheduler = DDPMScheduler(**{k: v for k, v in SD15_SCHEDULER_CONFIG.items()
                                        if k not in ("set_alpha_to_one", "timestep_spacing")})
     params = list(unet.parameters()) + list(text_encoder.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-2)
+    spatial = [p for n, p in unet.named_parameters() if n in inflated] + list(text_encoder.parameters()) \
+        if inflated else []
+    spatial_ids = {id(p) for p in spatial}
+    temporal = [p for p in params if id(p) not in spatial_ids]
+    groups = [{"params": temporal, "lr": args.lr}]
+    if spatial:
+        groups.append({"params": spatial, "lr": args.spatial_lr or args.lr})
+    opt = torch.optim.AdamW(groups, weight_decay=1e-2)
     warm = min(100, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warm)) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))

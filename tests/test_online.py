@@ -87,3 +87,6 @@ def test_monitor_logs_held_out_accuracy_before_and_during_training(tmp_path):
     assert [h["epoch"] for h in history] == [0, 1, 2] and all(key in h for h in history)
     assert history[0]["rollouts"] == 0 and history[-1]["rollouts"] == 16
     assert history[-1]["train_seconds"] > 0
+    for h in history:  # one PNG per monitor prompt and measurement
+        assert sorted(f.name for f in (tmp_path / "logs" / "samples" / f"step-{h['step']}").iterdir()) == \
+            ["000.png", "001.png", "prompts.txt"]

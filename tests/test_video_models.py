@@ -189,3 +189,29 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
     policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4)
     assert policy.latent_shape == (4, 8, 8, 8) and policy.dtype == torch.float32
     assert len(policy.tokenizer) == 28  # the video tokenizer (motion words)
+
+
+def test_training_logs_hold_one_video_of_f_frames_per_monitor_prompt(tmp_path):
+    """Issue 8 item 4 (video export in the logs): with the monitors on, every measurement writes the first seed's
+    video of each monitor prompt as one GIF of F frames under logs/samples/step-<N>/, with the prompts listed; the
+    diversity of a video model embeds its frames (the frame-mean embedding)."""
+    import imageio.v3 as iio
+
+    from diffalign.train.online import train
+    from tests.test_cli import compose_cfg
+    from tests.test_online import online_overrides
+
+    cfg = compose_cfg(CASES["dgpo_t2v"] + online_overrides(tmp_path) + [
+        "online.prompts=video_train", "reward=[video_motion]", "online.groups_per_epoch=2", "monitor.every=1",
+        "monitor.prompts=video_heldout", "monitor.num_prompts=2", "monitor.seeds=[0,1]",
+        "monitor.num_inference_steps=2", "model.num_frames=4"])
+    train(cfg)
+    steps = sorted(p.name for p in (tmp_path / "logs" / "samples").iterdir())
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert steps == sorted(f"step-{h['step']}" for h in history)  # one folder per measurement (step 0 included)
+    last = tmp_path / "logs" / "samples" / steps[-1]
+    gifs = sorted(last.glob("*.gif"))
+    assert [g.name for g in gifs] == ["000.gif", "001.gif"]
+    assert all(iio.imread(g, index=None).shape[0] == 4 for g in gifs)  # F = 4 frames each
+    assert len((last / "prompts.txt").read_text().splitlines()) == 2
+    assert all(0 <= h["monitor/diversity"] <= 2 for h in history)

@@ -182,7 +182,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         old_policy.setup(policy)
     rewards = build_rewards(cfg.reward)
     eval_rewards = build_selected_rewards(cfg.get("eval_reward") or cfg.reward)
-    monitor = build_monitor(cfg.get("monitor"), eval_rewards)
+    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     rows = load_prompts(on.prompts, field="online.prompts")
     tracker = PerPromptStatTracker(on.tracker_buffer_size, on.tracker_min_count, clip=on.advantage_clip) \
         if getattr(objective, "advantage", "group") == "per_prompt" else None

@@ -169,7 +169,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     # every reward call is checked (RewardError names reward, step, batch, prompt; nothing becomes 0 silently)
     rewards = checked_rewards(build_selected_rewards(cfg.reward))
     eval_rewards = checked_rewards(build_selected_rewards(cfg.eval_reward)) if cfg.get("eval_reward") else rewards
-    monitor = build_monitor(cfg.get("monitor"), eval_rewards)
+    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
