@@ -113,3 +113,36 @@ class PerPromptStatTracker:
 
     def load_state_dict(self, state: dict) -> None:
         self.buffers = {p: deque(v, maxlen=self.buffer_size) for p, v in state.get("buffers", {}).items()}
+
+
+def best_of_n_rows(rewards: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The rows kept by DanceGRPO/ViPO's best-of-N selection: in every group, the n/2 highest and the n/2 lowest
+    rewards (ALGORITHMS.md §2.3 "DanceGRPO deltas", §6(b)); the others are not trained on. Ties are broken by row
+    order (stable sort). With n ≥ the group size every row is kept (the released scripts' G = N = 8 is a no-op).
+
+    Args:
+        rewards (`torch.Tensor`): `(N,)` rewards.
+        group_ids (`torch.Tensor`): `(N,)` group of each row.
+        n (`int`): N, even, ≥ 2.
+
+    Returns:
+        `(M,)` int64 row indices in increasing order.
+
+    Raises:
+        ValueError: for an odd or non-positive `n`, or mismatched shapes.
+    """
+    if n < 2 or n % 2:
+        raise ValueError(f"online.best_of_n={n} must be an even number >= 2 (n/2 best and n/2 worst per group)")
+    rewards = rewards.detach().float().reshape(-1).cpu()
+    group_ids = torch.as_tensor(group_ids).reshape(-1).cpu()
+    if rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must match.")
+    keep = []
+    for g in torch.unique(group_ids):
+        rows = torch.nonzero(group_ids == g).flatten()
+        if len(rows) <= n:
+            keep.append(rows)
+            continue
+        order = rows[torch.argsort(rewards[rows], stable=True)]
+        keep.append(torch.cat([order[:n // 2], order[-(n // 2):]]))
+    return torch.cat(keep).sort().values

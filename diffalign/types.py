@@ -72,8 +72,8 @@ class Trajectory:
         guidance_scale: the classifier-free guidance scale used in the rollout.
         eta: the DDIM η (ε/v models) or the Flow-GRPO SDE noise level a (flow models) used; 0 is deterministic.
         sigmas: `(K+1,)` float32 noise levels σ_k of a flow-model rollout (σ_0 = 1 … σ_K = 0); `None` for DDIM.
-        sampler: the step rule: "ddim" (DDIM-η), "flow_sde" (Flow-GRPO SDE / Euler ODE at a = 0) or an ODE solver
-            name such as "dpm_solver" (deterministic, no log-probs).
+        sampler: the step rule: "ddim" (DDIM-η), "flow_sde" (Flow-GRPO SDE / Euler ODE at a = 0), "dance_sde"
+            (DanceGRPO's SDE) or an ODE solver name such as "dpm_solver" (deterministic, no log-probs).
     """
 
     latents: torch.Tensor

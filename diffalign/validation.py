@@ -96,6 +96,11 @@ def target_modality(target: str | None) -> str | None:
     """``"image"`` / ``"video"``: the ``modality`` class attribute of what a config's ``_target_`` builds (a class, a
     classmethod such as ``StableDiffusionPolicy.from_pretrained``, or a builder function annotated with the class it
     returns); None when it does not say (e.g. a plugin without the attribute) or cannot be imported."""
+    return target_attribute(target, "modality")
+
+
+def target_attribute(target: str | None, name: str):
+    """Class attribute `name` of what a config's ``_target_`` builds (see `target_modality`); None when unknown."""
     if not target:
         return None
     import inspect
@@ -113,7 +118,7 @@ def target_modality(target: str | None) -> str | None:
             owner = typing.get_type_hints(obj).get("return")
         except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
             return None
-    return getattr(owner, "modality", None) if inspect.isclass(owner) else None
+    return getattr(owner, name, None) if inspect.isclass(owner) else None
 
 
 def validate_reward_modality(cfg: DictConfig) -> None:
@@ -194,9 +199,24 @@ def validate_online_config(cfg: DictConfig) -> None:
             raise ValueError(f"online.{key} must be >= 1, got {on[key]}")
     if on.advantage_std not in ("group", "global", "none"):
         raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {on.advantage_std!r}")
+    best = on.get("best_of_n")
+    if best is not None:
+        if flow != "online_trajectories":
+            raise ValueError("online.best_of_n selects samples for the policy-gradient methods (DanceGRPO/ViPO); DGPO "
+                             "trains on whole groups: set online.best_of_n=null")
+        if best < 2 or best % 2:
+            raise ValueError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per "
+                             "group), or null")
     name = sp.get("name", "sde")
     if name not in SAMPLER_NAMES:
         raise ValueError(f"sampler.name must be one of {SAMPLER_NAMES}, got {name!r}")
+    sde_type = sp.get("sde_type", "flow_grpo")
+    if sde_type not in ("flow_grpo", "dance"):
+        raise ValueError(f"sampler.sde_type must be 'flow_grpo' (Flow-GRPO's SDE) or 'dance' (DanceGRPO's, ViPO), got "
+                         f"{sde_type!r}")
+    if sde_type == "dance" and target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching") is False:
+        raise ValueError(f"sampler.sde_type=dance is a flow-matching SDE but model={cfg.model._target_} is an "
+                         "eps/v model; use sampler=ddim for it, or a flow model (tiny_sd3, sd35_medium, Wan)")
     if flow == "online_trajectories" and (name != "sde" or sp.eta <= 0):
         raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
                          f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={sp.eta}. Use "

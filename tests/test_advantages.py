@@ -53,3 +53,14 @@ def test_per_prompt_tracker_uses_batch_stats_until_min_count_then_its_buffer():
     restored = PerPromptStatTracker(buffer_size=4, min_count=4, eps=0.0)
     restored.load_state_dict(tracker.state_dict())
     assert restored.state_dict() == tracker.state_dict()
+
+
+def test_best_of_n_keeps_the_extremes_of_each_group():
+    from diffalign.advantages import best_of_n_rows
+
+    rewards = torch.tensor([0.1, 0.9, 0.5, 0.3, 1.0, 2.0, 3.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 0, 7, 7, 7, 7])
+    assert best_of_n_rows(rewards, groups, 2).tolist() == [0, 1, 4, 7]
+    assert best_of_n_rows(rewards, groups, 4).tolist() == list(range(8))  # N = G: a no-op
+    with pytest.raises(ValueError, match="even"):
+        best_of_n_rows(rewards, groups, 3)

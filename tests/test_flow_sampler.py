@@ -9,7 +9,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.models.tiny_flow import TINY_MAX_SEQUENCE_LENGTH, build_tiny_flow_pipeline, build_tiny_flow_policy
-from diffalign.samplers.flow_sde import flow_sde_step, gaussian_log_prob
+from diffalign.samplers.flow_sde import dance_sde_step, flow_sde_step, gaussian_log_prob
 from diffalign.samplers.ode import ode_rollout
 from diffalign.samplers.rollout import recompute_log_probs, recompute_step, rollout
 
@@ -76,10 +76,11 @@ def test_flow_rollout_with_zero_noise_equals_the_sd3_pipeline():
     assert traj.sampler == "flow_sde" and traj.sigmas.shape == (7,)
 
 
-@pytest.mark.parametrize("family", ["flow", "ddim"])
+@pytest.mark.parametrize("family", ["flow", "dance", "ddim"])
 def test_recomputed_log_probs_give_ratio_one_before_any_update(family):
-    if family == "flow":
-        policy, eta = build_tiny_flow_policy(seed=0), 0.7
+    kwargs = {"sde_type": "dance"} if family == "dance" else {}
+    if family in ("flow", "dance"):
+        policy, eta = build_tiny_flow_policy(seed=0), 0.7 if family == "flow" else 0.3
     else:
         from diffalign.models.tiny_random import build_tiny_random_policy
 
@@ -90,7 +91,8 @@ def test_recomputed_log_probs_give_ratio_one_before_any_update(family):
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
     traj = rollout(policy, ["a red circle", "a green triangle", "one yellow square"], num_inference_steps=5,
-                   guidance_scale=4.5, eta=eta, generator=gens, decode=False)
+                   guidance_scale=4.5, eta=eta, generator=gens, decode=False, **kwargs)
+    assert traj.sampler == {"flow": "flow_sde", "dance": "dance_sde", "ddim": "ddim"}[family]
     with torch.no_grad():
         new = recompute_log_probs(policy, traj, range(5))
     ratio = torch.exp(new - traj.log_probs)
@@ -112,3 +114,45 @@ def test_ode_rollouts_are_deterministic_and_flag_no_log_probs():
         recompute_log_probs(policy, a, [0])
     with pytest.raises(ValueError, match="flow"):
         ode_rollout(policy, ["a"], solver="ddim")
+
+
+def test_dance_sde_step_by_hand():
+    """DanceGRPO's step (ALGORITHMS.md §1.3(iii)) at x = 1, v̂ = 0.5, σ = 0.5 → 0.25, η = 0.3, by hand:
+    x̂₀ = 1 − 0.5·0.5 = 0.75; g = −(1 − 0.5·0.75)/0.25 = −2.5; Δ = −0.25;
+    μ = 1 + (−0.25)(0.5) − ½(0.09)(−2.5)(−0.25) = 0.846875; s = 0.3·sqrt(0.25) = 0.15."""
+    x, v = torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.5)
+    out = dance_sde_step(v, 0.5, 0.25, x, eta=0.3, prev_sample=torch.full((1, 1, 1, 1), 0.846875 + 0.15))
+    assert out.mean.item() == pytest.approx(0.846875, abs=1e-6)
+    assert float(out.std) == pytest.approx(0.15, abs=1e-7)
+    # one standard deviation from the mean: −½ − log 0.15 − ½ log 2π
+    assert out.log_prob.item() == pytest.approx(-0.5 - math.log(0.15) - 0.5 * math.log(2 * math.pi), abs=1e-5)
+
+
+def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(8)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    v = torch.randn(2, 4, 8, 8, generator=gen)
+    for i, t in enumerate(scheduler.timesteps):
+        expected = scheduler.step(v, t, x, return_dict=False)[0]
+        out = dance_sde_step(v, scheduler.sigmas[i], scheduler.sigmas[i + 1], x, eta=0.0)
+        torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)
+        assert torch.all(out.log_prob == 0)
+
+
+def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
+    from diffalign.models.tiny_random import build_tiny_random_policy
+    from diffalign.validation import validate_train_config
+    from tests.test_cli import compose_cfg
+
+    with pytest.raises(ValueError, match="sde_type='dance' is a flow-matching SDE"):
+        rollout(build_tiny_random_policy(seed=0), ["a red circle"], num_inference_steps=2, sde_type="dance")
+    with pytest.raises(ValueError, match="sampler.sde_type=dance"):
+        validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "method=vipo",
+                                           "sampler=dance_sde"]))
+    with pytest.raises(ValueError, match="sampler.sde_type must be"):
+        validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
+                                           "sampler=dance_sde", "sampler.sde_type=other"]))
+    validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
+                                       "sampler=dance_sde"]))

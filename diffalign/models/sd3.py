@@ -66,6 +66,7 @@ class FlowMatchingPolicy(nn.Module):
     """
 
     modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    flow_matching = True  # rectified-flow velocity model (the flow SDEs apply) or not (DDIM)
 
     def __init__(
         self,

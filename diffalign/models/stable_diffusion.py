@@ -128,6 +128,7 @@ class StableDiffusionPolicy(nn.Module):
     """
 
     modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    flow_matching = False  # rectified-flow velocity model (the flow SDEs apply) or not (DDIM)
 
     def __init__(
         self,

@@ -84,7 +84,7 @@ class ClippedPolicyGradient:
             with torch.no_grad(), reference.use(policy):
                 ref = recompute_step(policy, trajectory, k)
             std = torch.as_tensor(step.std, device=loss.device).float()
-            if self.kl_form == "code" and trajectory.sampler == "flow_sde":
+            if self.kl_form == "code" and trajectory.sampler in ("flow_sde", "dance_sde"):
                 sig = trajectory.sigmas.to(loss.device)
                 std = std / torch.sqrt(sig[k] - sig[k + 1])
             diff = (step.mean - ref.mean).float().pow(2).reshape(len(adv), -1).mean(dim=1)

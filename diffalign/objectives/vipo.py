@@ -9,7 +9,9 @@ $$A_i^p=\operatorname{clip}(M_i(p)\,A_i,\pm5),\qquad
 
 with ρ^p the *local* likelihood ratio of the stochastic step at position p: the Gaussian log-density summed over the
 latent channels only (``reduction="per_position"``; the rollout stores `(B, K, *grid)` log-probs). No KL and no
-reference (β = 0, as DanceGRPO). ``reduction="scalar_weighted"`` reproduces the released FLUX script, which
+reference (β = 0, as DanceGRPO). With ``advantage_per_reward`` (the Wan script with the VideoAlign VQ and MQ rewards)
+each selected reward gets its own group advantage and map, and the loss is Σ_r c_r 𝓛(A_r·M) with c_r the reward's
+``weight`` (1.0 each in the released script). ``reduction="scalar_weighted"`` reproduces the released FLUX script, which
 mean-reduces the log-prob to one scalar per sample: its per-pixel loss is plain GRPO with A_i replaced by
 mean_p clip(M_i(p) A_i, ±5) (the max/clip commutes with M ≥ 0) — with an all-ones map it *is* GRPO.
 
@@ -40,6 +42,9 @@ class ViPO:
         detach_unconditional (`bool`, defaults to True): the unconditional CFG branch under no-grad (Wan script).
         advantage_clip (`float`, defaults to 5): clip of A_i^p.
         map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
+        advantage_per_reward (`bool`, defaults to False): one group advantage per selected reward (normalised
+            separately) and the loss Σ_r c_r 𝓛_r with c_r = ``reward.<name>.weight`` (set by the training loop as
+            `reward_coefficients`); False uses the advantage of the weighted reward sum.
         backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
             object with ``patch_tokens``.
         num_components, aggregation, orientation, spatial_sigma, temporal_sigma: the PSM's options
@@ -56,7 +61,8 @@ class ViPO:
     def __init__(self, clip_range: float = 1e-4, reduction: str = "per_position", timestep_fraction: float = 0.6,
                  detach_unconditional: bool = True, advantage_clip: float | None = 5.0, map: str = "psm",
                  backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
-                 orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3):
+                 orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
+                 advantage_per_reward: bool = False):
         if clip_range <= 0:
             raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
         if reduction not in REDUCTIONS:
@@ -73,6 +79,8 @@ class ViPO:
         self.maps: torch.Tensor | None = None
         self.advantage_maps: torch.Tensor | None = None
         self.map_stats: dict[str, float] = {}
+        self.advantage_per_reward = advantage_per_reward
+        self.reward_coefficients: torch.Tensor | None = None  # (R,) c_r, set by the loop with advantage_per_reward
 
     @property
     def log_prob_reduction(self) -> str:
@@ -112,7 +120,8 @@ class ViPO:
         Args:
             trajectory (`Trajectory`): rows `rows` of the epoch's trajectory; `log_probs` `(B, K, *grid)` for
                 "per_position", `(B, K)` for "scalar_weighted".
-            advantages (`torch.Tensor`): `(B,)` scalar group advantages A_i.
+            advantages (`torch.Tensor`): `(B,)` scalar group advantages A_i, or `(B, R)` one per reward (with
+                `reward_coefficients` c_r; the loss is Σ_r c_r 𝓛_r).
             k (`int`): the transition index.
             rows (`torch.Tensor`, *optional*): the minibatch's row indices into the trajectory given to
                 `prepare_epoch`; without it (or before `prepare_epoch`) the maps are computed for this minibatch.
@@ -128,18 +137,27 @@ class ViPO:
                               detach_unconditional=self.detach_unconditional)
         device = step.log_prob.device
         old = trajectory.log_probs[:, k].to(device)
-        if self.reduction == "scalar_weighted":
-            # mean over positions in float64, so an all-ones map gives back A_i bit for bit (test: equals GRPO)
-            adv = adv_map.to(device).double().reshape(len(adv_map), -1).mean(dim=1).float()
-        else:
-            adv = adv_map.to(device).float()
-            if tuple(old.shape) != tuple(adv.shape):
-                raise ValueError(f"per-position log-probs {tuple(old.shape)} do not match the advantage maps "
-                                 f"{tuple(adv.shape)}; the rollout must use reduction='per_position'.")
+        # (B, R, *grid) per reward vs (B, *grid); the latents are (B, K + 1, C, *grid)
+        per_reward = adv_map.ndim == trajectory.latents.ndim - 1
+        columns = [adv_map[:, r] for r in range(adv_map.shape[1])] if per_reward else [adv_map]
+        if per_reward and (self.reward_coefficients is None or len(self.reward_coefficients) != len(columns)):
+            raise ValueError(f"{len(columns)} per-reward advantages need {len(columns)} reward_coefficients; the "
+                             "training loop sets them from reward.<name>.weight")
         ratio = torch.exp(step.log_prob - old)
-        unclipped = -adv * ratio
-        clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
-        loss = torch.maximum(unclipped, clipped).mean()
+        loss = torch.zeros((), device=device)
+        for r, column in enumerate(columns):
+            if self.reduction == "scalar_weighted":
+                # mean over positions in float64, so an all-ones map gives back A_i bit for bit (test: equals GRPO)
+                adv = column.to(device).double().reshape(len(column), -1).mean(dim=1).float()
+            else:
+                adv = column.to(device).float()
+                if tuple(old.shape) != tuple(adv.shape):
+                    raise ValueError(f"per-position log-probs {tuple(old.shape)} do not match the advantage maps "
+                                     f"{tuple(adv.shape)}; the rollout must use reduction='per_position'.")
+            unclipped = -adv * ratio
+            clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
+            term = torch.maximum(unclipped, clipped).mean()
+            loss = loss + (float(self.reward_coefficients[r]) * term if per_reward else term)
         metrics = {
             "loss": loss.detach(),
             "ratio": ratio.detach().mean(),

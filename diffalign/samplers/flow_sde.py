@@ -10,6 +10,14 @@ flow ODE into an SDE with the same marginals. With t ≡ σ integrated from 1 to
 
 With a = 0 it is the deterministic Euler step x + Δ v̂ of `FlowMatchEulerDiscreteScheduler.step` (pinned by
 tests/test_flow_sampler.py). All arithmetic runs in float32.
+
+`dance_sde_step` is DanceGRPO's parametrisation, the one ViPO's released code samples with (ALGORITHMS.md §1.3(iii);
+DanceGRPO, arXiv:2505.07818; `ziqi-nox/ViPO`): with x̂₀ = x − σ_k v̂ and the score estimate
+g = −(x − (1 − σ_k) x̂₀) / σ_k²,
+
+    μ_θ = x + Δ v̂ − ½ η² g Δ,   s = η · sqrt(σ_k − σ_{k+1})
+
+(η = 0.3 for FLUX, 0.25 for Wan in the released scripts; η = 0 is again the Euler step).
 """
 
 from __future__ import annotations
@@ -132,3 +140,79 @@ def flow_sde_step(
             prev_sample = mean
     log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
     return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)
+
+
+SDE_TYPES = ("flow_grpo", "dance")
+
+
+def dance_sde_step(
+    model_output: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    sample: torch.Tensor,
+    *,
+    eta: float = 0.25,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    prev_sample: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> FlowStepOutput:
+    """One DanceGRPO SDE step σ → σ_next (σ_next < σ, σ > 0) with its log-probability (module docstring; ALGORITHMS.md
+    §1.3(iii)).
+
+    Args:
+        model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
+        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], 0 < σ, σ_next < σ.
+        sample (`torch.Tensor`): `(B, ...)` x at σ.
+        eta (`float`, defaults to 0.25): η ≥ 0 (ViPO-Wan 0.25, ViPO-FLUX 0.3; 0 gives the Euler ODE step).
+        generator: noise source for drawing x_{k+1}; a list must have one generator per sample.
+        prev_sample (`torch.Tensor`, *optional*): `(B, ...)` an x_{k+1} to score instead of drawing one.
+        reduction (`str`): log-prob reduction, "mean", "sum" or "per_position" (`gaussian_log_prob`).
+
+    Returns:
+        `FlowStepOutput` (std s = η sqrt(σ − σ_next), a scalar or `(B, 1, ..., 1)`).
+
+    Raises:
+        ValueError: for `eta < 0`, σ ≤ 0, or a generator list of the wrong size.
+    """
+    if eta < 0:
+        raise ValueError(f"`eta` must be >= 0, got {eta}.")
+    x = sample.float()
+    v = model_output.float()
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
+    s = s.view(shape) if s.ndim else s
+    s_next = s_next.view(shape) if s_next.ndim else s_next
+    if bool((s <= 0).any()):
+        raise ValueError("dance_sde_step needs sigma > 0 (the last step ends at 0, it does not start there).")
+    dt = s_next - s
+    x0 = x - s * v
+    score = -(x - (1 - s) * x0) / s**2
+    mean = x + dt * v - 0.5 * eta**2 * score * dt
+    std = eta * torch.sqrt(s - s_next)
+    if prev_sample is None:
+        if isinstance(generator, list) and len(generator) != x.shape[0]:
+            raise ValueError(f"Got {len(generator)} generators for a batch of {x.shape[0]}; pass one per sample.")
+        if eta > 0:
+            prev_sample = mean + std * randn_tensor(x.shape, generator=generator, device=x.device,
+                                                    dtype=torch.float32)
+        else:
+            prev_sample = mean
+    log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
+    return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)
+
+
+def flow_step(model_output, sigma, sigma_next, sample, *, sde_type: str, eta: float, sigma_max: float | None,
+              generator=None, prev_sample=None, reduction: str = "mean") -> FlowStepOutput:
+    """`flow_sde_step` (``sde_type="flow_grpo"``, noise level a = `eta`) or `dance_sde_step` (``"dance"``).
+
+    Raises:
+        ValueError: for an unknown `sde_type` (and the errors of the two steps).
+    """
+    if sde_type == "flow_grpo":
+        return flow_sde_step(model_output, sigma, sigma_next, sample, noise_level=eta, sigma_max=sigma_max,
+                             generator=generator, prev_sample=prev_sample, reduction=reduction)
+    if sde_type == "dance":
+        return dance_sde_step(model_output, sigma, sigma_next, sample, eta=eta, generator=generator,
+                              prev_sample=prev_sample, reduction=reduction)
+    raise ValueError(f"sampler.sde_type={sde_type!r} must be one of {SDE_TYPES}")

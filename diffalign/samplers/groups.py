@@ -85,6 +85,7 @@ def group_rollout(
     eta: float = 0.7,
     rollout_batch_size: int = 32,
     reduction: str = "mean",
+    sde_type: str = "flow_grpo",
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -103,6 +104,7 @@ def group_rollout(
         eta (`float`): DDIM η or flow SDE noise level a for `sampler="sde"`.
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
         reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
+        sde_type (`str`): the flow models' SDE for `sampler="sde"`: "flow_grpo" or "dance" (`rollout`).
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...``, `group_ids` `(P·G,)` int64 global group indices).
@@ -129,7 +131,7 @@ def group_rollout(
                     for g, m in members[start:stop]]
             parts.append(rollout(policy, chunk, num_inference_steps=num_inference_steps,
                                  guidance_scale=guidance_scale, eta=eta, generator=gens, latents=noise[start:stop],
-                                 reduction=reduction))
+                                 reduction=reduction, sde_type=sde_type))
         else:
             parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
                                      guidance_scale=guidance_scale, solver=sampler, latents=noise[start:stop]))

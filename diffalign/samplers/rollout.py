@@ -19,7 +19,9 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy
 from diffalign.samplers.ddim_logprob import ddim_step
-from diffalign.samplers.flow_sde import flow_sde_step
+from diffalign.samplers.flow_sde import SDE_TYPES, flow_step
+
+STOCHASTIC_SAMPLERS = ("ddim", "flow_sde", "dance_sde")  # trajectories with per-step log-probs (when eta > 0)
 from diffalign.types import PromptEmbeds, Trajectory
 
 
@@ -38,6 +40,7 @@ def rollout(
     reduction: str = "mean",
     callback: Callable[[dict[str, Any]], None] | None = None,
     enable_grad: bool = False,
+    sde_type: str = "flow_grpo",
 ) -> Trajectory:
     """Samples `len(prompts)` images and records the trajectory (DDPO, arXiv:2305.13301, §4.3; Flow-GRPO,
     arXiv:2505.05470, §4.1).
@@ -67,6 +70,8 @@ def rollout(
         callback (`Callable[[dict], None]`, *optional*): called after every step with ``{"i", "t", "x", "x_next",
             "model_output", "mean", "std", "log_prob"}`` (k-diffusion style).
         enable_grad (`bool`, defaults to False): keep the autograd graph through the whole loop.
+        sde_type (`str`, defaults to "flow_grpo"): the flow models' SDE, "flow_grpo" (`flow_sde_step`, a = `eta`) or
+            "dance" (DanceGRPO's, `dance_sde_step`, η = `eta`; ViPO's sampler). Ignored for DDIM.
 
     Returns:
         `Trajectory` with float32 `latents` `(B, K+1, C, h, w)` (``latents[:, 0]`` the initial noise), `timesteps`
@@ -96,6 +101,11 @@ def rollout(
     if not (is_flow or isinstance(scheduler, DDIMScheduler)):
         raise TypeError(f"`rollout` steps with DDIM or the flow SDE/ODE; the policy's scheduler is a "
                         f"{type(scheduler).__name__}.")
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sampler.sde_type={sde_type!r} must be one of {SDE_TYPES}")
+    if sde_type != "flow_grpo" and not is_flow:
+        raise ValueError(f"sampler.sde_type={sde_type!r} is a flow-matching SDE; this policy's scheduler is "
+                         f"{type(scheduler).__name__}: use sampler=ddim (DDIM-η) for ε/v models")
     shape = (batch_size, *policy.latent_shape)
     if latents is not None and tuple(latents.shape) != shape:
         raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
@@ -123,8 +133,8 @@ def rollout(
         for i, t in enumerate(timesteps):
             model_output = policy.predict(latents, t, prompt_embeds, guidance_scale)
             if is_flow:
-                step = flow_sde_step(model_output, sigmas[i], sigmas[i + 1], latents, noise_level=eta,
-                                     sigma_max=float(sigmas[1]), generator=generator, reduction=reduction)
+                step = flow_step(model_output, sigmas[i], sigmas[i + 1], latents, sde_type=sde_type, eta=eta,
+                                 sigma_max=float(sigmas[1]), generator=generator, reduction=reduction)
             else:
                 step = ddim_step(scheduler, model_output, t, latents, eta=eta, generator=generator,
                                  reduction=reduction)
@@ -160,7 +170,7 @@ def rollout(
         guidance_scale=guidance_scale,
         eta=eta,
         sigmas=None if sigmas is None else sigmas.cpu(),
-        sampler="flow_sde" if is_flow else "ddim",
+        sampler=("flow_sde" if sde_type == "flow_grpo" else "dance_sde") if is_flow else "ddim",
     )
 
 
@@ -199,7 +209,7 @@ def recompute_log_probs(
     indices = [int(k) for k in step_indices]
     if trajectory.eta <= 0:
         raise ValueError("The trajectory was sampled with eta=0 (deterministic), so it has no log-probs; use eta > 0.")
-    if trajectory.sampler not in ("ddim", "flow_sde"):
+    if trajectory.sampler not in STOCHASTIC_SAMPLERS:
         raise ValueError(f"A {trajectory.sampler!r} trajectory is deterministic and has no log-probs; sample with the"
                          " DDIM-η or flow SDE rollout.")
     if any(k < 0 or k >= num_steps for k in indices):
@@ -232,13 +242,13 @@ def recompute_step(
         ValueError: as `recompute_log_probs`.
     """
     num_steps = len(trajectory.timesteps)
-    if trajectory.eta <= 0 or trajectory.sampler not in ("ddim", "flow_sde"):
+    if trajectory.eta <= 0 or trajectory.sampler not in STOCHASTIC_SAMPLERS:
         raise ValueError("The trajectory is deterministic (eta=0 or an ODE solver) and has no log-probs; sample with"
                          " the DDIM-η or flow SDE rollout and eta > 0.")
     if not 0 <= k < num_steps:
         raise ValueError(f"step index {k} must lie in [0, {num_steps}).")
     scheduler = policy.scheduler
-    is_flow = trajectory.sampler == "flow_sde"
+    is_flow = trajectory.sampler in ("flow_sde", "dance_sde")
     if not is_flow and scheduler.num_inference_steps != num_steps:
         scheduler.set_timesteps(num_steps, device=policy.device)
     guidance_scale = trajectory.guidance_scale if guidance_scale is None else guidance_scale
@@ -249,7 +259,8 @@ def recompute_step(
     model_output = policy.predict(sample, t, trajectory.prompt_embeds, guidance_scale, **kwargs)
     if is_flow:
         sigmas = trajectory.sigmas.to(device)
-        return flow_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=trajectory.eta,
-                             sigma_max=float(sigmas[1]), prev_sample=next_sample, reduction=reduction)
+        return flow_step(model_output, sigmas[k], sigmas[k + 1], sample,
+                         sde_type="dance" if trajectory.sampler == "dance_sde" else "flow_grpo", eta=trajectory.eta,
+                         sigma_max=float(sigmas[1]), prev_sample=next_sample, reduction=reduction)
     return ddim_step(scheduler, model_output, t, sample, eta=trajectory.eta, prev_sample=next_sample,
                      reduction=reduction)

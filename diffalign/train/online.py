@@ -44,7 +44,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from diffalign.advantages import PerPromptStatTracker, group_advantages
+from diffalign.advantages import PerPromptStatTracker, best_of_n_rows, group_advantages
 from diffalign.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -186,6 +186,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     rows = load_prompts(on.prompts, field="online.prompts")
     tracker = PerPromptStatTracker(on.tracker_buffer_size, on.tracker_min_count, clip=on.advantage_clip) \
         if getattr(objective, "advantage", "group") == "per_prompt" else None
+    if getattr(objective, "advantage_per_reward", False):  # c_r of Σ_r c_r 𝓛_r: the rewards' weights
+        objective.reward_coefficients = torch.tensor([rewards.weights[n] for n in rewards.weights])
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
@@ -202,8 +204,9 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
                                   OmegaConf.to_container(cfg, resolve=True))
+    flow_sde_label = "DanceGRPO SDE eta" if sp.get("sde_type", "flow_grpo") == "dance" else "flow SDE a"
     sampler_label = sampler_name if sampler_name != "sde" else (
-        f"{'flow SDE a' if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
+        f"{flow_sde_label if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
@@ -317,7 +320,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                 seed=cfg.seed, epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=sampler_name,
                 num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
                 rollout_batch_size=on.rollout_batch_size,
-                reduction=getattr(objective, "log_prob_reduction", "mean"))  # ViPO: "per_position"
+                reduction=getattr(objective, "log_prob_reduction", "mean"),  # ViPO: "per_position"
+                sde_type=sp.get("sde_type", "flow_grpo"))
         policy.denoiser.train()
         # 3. rewards
         metadata = [r for r in epoch_rows for _ in range(on.group_size)]
@@ -341,10 +345,24 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         if tracker is not None:
             advantages = tracker.update(all_prompts, all_scores)[mine_rows]
             adv_stats = {"zero_std_fraction": group_advantages(all_scores, all_ids)[1]["zero_std_fraction"]}
+        elif getattr(objective, "advantage_per_reward", False):  # ViPO-Wan: one advantage per reward (VQ, MQ)
+            names = list(rewards.weights)
+            components = torch.stack([scored.info[f"scores/{n}"].detach().float().cpu() for n in names], 1)
+            if num_proc > 1:
+                components = accelerator.gather(components.to(accelerator.device)).cpu()
+            columns = [group_advantages(components[:, j], all_ids, std=on.advantage_std, clip=on.advantage_clip)
+                       for j in range(len(names))]
+            advantages = torch.stack([c[0] for c in columns], 1)[mine_rows]  # (N, R)
+            adv_stats = {"zero_std_fraction": columns[0][1]["zero_std_fraction"]}
         else:
             advantages, adv_stats = group_advantages(all_scores, all_ids, std=on.advantage_std,
                                                      clip=on.advantage_clip)
             advantages = advantages[mine_rows]
+        if on.get("best_of_n") and flow == "online_trajectories":  # keep the n/2 best and n/2 worst of each group
+            keep = best_of_n_rows(scores, group_ids, on.best_of_n)
+            if len(keep) < len(scores):
+                traj, advantages, group_ids = traj.index(keep), advantages[keep], group_ids[keep]
+            adv_stats["kept_fraction"] = len(keep) / len(scores)
         # 5. updates (an objective with `prepare_epoch`, e.g. ViPO's advantage maps, sees the whole epoch first and is
         # then called with `rows=` the minibatch's row indices)
         sums: dict[str, float] = {}

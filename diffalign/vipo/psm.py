@@ -182,7 +182,13 @@ class PerceptualStructuring:
 
 
 def advantage_maps(maps: torch.Tensor, advantages: torch.Tensor, clip: float | None = 5.0) -> torch.Tensor:
-    """A_i^p = clip(M_i(p) · A_i, ±clip) (Eq. 8): `(B, *grid)` from `(B, *grid)` maps and `(B,)` advantages."""
-    adv = advantages.float().to(maps.device).reshape(-1, *([1] * (maps.ndim - 1)))
+    """A_i^p = clip(M_i(p) · A_i, ±clip) (Eq. 8): `(B, *grid)` from `(B, *grid)` maps and `(B,)` advantages, or
+    `(B, R, *grid)` from `(B, R)` advantages (one per reward, ViPO-Wan's A^VQ·M and A^MQ·M)."""
+    adv = advantages.float().to(maps.device)
+    if adv.ndim == 2:
+        maps = maps.unsqueeze(1)
+        adv = adv.reshape(*adv.shape, *([1] * (maps.ndim - 2)))
+    else:
+        adv = adv.reshape(-1, *([1] * (maps.ndim - 1)))
     out = maps.float() * adv
     return out.clamp(-clip, clip) if clip is not None else out
