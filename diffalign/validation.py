@@ -199,6 +199,9 @@ def validate_online_config(cfg: DictConfig) -> None:
             raise ValueError(f"online.{key} must be >= 1, got {on[key]}")
     if on.advantage_std not in ("group", "global", "none"):
         raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {on.advantage_std!r}")
+    if on.get("split", "groups") not in ("groups", "members"):
+        raise ValueError(f"online.split={on.split!r} must be 'groups' (whole groups per process) or 'members' (every "
+                         "group spread over the processes)")
     best = on.get("best_of_n")
     if best is not None:
         if flow != "online_trajectories":
@@ -235,7 +238,7 @@ def validate_online_config(cfg: DictConfig) -> None:
         if not 1 <= m.num_train_timesteps <= m.timestep_max_index + 1:
             raise ValueError(f"method.num_train_timesteps={m.num_train_timesteps} must be in [1, "
                              f"method.timestep_max_index + 1 = {m.timestep_max_index + 1}]")
-        if tr.batch_size % on.group_size:
+        if on.get("split", "groups") == "groups" and tr.batch_size % on.group_size:
             raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size="
                              f"{on.group_size} for DGPO (a micro-batch holds whole groups)")
     if on.prompts is None:

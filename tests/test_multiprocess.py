@@ -175,3 +175,24 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=8", "trainer.log_with=none",
                        "eval.enabled=false", *common]))
     assert_same_lora(tmp_path / "one", tmp_path / "two")
+
+
+def test_dgpo_groups_spanning_two_processes_match_one_process(tmp_path):
+    """online.split=members: one group of 4 spread over 2 processes (members 0-1 and 2-3) vs the whole group on one
+    process. Each member's rollout noise depends only on (seed, epoch, group, member), rewards are gathered before
+    the advantages, z_g is summed over the processes by group id: same LoRA within 1e-4."""
+    from diffalign.train.online import train
+    from tests.test_cli import compose_cfg
+
+    common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
+              "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=1",
+              "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
+              "online.split=members", "method.beta=1e4", "reward=[jpeg_compressibility]", *LINEAR_UPDATES]
+    # (a reward that varies within the group and a beta that puts z_g near 1: the group sum changes the weight)
+    res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=2", *common], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    history = [json.loads(line) for line in (tmp_path / "two" / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["rollouts"] == 8  # 2 epochs × 1 group × 4, not duplicated
+    train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
+                       "eval.enabled=false", *common]))
+    assert_same_lora(tmp_path / "one", tmp_path / "two")

@@ -28,8 +28,10 @@ def stream_seed(seed: int, epoch: int, group: int, member: int, stream: int) -> 
 
 
 def group_initial_noise(shape: tuple[int, ...], group_indices: list[int], group_size: int, *, seed: int, epoch: int,
-                        shared: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Initial noise for `len(group_indices)` groups of `group_size` samples, rows ``[g0]*G + [g1]*G + ...``.
+                        shared: bool, device: torch.device | str = "cpu", members: list[int] | None = None
+                        ) -> torch.Tensor:
+    """Initial noise for `len(group_indices)` groups of `group_size` samples, rows ``[g0]*G + [g1]*G + ...`` (or only
+    the member indices `members` of each group, when a group spans processes).
 
     Args:
         shape (`tuple`): one sample's latent shape `(C, h, w)`.
@@ -37,13 +39,14 @@ def group_initial_noise(shape: tuple[int, ...], group_indices: list[int], group_
         group_size (`int`): G ≥ 1.
         seed, epoch (`int`): the run's seed and the epoch.
         shared (`bool`): True gives all G members of a group the same noise (GRPO/DanceGRPO); False independent ones.
+        members (`list[int]`, *optional*): the member indices (in ``0..G-1``) to draw for every group; default all.
 
     Returns:
-        `(len(group_indices)·G, *shape)` float32 on `device`.
+        `(len(group_indices)·len(members), *shape)` float32 on `device`.
     """
     rows = []
     for g in group_indices:
-        for m in range(group_size):
+        for m in (range(group_size) if members is None else members):
             gen = torch.Generator().manual_seed(stream_seed(seed, epoch, g, 0 if shared else m, _INIT))
             rows.append(torch.randn(shape, generator=gen))
     return torch.stack(rows).to(device)
@@ -86,6 +89,7 @@ def group_rollout(
     rollout_batch_size: int = 32,
     reduction: str = "mean",
     sde_type: str = "flow_grpo",
+    members: list[int] | None = None,
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -105,9 +109,12 @@ def group_rollout(
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
         reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
         sde_type (`str`): the flow models' SDE for `sampler="sde"`: "flow_grpo" or "dance" (`rollout`).
+        members (`list[int]`, *optional*): sample only these member indices of every group (a group spanning several
+            processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
 
     Returns:
-        (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...``, `group_ids` `(P·G,)` int64 global group indices).
+        (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64
+        global group indices, one per row).
 
     Raises:
         ValueError: for `group_size < 1`, mismatched `group_indices`, or an unknown sampler.
@@ -118,10 +125,13 @@ def group_rollout(
         raise ValueError(f"{len(group_indices)} group indices for {len(prompts)} prompts; pass one per prompt.")
     if sampler != "sde" and sampler not in SOLVERS:
         raise ValueError(f"`sampler` must be 'sde' or one of {SOLVERS}, got {sampler!r}.")
+    member_ids = list(range(group_size)) if members is None else list(members)
+    if any(not 0 <= m < group_size for m in member_ids):
+        raise ValueError(f"members {member_ids} must lie in [0, {group_size}).")
     noise = group_initial_noise(policy.latent_shape, list(group_indices), group_size, seed=seed, epoch=epoch,
-                                shared=shared_initial_noise, device=policy.device)
-    all_prompts = [p for p in prompts for _ in range(group_size)]
-    members = [(g, m) for g in group_indices for m in range(group_size)]
+                                shared=shared_initial_noise, device=policy.device, members=member_ids)
+    all_prompts = [p for p in prompts for _ in member_ids]
+    members = [(g, m) for g in group_indices for m in member_ids]
     parts = []
     for start in range(0, len(all_prompts), rollout_batch_size):
         stop = min(start + rollout_batch_size, len(all_prompts))

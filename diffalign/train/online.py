@@ -168,7 +168,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
                          "prompt; set online.group_size >= 2 (DGPO/Flow-GRPO use 16-24).")
-    if flow == "online_groups" and tr.batch_size % on.group_size:
+    if flow == "online_groups" and on.get("split", "groups") == "groups" and tr.batch_size % on.group_size:
         raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size={on.group_size}"
                          " for DGPO (a micro-batch holds whole groups).")
     policy = instantiate(cfg.model)
@@ -197,9 +197,23 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
         policy.set_forward_module(wrapped)
     num_proc, rank = accelerator.num_processes, accelerator.process_index
-    if on.groups_per_epoch % num_proc:
+    split = on.get("split", "groups")
+    if split not in ("groups", "members"):
+        raise ValueError(f"online.split={split!r} must be 'groups' (whole groups per process) or 'members' (every "
+                         "group spread over the processes)")
+    if split == "groups" and on.groups_per_epoch % num_proc:
         raise ValueError(f"online.groups_per_epoch={on.groups_per_epoch} must be divisible by the {num_proc} "
-                         "processes.")
+                         "processes (or set online.split=members to spread every group over the processes).")
+    if split == "members":
+        if on.group_size % num_proc:
+            raise ValueError(f"online.split=members: online.group_size={on.group_size} must be divisible by the "
+                             f"{num_proc} processes")
+        if flow == "online_groups" and tr.batch_size % (on.group_size // num_proc):
+            raise ValueError(f"online.split=members: trainer.batch_size={tr.batch_size} must be a multiple of each "
+                             f"process's share of a group ({on.group_size // num_proc}) so a micro-batch holds whole "
+                             "shares")
+        if on.get("best_of_n"):
+            raise ValueError("online.best_of_n selects within whole groups; use online.split=groups with it")
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
@@ -298,7 +312,12 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         first = monitor_logs()
         if first:
             history.append({"epoch": 0, "step": 0, "rollouts": 0, "train_seconds": 0.0, **first})
-    per_proc = on.groups_per_epoch // num_proc
+    # split of an epoch's rows across processes: whole groups ("groups"), or a share of every group ("members": each
+    # process samples members r·G/P .. (r+1)·G/P − 1 of every group, so a group spans the processes)
+    split = on.get("split", "groups")
+    per_proc = on.groups_per_epoch // num_proc if split == "groups" else on.groups_per_epoch
+    share = on.group_size // num_proc if split == "members" else on.group_size
+    my_members = list(range(rank * share, (rank + 1) * share)) if split == "members" else None
     while epoch < on.num_epochs:
         if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint at this epoch boundary, then exit
             ckpt = stop_with_checkpoint(epoch)
@@ -309,7 +328,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         t_epoch = time.time()
         # 1. prompts of this epoch (the same draw on every process; each takes its own slice)
         pick = torch.randint(len(rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, _PROMPTS))
-        mine = list(range(rank * per_proc, (rank + 1) * per_proc))
+        mine = list(range(rank * per_proc, (rank + 1) * per_proc)) if split == "groups" else \
+            list(range(on.groups_per_epoch))
         epoch_rows = [rows[int(pick[j])] for j in mine]
         group_indices = [epoch * on.groups_per_epoch + j for j in mine]
         # 2. rollouts with θ⁻ (DGPO) or θ
@@ -321,10 +341,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                 num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
                 rollout_batch_size=on.rollout_batch_size,
                 reduction=getattr(objective, "log_prob_reduction", "mean"),  # ViPO: "per_position"
-                sde_type=sp.get("sde_type", "flow_grpo"))
+                sde_type=sp.get("sde_type", "flow_grpo"), members=my_members)
         policy.denoiser.train()
         # 3. rewards
-        metadata = [r for r in epoch_rows for _ in range(on.group_size)]
+        metadata = [r for r in epoch_rows for _ in range(share)]
         try:
             scored = rewards(traj.images, traj.prompts, metadata)
         except RewardError as err:
