@@ -86,8 +86,8 @@ def test_heldout_accuracy_is_in_the_documented_range(tmp_path):
 
 
 def test_tiny_clip_prefers_the_matching_caption_on_heldout_scenes():
-    """Measured (README): colour 1.00, shape 0.95, count 0.56, swapped relation 0.51 — attributes are learned,
-    counts and relations are at chance (the issue's 0.95 overall target is not met; see the README)."""
+    """Measured (README, 1,000 scenes): vs a corrupted caption colour 1.00, shape 0.97, count 0.71, swapped relation
+    0.54 — attributes are learned, relations are at chance; vs another scene's caption 0.96."""
     from diffalign.rewards.clip_score import ClipScore
     from diffalign.world.prompts import all_prompts
     from diffalign.world.render import caption, corrupt_spec, render_spec, to_tensor
@@ -105,6 +105,12 @@ def test_tiny_clip_prefers_the_matching_caption_on_heldout_scenes():
             for kind in ("color", "shape", "count", "swap")}
     assert np.mean(wins["color"]) >= 0.95 and np.mean(wins["shape"]) >= 0.85, {k: np.mean(v) for k, v in wins.items()}
     assert float((right > wrong).float().mean()) >= 0.7
+    # the true caption against the caption of another held-out scene (README: 0.96 on 1,000 scenes)
+    other = [rows[(i % len(rows) + 1 + (i * 7) % (len(rows) - 1)) % len(rows)]["prompt"] for i in range(300)]
+    assert all(o != s["prompt"] for o, s in zip(other, specs))
+    with torch.no_grad():
+        mismatched = reward(x, other).scores
+    assert float((right > mismatched).float().mean()) >= 0.93
 
 
 @pytest.mark.parametrize("size", [32, 64])
