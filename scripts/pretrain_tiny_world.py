@@ -299,6 +299,10 @@ def train_flow(args) -> None:
     log(f"flow held-out verifier accuracy {acc:.3f} (20 Euler steps, CFG 4.5, 1 seed per prompt)")
     out = Path(args.work) / "tiny_sd3"
     pipe.save_pretrained(out, safe_serialization=True)
+    # the VAE is tiny_sd's; stored in float16 here (it loads as float32 with torch_dtype=float32) so that all shipped
+    # models, the video model included, fit the 30 MB budget
+    pipe.vae.to(torch.float16).save_pretrained(out / "vae", safe_serialization=True)
+    pipe.vae.to(torch.float32)
     (Path(args.work) / "flow_metrics.json").write_text(json.dumps(
         {"steps": args.flow_steps, "batch": args.unet_batch, "minutes": minutes, "final_loss": running,
          "heldout_accuracy_20_steps_cfg4.5": acc}, indent=2))
