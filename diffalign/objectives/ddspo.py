@@ -329,7 +329,9 @@ class DDSPO(nn.Module):
         return noisy.float() - sigma.view(-1, *([1] * (noisy.ndim - 1))).to(noisy.device) * output
 
     def _unpaired_conditions(self, policy, batch: PreferenceBatch, mask: torch.Tensor, generator):
-        """(c, c⁻) embeddings for the masked pairs: drawn from the pool, or the batch shifted by s ∈ {1..B-1}."""
+        """(c, c⁻) embeddings for the masked pairs: drawn from the pool, or another pair of the batch — the batch
+        shifted by one s ∈ {1..B-1} with a single generator, or by a shift drawn per masked pair with per-sample
+        generators (so two pairs may then share a partner)."""
         bsz = len(batch.prompts)
         n = int(mask.sum())
         per_sample = isinstance(generator, (list, tuple))

@@ -172,7 +172,7 @@ def dance_sde_step(
         `FlowStepOutput` (std s = η sqrt(σ − σ_next), a scalar or `(B, 1, ..., 1)`).
 
     Raises:
-        ValueError: for `eta < 0`, σ ≤ 0, or a generator list of the wrong size.
+        ValueError: for `eta < 0`, σ ≤ 0, σ_next ≥ σ, or a generator list of the wrong size.
     """
     if eta < 0:
         raise ValueError(f"`eta` must be >= 0, got {eta}.")
@@ -185,6 +185,8 @@ def dance_sde_step(
     s_next = s_next.view(shape) if s_next.ndim else s_next
     if bool((s <= 0).any()):
         raise ValueError("dance_sde_step needs sigma > 0 (the last step ends at 0, it does not start there).")
+    if bool((s_next >= s).any()):
+        raise ValueError("dance_sde_step integrates from sigma down to sigma_next < sigma; got sigma_next >= sigma.")
     dt = s_next - s
     x0 = x - s * v
     score = -(x - (1 - s) * x0) / s**2

@@ -20,9 +20,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffalign.models.base import DiffusionPolicy
 from diffalign.samplers.ddim_logprob import ddim_step
 from diffalign.samplers.flow_sde import SDE_TYPES, flow_step
+from diffalign.types import PromptEmbeds, Trajectory
 
 STOCHASTIC_SAMPLERS = ("ddim", "flow_sde", "dance_sde")  # trajectories with per-step log-probs (when eta > 0)
-from diffalign.types import PromptEmbeds, Trajectory
 
 
 def rollout(

@@ -91,23 +91,24 @@ def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, e
 
 
 def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
-                           ) -> list[torch.Tensor]:
+                           ) -> tuple[list[torch.Tensor], bool]:
     """Row indices of a process's policy-gradient minibatches for one inner epoch.
 
     Stratified by group when `batch_size` is a whole number k of members from each of the process's groups (and k
     divides the group size): each group's members are shuffled by a stream keyed by (seed, epoch, global group id,
     inner epoch), and minibatch m takes members m·k … m·k + k − 1 of every group. A minibatch of one process is then
     exactly its groups' share of the global minibatch m of a run on fewer processes with the same global batch, so N
-    processes reproduce one process up to float rounding. Otherwise the process's rows are shuffled as a whole (by a
-    stream keyed by (seed, epoch, inner)) and cut into chunks of `batch_size` — a local shuffle, which does not
-    reproduce across process counts.
+    processes with ``online.split=groups`` reproduce one process up to float rounding (with ``split=members`` a
+    process shuffles only its share of each group, which does not). Otherwise the process's rows are shuffled as a
+    whole (by a stream keyed by (seed, epoch, inner)) and cut into chunks of `batch_size` — a local shuffle, which
+    does not reproduce across process counts.
 
     Args:
         group_ids (`torch.Tensor`): `(N,)` global group id of each local row.
         batch_size (`int`): rows per minibatch on this process (``trainer.batch_size``).
 
     Returns:
-        `list[torch.Tensor]` of int64 row indices, covering every row once.
+        (`list[torch.Tensor]` of int64 row indices covering every row once, True when stratified).
     """
     ids = group_ids.tolist()
     groups = list(dict.fromkeys(ids))
@@ -118,9 +119,10 @@ def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: in
         size = next(iter(sizes))
         order = {g: [members[g][j] for j in torch.randperm(size, generator=torch.Generator().manual_seed(
             stream_seed(seed, epoch, g, inner, _SHUFFLE))).tolist()] for g in groups}
-        return [torch.tensor([i for g in groups for i in order[g][m * k:(m + 1) * k]]) for m in range(size // k)]
+        return [torch.tensor([i for g in groups for i in order[g][m * k:(m + 1) * k]])
+                for m in range(size // k)], True
     perm = torch.randperm(len(ids), generator=epoch_generator(seed, epoch, _SHUFFLE, inner))
-    return [perm[s:s + batch_size] for s in range(0, len(perm), batch_size)]
+    return [perm[s:s + batch_size] for s in range(0, len(perm), batch_size)], False
 
 
 def _split(units: list, parts: int) -> list[list]:
@@ -214,6 +216,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                              "shares")
         if on.get("best_of_n"):
             raise ValueError("online.best_of_n selects within whole groups; use online.split=groups with it")
+        if flow == "online_trajectories" and num_proc > 1:
+            accelerator.print("[diffalign] note: online.split=members with a policy-gradient method shuffles each "
+                              "process's share of a group on its own; a run on another number of processes will "
+                              "differ (online.split=groups reproduces it)")
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
@@ -315,6 +321,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     # split of an epoch's rows across processes: whole groups ("groups"), or a share of every group ("members": each
     # process samples members r·G/P .. (r+1)·G/P − 1 of every group, so a group spans the processes)
     split = on.get("split", "groups")
+    said_local_shuffle = False
     per_proc = on.groups_per_epoch // num_proc if split == "groups" else on.groups_per_epoch
     share = on.group_size // num_proc if split == "members" else on.group_size
     my_members = list(range(rank * share, (rank + 1) * share)) if split == "members" else None
@@ -428,7 +435,13 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                 # the trained transitions are the same on every process (their own stream)
                 steps = torch.randperm(num_steps, generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
                 steps = steps[:n_train].sort().values.tolist()
-                minibatches = trajectory_minibatches(group_ids, tr.batch_size, seed=cfg.seed, epoch=epoch, inner=inner)
+                minibatches, stratified = trajectory_minibatches(group_ids, tr.batch_size, seed=cfg.seed, epoch=epoch,
+                                                                 inner=inner)
+                if not stratified and not said_local_shuffle and num_proc > 1:
+                    said_local_shuffle = True
+                    accelerator.print(f"[diffalign] note: trainer.batch_size={tr.batch_size} is not a whole number of "
+                                      "members from each of a process's groups, so minibatches are shuffled per "
+                                      "process (a run on another number of processes will differ)")
                 units = [(idx, k) for idx in minibatches for k in steps]
                 for part in _split(units, on.updates_per_epoch):
                     part_finite = True
