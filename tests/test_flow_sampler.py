@@ -126,6 +126,10 @@ def test_dance_sde_step_by_hand():
     assert float(out.std) == pytest.approx(0.15, abs=1e-7)
     # one standard deviation from the mean: −½ − log 0.15 − ½ log 2π
     assert out.log_prob.item() == pytest.approx(-0.5 - math.log(0.15) - 0.5 * math.log(2 * math.pi), abs=1e-5)
+    with pytest.raises(ValueError, match="sigma_next < sigma"):
+        dance_sde_step(v, 0.25, 0.5, x, eta=0.3)
+    with pytest.raises(ValueError, match="sigma > 0"):
+        dance_sde_step(v, 0.0, 0.0, x, eta=0.3)
 
 
 def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
