@@ -122,7 +122,8 @@ def target_attribute(target: str | None, name: str):
 
 
 def validate_reward_modality(cfg: DictConfig) -> None:
-    """A video reward on an image model (or an image reward on a video model) is refused before anything loads.
+    """A video reward on an image model (or an image reward on a video model), and monitor prompts of the other world
+    (``monitor.prompts`` image prompts for a video model, or the reverse), are refused before anything loads.
 
     Raises:
         ValueError: naming the reward field, the model and the fix (``reward.per_frame`` wraps an image reward for
@@ -131,6 +132,14 @@ def validate_reward_modality(cfg: DictConfig) -> None:
     model = target_modality((cfg.get("model") or {}).get("_target_"))
     if model is None:
         return
+    monitor = cfg.get("monitor") or {}
+    split = str(monitor.get("prompts", "heldout")) if monitor.get("every", 0) else None
+    if split in ("train", "heldout") and model == "video":
+        raise ValueError(f"monitor.prompts={split} are the image world's prompts but the model makes videos; pass "
+                         "monitor.prompts=video_heldout (or a file of video prompts)")
+    if split in ("video_train", "video_heldout") and model == "image":
+        raise ValueError(f"monitor.prompts={split} are video prompts but the model makes images; pass "
+                         "monitor.prompts=heldout")
     for field in ("reward", "eval_reward"):
         for name, node in (cfg.get(field) or {}).items():
             kind = target_modality((node or {}).get("_target_"))
@@ -139,7 +148,7 @@ def validate_reward_modality(cfg: DictConfig) -> None:
             if model == "image":
                 raise ValueError(f"{field}=[...{name}...]: {name} scores videos (B, F, C, H, W) but model="
                                  f"{cfg.model._target_} makes images; pick an image reward (e.g. {field}=[geneval_shapes]"
-                                 " or [clip_score]) or a video model (e.g. model=tiny_t2v_random)")
+                                 " or [clip_score]) or a video model (e.g. model=tiny_t2v)")
             raise ValueError(f"{field}=[...{name}...]: {name} scores images (B, C, H, W) but model="
                              f"{cfg.model._target_} makes videos; wrap it per frame ({field}=[per_frame] "
                              f"{field}.per_frame.image_reward={name}) or pick a video reward (video_motion, "
@@ -218,8 +227,9 @@ def validate_online_config(cfg: DictConfig) -> None:
         raise ValueError(f"sampler.sde_type must be 'flow_grpo' (Flow-GRPO's SDE) or 'dance' (DanceGRPO's, ViPO), got "
                          f"{sde_type!r}")
     if sde_type == "dance" and target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching") is False:
-        raise ValueError(f"sampler.sde_type=dance is a flow-matching SDE but model={cfg.model._target_} is an "
-                         "eps/v model; use sampler=ddim for it, or a flow model (tiny_sd3, sd35_medium, Wan)")
+        raise ValueError(f"sampler=dance_sde (sampler.sde_type=dance) is a flow-matching SDE but model="
+                         f"{cfg.model._target_} is an eps/v model; use sampler=ddim for it, or a flow model (tiny_sd3, "
+                         "sd35_medium, Wan)")
     if flow == "online_trajectories" and (name != "sde" or sp.eta <= 0):
         raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
                          f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={sp.eta}. Use "

@@ -212,6 +212,8 @@ def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
     (["model=tiny_sd3", "eval_reward=[per_frame]"], r"eval_reward=\[...per_frame...\]"),
     (["recipe=tiny_vipo_video", "reward=[geneval_shapes]"], "makes videos; wrap it per frame"),
     (["recipe=tiny_vipo_video", "eval_reward=[clip_score]"], "eval_reward.per_frame.image_reward=clip_score"),
+    (["recipe=tiny_vipo_video", "monitor.every=1", "monitor.prompts=heldout"], "monitor.prompts=video_heldout"),
+    (["monitor.every=1", "monitor.prompts=video_heldout"], "monitor.prompts=heldout"),
 ])
 def test_reward_of_the_other_modality_is_refused_before_any_model_loads(overrides, match, tmp_path):
     """A video reward on an image model (and an image reward on a video model) fails in validation, naming the field
@@ -222,6 +224,7 @@ def test_reward_of_the_other_modality_is_refused_before_any_model_loads(override
 
 @pytest.mark.parametrize("overrides", [
     ["recipe=tiny_vipo_video"],
+    ["recipe=tiny_vipo_video", "monitor.every=5"],
     ["recipe=tiny_vipo_video", "reward=[per_frame,temporal_consistency]"],
     ["model=tiny_wan_random", "reward=[video_motion]", "eval.enabled=false"],
     ["model=tiny_sd3", "reward=[geneval_shapes,clip_score]"],

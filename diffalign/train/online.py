@@ -231,7 +231,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
         f"({sampler_label}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
-        f"reward {rewards!r}; output {output_dir}")
+        f"reward {rewards!r}{' (one advantage per reward)' if getattr(objective, 'advantage_per_reward', False) else ''}"
+        f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
 
     # ---------------------------------------------------------------------------------------------------- resume
     epoch, global_step = 0, 0
