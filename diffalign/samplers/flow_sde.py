@@ -78,6 +78,32 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, re
     return elem.mean(dim=dims) if reduction == "mean" else elem.sum(dim=dims)
 
 
+def _float32_step_inputs(model_output, sigma, sigma_next, sample):
+    """(x, v̂, σ, σ_next) in float32; `(B,)` sigmas shaped `(B, 1, ..., 1)` to broadcast over the sample."""
+    x = sample.float()
+    v = model_output.float()
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
+    return x, v, (s.view(shape) if s.ndim else s), (s_next.view(shape) if s_next.ndim else s_next)
+
+
+def _sample_and_score(mean: torch.Tensor, std: torch.Tensor, generator, prev_sample: torch.Tensor | None,
+                      reduction: str) -> FlowStepOutput:
+    """Draws x_{k+1} ~ N(mean, std²) (mean itself where std is 0 everywhere) unless `prev_sample` is given, and scores
+    it (`gaussian_log_prob`). Raises ValueError for a generator list without one generator per sample."""
+    if prev_sample is None:
+        if isinstance(generator, list) and len(generator) != mean.shape[0]:
+            raise ValueError(f"Got {len(generator)} generators for a batch of {mean.shape[0]}; pass one per sample.")
+        if bool((std > 0).any()):
+            noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+            prev_sample = mean + std * noise
+        else:
+            prev_sample = mean
+    log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
+    return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)
+
+
 def flow_sde_step(
     model_output: torch.Tensor,
     sigma: torch.Tensor | float,
@@ -111,13 +137,7 @@ def flow_sde_step(
     """
     if noise_level < 0:
         raise ValueError(f"`noise_level` must be >= 0, got {noise_level}.")
-    x = sample.float()
-    v = model_output.float()
-    shape = (-1,) + (1,) * (x.ndim - 1)
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
-    s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
-    s = s.view(shape) if s.ndim else s
-    s_next = s_next.view(shape) if s_next.ndim else s_next
+    x, v, s, s_next = _float32_step_inputs(model_output, sigma, sigma_next, sample)
     dt = s_next - s
     if noise_level == 0:
         mean = x + dt * v
@@ -130,16 +150,7 @@ def flow_sde_step(
         std_dev_t = noise_level * torch.sqrt(s / denom)
         mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
         std = std_dev_t * torch.sqrt(-dt)
-    if prev_sample is None:
-        if isinstance(generator, list) and len(generator) != x.shape[0]:
-            raise ValueError(f"Got {len(generator)} generators for a batch of {x.shape[0]}; pass one per sample.")
-        if bool((std > 0).any()):
-            noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-            prev_sample = mean + std * noise
-        else:
-            prev_sample = mean
-    log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
-    return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)
+    return _sample_and_score(mean, std, generator, prev_sample, reduction)
 
 
 SDE_TYPES = ("flow_grpo", "dance")
@@ -176,13 +187,7 @@ def dance_sde_step(
     """
     if eta < 0:
         raise ValueError(f"`eta` must be >= 0, got {eta}.")
-    x = sample.float()
-    v = model_output.float()
-    shape = (-1,) + (1,) * (x.ndim - 1)
-    s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
-    s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=x.device)
-    s = s.view(shape) if s.ndim else s
-    s_next = s_next.view(shape) if s_next.ndim else s_next
+    x, v, s, s_next = _float32_step_inputs(model_output, sigma, sigma_next, sample)
     if bool((s <= 0).any()):
         raise ValueError("dance_sde_step needs sigma > 0 (the last step ends at 0, it does not start there).")
     if bool((s_next >= s).any()):
@@ -192,16 +197,7 @@ def dance_sde_step(
     score = -(x - (1 - s) * x0) / s**2
     mean = x + dt * v - 0.5 * eta**2 * score * dt
     std = eta * torch.sqrt(s - s_next)
-    if prev_sample is None:
-        if isinstance(generator, list) and len(generator) != x.shape[0]:
-            raise ValueError(f"Got {len(generator)} generators for a batch of {x.shape[0]}; pass one per sample.")
-        if eta > 0:
-            prev_sample = mean + std * randn_tensor(x.shape, generator=generator, device=x.device,
-                                                    dtype=torch.float32)
-        else:
-            prev_sample = mean
-    log_prob = gaussian_log_prob(prev_sample, mean, std, reduction)
-    return FlowStepOutput(prev_sample=prev_sample.float(), mean=mean, std=std, log_prob=log_prob)
+    return _sample_and_score(mean, std, generator, prev_sample, reduction)
 
 
 def flow_step(model_output, sigma, sigma_next, sample, *, sde_type: str, eta: float, sigma_max: float | None,
