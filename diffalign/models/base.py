@@ -124,3 +124,22 @@ def expand_negative_prompts(prompts: list[str], negative_prompts: list[str] | No
     repeated, or the given list."""
     negatives = [""] * len(prompts) if negative_prompts is None else list(negative_prompts)
     return negatives * len(prompts) if len(negatives) == 1 else negatives
+
+
+def add_trainable_lora(denoiser: nn.Module, lora_rank: int | None, lora_alpha: float | None,
+                       target_modules, lora_seed: int) -> None:
+    """Makes `denoiser` trainable: the whole module when `lora_rank` is None, else a peft LoRA adapter "default"
+    (rank `lora_rank`, alpha `lora_alpha`, Gaussian init drawn under `lora_seed` without touching the global RNG) on
+    `target_modules`; trainable parameters are cast to float32 (FIELD_CASES C10)."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    if lora_rank is None:
+        denoiser.requires_grad_(True)
+    else:
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
+                            target_modules=list(target_modules))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora_seed)
+            denoiser.add_adapter(config)
+    cast_training_params(denoiser, dtype=torch.float32)

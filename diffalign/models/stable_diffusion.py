@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, SchedulerMixin, StableDiffusionPipeline, UNet2DConditionModel
-from diffusers.training_utils import cast_training_params
 from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
 from omegaconf import MISSING
-from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import CLIPTextModel, PreTrainedTokenizerBase
 
-from diffalign.models.base import check_prompts, expand_negative_prompts
+from diffalign.models.base import add_trainable_lora, check_prompts, expand_negative_prompts
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -164,19 +163,7 @@ class StableDiffusionPolicy(nn.Module):
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
 
-        if lora_rank is None:
-            self.unet.requires_grad_(True)
-        else:
-            config = LoraConfig(
-                r=lora_rank,
-                lora_alpha=self.lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=list(lora_target_modules),
-            )
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(lora_seed)
-                self.unet.add_adapter(config)
-        cast_training_params(self.unet, dtype=torch.float32)
+        add_trainable_lora(self.unet, lora_rank, self.lora_alpha, lora_target_modules, lora_seed)
 
     # ------------------------------------------------------------------ construction
 

@@ -33,12 +33,10 @@ from diffusers import (
     WanPipeline,
 )
 from diffusers.loaders import PeftAdapterMixin
-from diffusers.training_utils import cast_training_params
 from omegaconf import MISSING
-from peft import LoraConfig
 from torch import nn
 
-from diffalign.models.base import check_prompts, expand_negative_prompts
+from diffalign.models.base import add_trainable_lora, check_prompts, expand_negative_prompts
 from diffalign.models.sd3 import FlowMatchingPolicy
 from diffalign.models.stable_diffusion import (
     DEFAULT_LORA_TARGET_MODULES,
@@ -184,15 +182,7 @@ class WanPolicy(FlowMatchingPolicy):
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
         self.max_sequence_length = max_sequence_length
-        if lora_rank is None:
-            self.transformer.requires_grad_(True)
-        else:
-            config = LoraConfig(r=lora_rank, lora_alpha=self.lora_alpha, init_lora_weights="gaussian",
-                                target_modules=list(lora_target_modules))
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(lora_seed)
-                self.transformer.add_adapter(config)
-        cast_training_params(self.transformer, dtype=torch.float32)
+        add_trainable_lora(self.transformer, lora_rank, self.lora_alpha, lora_target_modules, lora_seed)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, *, revision: str | None = None,
