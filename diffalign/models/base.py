@@ -143,3 +143,21 @@ def add_trainable_lora(denoiser: nn.Module, lora_rank: int | None, lora_alpha: f
             torch.manual_seed(lora_seed)
             denoiser.add_adapter(config)
     cast_training_params(denoiser, dtype=torch.float32)
+
+
+class ForwardModuleMixin:
+    """`forward_module` / `set_forward_module` for a policy with a `denoiser` property (shared by the SD, SD3 and
+    video policies)."""
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
+        wrapped = self.__dict__.get("_forward_module")
+        return wrapped if wrapped is not None else self.denoiser
+
+    def set_forward_module(self, module: nn.Module | None) -> None:
+        """Runs forward passes through `module` — the denoiser as returned by `accelerate.Accelerator.prepare` (DDP,
+        FSDP), so gradients are synchronised — while adapter switches (`reference()`, extra adapters) keep acting on
+        the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
+        registered as a submodule."""
+        self.__dict__["_forward_module"] = module

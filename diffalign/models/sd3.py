@@ -27,7 +27,7 @@ from omegaconf import MISSING
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from diffalign.models.base import add_trainable_lora, check_prompts, expand_negative_prompts
+from diffalign.models.base import ForwardModuleMixin, add_trainable_lora, check_prompts, expand_negative_prompts
 from diffalign.models.stable_diffusion import (
     LORA_WEIGHT_NAME,
     TORCH_DTYPES,
@@ -44,7 +44,7 @@ DEFAULT_SD3_LORA_TARGET_MODULES = (
 )
 
 
-class FlowMatchingPolicy(nn.Module):
+class FlowMatchingPolicy(ForwardModuleMixin, nn.Module):
     """An SD3-format rectified-flow model as a trainable policy: frozen base weights plus a LoRA adapter on the
     transformer (or the full transformer with `lora_rank=None`).
 
@@ -168,19 +168,6 @@ class FlowMatchingPolicy(nn.Module):
     def denoiser(self) -> nn.Module:
         """The bare trained network (the transformer); LoRA adapters are switched on it."""
         return self.transformer
-
-    @property
-    def forward_module(self) -> nn.Module:
-        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
-        wrapped = self.__dict__.get("_forward_module")
-        return wrapped if wrapped is not None else self.transformer
-
-    def set_forward_module(self, module: nn.Module | None) -> None:
-        """Runs forward passes through `module` — the denoiser as returned by `accelerate.Accelerator.prepare` (DDP,
-        FSDP), so gradients are synchronised — while adapter switches (`reference()`, extra adapters) keep acting on
-        the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
-        registered as a submodule."""
-        self.__dict__["_forward_module"] = module
 
     @property
     def prediction_type(self) -> str:

@@ -26,7 +26,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import CLIPTextModel, PreTrainedTokenizerBase
 
-from diffalign.models.base import add_trainable_lora, check_prompts, expand_negative_prompts
+from diffalign.models.base import ForwardModuleMixin, add_trainable_lora, check_prompts, expand_negative_prompts
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def check_pipeline_folder(path: str, original: str, kind: str = "", example_hub_
         )
 
 
-class StableDiffusionPolicy(nn.Module):
+class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
     """A Stable Diffusion 1.x/2.x model as a trainable policy: frozen base weights plus a LoRA adapter on the UNet.
 
     The VAE, text encoder and UNet base weights are frozen (`requires_grad=False`, VAE and text encoder in eval
@@ -278,19 +278,6 @@ class StableDiffusionPolicy(nn.Module):
     def denoiser(self) -> nn.Module:
         """The bare trained network (the UNet); LoRA adapters are switched on it."""
         return self.unet
-
-    @property
-    def forward_module(self) -> nn.Module:
-        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
-        wrapped = self.__dict__.get("_forward_module")
-        return wrapped if wrapped is not None else self.unet
-
-    def set_forward_module(self, module: nn.Module | None) -> None:
-        """Runs forward passes through `module` — the denoiser as returned by `accelerate.Accelerator.prepare` (DDP,
-        FSDP), so gradients are synchronised — while adapter switches (`reference()`, extra adapters) keep acting on
-        the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
-        registered as a submodule."""
-        self.__dict__["_forward_module"] = module
 
     @property
     def num_train_timesteps(self) -> int:
