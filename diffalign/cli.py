@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from diffalign.plugins import register_configs
 
@@ -97,6 +97,36 @@ def _train_main(cfg: DictConfig) -> None:
         raise SystemExit(f"diffalign: error: {err}") from None
 
 
+def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
+    """Builds the evaluated policy's adapter as the checkpoints were trained (rank, alpha, target modules, from the
+    LoRA file's metadata), so that a run whose recipe changed them (e.g. ``recipe=tiny_dpo`` adds the ResNet
+    convolutions) evaluates without repeating its model overrides. Settings the model's constructor does not take
+    are left alone.
+
+    Raises:
+        SystemExit: if the checkpoints were trained with different adapter settings (evaluate them separately).
+    """
+    import inspect
+
+    from hydra.utils import get_method
+
+    from diffalign.models.base import saved_lora_settings
+
+    found = {str(f): saved_lora_settings(f) for f in folders}
+    distinct = {json.dumps(v, sort_keys=True) for v in found.values() if v}
+    if len(distinct) > 1:
+        raise SystemExit(f"diffalign: error: the checkpoints were trained with different LoRA settings ({found}); "
+                         "evaluate them in separate diffalign-eval runs")
+    if not distinct:
+        return
+    settings = json.loads(distinct.pop())
+    params = inspect.signature(get_method(cfg.model._target_)).parameters
+    with open_dict(cfg):
+        for key, value in settings.items():
+            if key in params:
+                cfg.model[key] = value
+
+
 def _eval_main(cfg: DictConfig) -> None:
     from diffalign.evaluate import resolve_checkpoints
     from diffalign.validation import validate_eval_config, validate_reward_modality
@@ -134,6 +164,7 @@ def _eval_main(cfg: DictConfig) -> None:
     rewards = build_selected_rewards(cfg.reward)
     ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts, field="eval.prompts"), ecfg.prompts_per_tag)
+    _adopt_saved_lora_settings(cfg, [v for v in variants.values() if not isinstance(v, bool)])
     policy = instantiate(cfg.model)
     output_dir = Path(cfg.output_dir)
     metrics = evaluate_policy(policy, rows, rewards, ecfg, output_dir, variants, resume=cfg.resume,

@@ -1,6 +1,6 @@
 """Benchmark of the README's main job (`diffalign-train` with no overrides) and of tiny-world sampling speed.
 
-Prints the wall time of the whole job and of its parts (setup, training, evaluation) as recorded in the run's
+Prints the wall time of the whole job and of its parts (setup, on-policy data, training, evaluation) as recorded in the run's
 ``results.json``, the held-out accuracy of base vs fine-tuned, and sampling throughput of the shipped tiny model
 (images/s at 20 DDIM steps with classifier-free guidance, measured through diffalign's rollout).
 
@@ -57,8 +57,10 @@ def main() -> None:
         res = json.loads((out / "results.json").read_text())
         ev = res.get("eval", {})
         print(f"main job wall time: {wall:.1f} s (process start to exit)")
-        print(f"  inside the job: {res['total_seconds']:.1f} s = setup {res['total_seconds'] - res['train_seconds'] - res.get('eval_seconds', 0):.1f} s"
-              f" + training {res['train_seconds']:.1f} s ({res['global_step']} steps)"
+        data = res.get("data_seconds", 0.0)
+        setup = res["total_seconds"] - data - res["train_seconds"] - res.get("eval_seconds", 0)
+        print(f"  inside the job: {res['total_seconds']:.1f} s = setup {setup:.1f} s"
+              f" + on-policy data (sampling and judging) {data:.1f} s + training {res['train_seconds']:.1f} s ({res['global_step']} steps)"
               f" + evaluation {res.get('eval_seconds', 0):.1f} s")
         for label, summary in ev.get("variants", {}).items():
             print(f"  {label}: held-out accuracy {summary['geneval_shapes/accuracy']:.3f} ± "

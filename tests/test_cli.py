@@ -32,7 +32,7 @@ def compose_cfg(overrides: list[str], name: str = "train"):
 def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
     return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
             "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
-            "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+            "data=shapes_pairs", "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -57,7 +57,7 @@ def test_default_is_the_tiny_world_recipe():
     cfg = compose_cfg([])
     assert cfg.model._target_.endswith("StableDiffusionPolicy.from_pretrained")
     assert Path(cfg.model.pretrained_model_name_or_path).is_dir()
-    assert cfg.data._target_.endswith("ShapesPairs") and cfg.eval.prompts == "heldout"
+    assert cfg.data._target_.endswith("FailurePairs") and cfg.eval.prompts == "heldout"
 
 
 def test_commas_inside_quoted_prompt_values():
@@ -88,7 +88,7 @@ def test_more_checks_before_any_model_is_loaded(tmp_path):
         validate_train_config(compose_cfg([f"eval.prompts={dog}"]))
     validate_train_config(compose_cfg([f"eval.prompts={dog}", "reward=[jpeg_compressibility]"]))  # any prompt is fine
     with pytest.raises(ValueError, match="trainer.batch_size=32 is larger than data.num_pairs=16"):
-        validate_train_config(compose_cfg(["trainer.batch_size=32", "data.num_pairs=16"]))
+        validate_train_config(compose_cfg(["trainer.batch_size=32", "data=shapes_pairs", "data.num_pairs=16"]))
     (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)
     with pytest.raises(ValueError, match="already holds checkpoints; pass resume=latest"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path / 'run'}"]))
@@ -143,9 +143,16 @@ def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffus
     from diffalign.models.tiny_random import build_tiny_random_pipeline, build_tiny_random_policy
     from diffalign.train.preference import train
 
+    # LoRA on attention and ResNet convolutions, as the default recipe's model (tiny_sd_conv_lora): diffusers must
+    # read the saved adapter back whole (a mix of diffusers and PEFT key names would lose the attention layers)
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2"]
+    assert list(compose_cfg(["model=tiny_sd_conv_lora"]).model.lora_target_modules) == targets
+    cfg = compose_cfg(smoke_overrides(tmp_path, steps=2) + [f"+model.lora_target_modules=[{','.join(targets)}]"])
     # diffusers' save_lora_weights prefixes UNet keys with "unet."
-    initial = {f"unet.{k}": v for k, v in build_tiny_random_policy(seed=0).lora_state_dict().items()}
-    results = train(compose_cfg(smoke_overrides(tmp_path, steps=2)))
+    initial = {f"unet.{k}": v for k, v in
+               build_tiny_random_policy(seed=0, lora_target_modules=targets).lora_state_dict().items()}
+    assert any(".conv1.lora_A" in k for k in initial)
+    results = train(cfg)
     assert results["global_step"] == 2
     final = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
     assert set(final) == set(initial) and len(final) > 0
@@ -156,7 +163,7 @@ def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffus
     assert state["global_step"] == 2
 
     # the saved LoRA in a plain diffusers pipeline gives the run's policy's images
-    policy = build_tiny_random_policy(seed=0)
+    policy = build_tiny_random_policy(seed=0, lora_target_modules=targets)
     policy.load_lora_weights(tmp_path / "final")
     pipe = build_tiny_random_pipeline(seed=0)
     pipe.load_lora_weights(tmp_path / "final")
@@ -204,6 +211,37 @@ def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
     missing = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'nothing'}"], name="evaluate")
     with pytest.raises(SystemExit, match="checkpoint"):
         _eval_main(missing)
+
+
+def test_eval_command_builds_the_adapter_the_checkpoint_was_trained_with(tmp_path):
+    """A run whose model config changed the LoRA (rank 2, convolutions too) evaluates with the plain model config: the
+    adapter settings come from the LoRA file, and the sampled images are the trained policy's."""
+    import numpy as np
+    from PIL import Image
+
+    from diffalign.cli import _eval_main
+    from diffalign.evaluate import _sample, eval_config_from
+    from diffalign.models.base import saved_lora_settings
+    from diffalign.models.tiny_random import build_tiny_random_policy
+    from diffalign.train.preference import train
+
+    targets = ["conv1", "conv2", "to_k", "to_out.0", "to_q", "to_v"]
+    train(compose_cfg(smoke_overrides(tmp_path / "run", steps=1) + [
+        "model.lora_rank=2", f"+model.lora_target_modules=[{','.join(targets)}]"]))
+    assert saved_lora_settings(tmp_path / "run" / "final") == {"lora_rank": 2, "lora_alpha": 2,
+                                                               "lora_target_modules": targets}
+    cfg = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'run' / 'final'}", f"output_dir={tmp_path / 'ev'}",
+                       "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
+                       "include_base=false"], name="evaluate")
+    _eval_main(cfg)
+    policy = build_tiny_random_policy(seed=0, lora_rank=2, lora_target_modules=targets)
+    policy.load_lora_weights(tmp_path / "run" / "final")
+    sample = json.loads((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()[0])
+    p = sample["prompt_index"]
+    rows = [{"prompt": sample["prompt"]}] * (p + 1)  # _sample reads rows[p] only
+    expected = _sample(policy, [(p, 0)], rows, eval_config_from(cfg.eval), use_reference=False)[0]
+    written = np.asarray(Image.open(tmp_path / "ev" / sample["image"]).convert("RGB"))
+    assert np.abs(written.astype(int) - (expected.permute(1, 2, 0).numpy() * 255).round().astype(int)).max() <= 1
 
 
 @pytest.mark.parametrize("overrides,match", [

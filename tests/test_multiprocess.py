@@ -115,7 +115,7 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
     from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", "trainer.max_steps=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1",
-              "data.num_pairs=16", *LINEAR_UPDATES, "trainer.learning_rate=1.0"]  # (lr 10: a first DPO step that
+              "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.learning_rate=1.0"]  # (lr 10: a first DPO step that
     # large sends step 2 where rounding differences of 1e-5 grow to 6e-4)
     res = launch_two_processes(["trainer.batch_size=2", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -103,7 +103,7 @@ def test_nan_gold_reward_stops_mid_run_after_saving_that_step(tmp_path):
     plugins.register_configs()
     plugins.register_python_reward(spec)
     cfg = compose_train(base_overrides(tmp_path) + [
-        f"eval_reward=[{spec}]", "data.num_pairs=8", "monitor.every=1", "monitor.num_prompts=2",
+        f"eval_reward=[{spec}]", "data=shapes_pairs", "data.num_pairs=8", "monitor.every=1", "monitor.num_prompts=2",
         "monitor.seeds=[0,1]", "monitor.num_inference_steps=2"])
     validate_train_config(cfg)
     from diffalign.train.preference import train

@@ -161,3 +161,32 @@ class ForwardModuleMixin:
         the bare denoiser. `None` goes back to the bare denoiser (e.g. for main-process-only evaluation). Not
         registered as a submodule."""
         self.__dict__["_forward_module"] = module
+
+
+def saved_lora_settings(directory) -> dict:
+    """The adapter settings a LoRA folder was saved with: ``{"lora_rank", "lora_alpha", "lora_target_modules"}``
+    read from the ``lora_adapter_metadata`` that `save_lora_weights` writes into
+    ``pytorch_lora_weights.safetensors`` (diffusers' format; keys prefixed by the model part, e.g. ``unet.r``).
+    Empty when the file carries no such metadata (e.g. a LoRA trained elsewhere).
+
+    Raises:
+        ValueError: if the file cannot be read.
+    """
+    import json
+    import os
+
+    import safetensors
+
+    path = os.path.join(directory, "pytorch_lora_weights.safetensors")
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (safetensors.SafetensorError, OSError) as err:
+        raise ValueError(f"{path!r} cannot be read ({err}); pass a LoRA folder written by diffalign-train") from None
+    if "lora_adapter_metadata" not in metadata:
+        return {}
+    config = {k.split(".", 1)[-1]: v for k, v in json.loads(metadata["lora_adapter_metadata"]).items()}
+    if not {"r", "lora_alpha", "target_modules"} <= set(config):
+        return {}
+    return {"lora_rank": config["r"], "lora_alpha": config["lora_alpha"],
+            "lora_target_modules": sorted(config["target_modules"])}

@@ -516,12 +516,19 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
         """The adapter weights in diffusers format (keys like ``down_blocks.1....to_q.lora.down.weight``), detached
         float32 copies (safe to keep as a snapshot).
 
+        An adapter with layers that the diffusers format does not name (convolutions, e.g. ``conv1``) keeps PEFT's
+        names (``...conv1.lora_A.weight``, ``...to_q.lora_A.weight``) for every layer: `load_lora_weights` of a
+        diffusers pipeline reads either format, but not a mix of the two (it would drop the attention layers).
+
         Raises:
             ValueError: if the policy has no LoRA adapter (`lora_rank=None`).
         """
         if self.lora_rank is None:
             raise ValueError("This policy fine-tunes the full UNet (lora_rank=None); save `policy.unet` instead.")
-        state_dict = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
+        peft_state_dict = get_peft_model_state_dict(self.unet)
+        state_dict = convert_state_dict_to_diffusers(peft_state_dict)
+        if any(".lora_A." in k or ".lora_B." in k for k in state_dict):  # partly unconverted: keep PEFT names
+            state_dict = peft_state_dict
         return {k: v.detach().clone() for k, v in state_dict.items()}
 
     def save_lora_weights(self, directory: str | os.PathLike) -> None:

@@ -210,13 +210,20 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         return ckpt if ckpt is not None else output_dir / f"checkpoint-{step}"
 
     sampler = None
+    data_seconds = 0.0
     if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
+        t_data = time.time()
         set_reward_step(rewards, 0)
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
             dataset.prepare(policy, rewards)
-        accelerator.print(f"[diffalign] data prepared: {getattr(dataset, 'stats', {})}")
+        data_seconds = time.time() - t_data
+        accelerator.print(f"[diffalign] data prepared in {data_seconds:.0f}s: {getattr(dataset, 'stats', {})}")
     # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
     num_proc, rank = accelerator.num_processes, accelerator.process_index
+    if len(dataset) < tr.batch_size * num_proc:  # on-policy data only knows its size now (static data: validation)
+        raise ValueError(f"the data holds {len(dataset)} items, fewer than one global batch (trainer.batch_size="
+                         f"{tr.batch_size} × {num_proc} processes); lower trainer.batch_size or make more data "
+                         "(e.g. raise data.num_prompts or data.samples_per_prompt)")
     sampler = ResumableSampler(len(dataset), tr.batch_size * num_proc, seed=cfg.seed, shuffle=True, drop_last=True)
     n_trainable = sum(p.numel() for p in params)
     effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
@@ -337,7 +344,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     # ------------------------------------------------------------------------------------------------------------------
     # 4. evaluate base vs fine-tuned; the HTML report (<output_dir>/eval/report.html)
     # ------------------------------------------------------------------------------------------------------------------
-    results = {"global_step": global_step, "train_seconds": train_seconds, "final_lora": str(final_dir),
+    results = {"global_step": global_step, "train_seconds": train_seconds, "data_seconds": data_seconds, "final_lora": str(final_dir),
                "history_tail": history[-5:]}
     if cfg.eval.enabled and accelerator.is_main_process:
         t_eval = time.time()
