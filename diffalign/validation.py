@@ -78,6 +78,11 @@ def validate_train_config(cfg: DictConfig) -> None:
         raise FileNotFoundError(f"reference.path={reference.path!r} holds no pytorch_lora_weights.safetensors; "
                                 "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
     validate_reward_modality(cfg)
+    if ("reward" in cfg.data and isinstance(cfg.data.reward, str) and cfg.data.reward not in (cfg.reward or {})
+            and not _is_online(cfg)):  # (online methods make their own samples; `data` is unused)
+        raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not among "
+                         f"the selected rewards {sorted(cfg.reward or {})}; add it with reward=[{cfg.data.reward}] or "
+                         "set data.reward to one of them")
     if "_target_" in method:
         validate_online_config(cfg)
     if cfg.eval.enabled:
@@ -119,6 +124,16 @@ def target_attribute(target: str | None, name: str):
         except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
             return None
     return getattr(owner, name, None) if inspect.isclass(owner) else None
+
+
+def _is_online(cfg: DictConfig) -> bool:
+    """Whether the method trains on its own rollouts (`ONLINE_FLOWS`), so that the `data` group is not used."""
+    from hydra.utils import get_class
+
+    try:
+        return getattr(get_class(cfg.method._target_), "data_flow", None) in ONLINE_FLOWS
+    except (ImportError, AttributeError, ValueError):
+        return False
 
 
 def validate_reward_modality(cfg: DictConfig) -> None:

@@ -86,7 +86,8 @@ def test_more_checks_before_any_model_is_loaded(tmp_path):
     dog.write_text("a photo of a dog\n")
     with pytest.raises(ValueError, match="eval.prompts=.*geneval_shapes"):
         validate_train_config(compose_cfg([f"eval.prompts={dog}"]))
-    validate_train_config(compose_cfg([f"eval.prompts={dog}", "reward=[jpeg_compressibility]"]))  # any prompt is fine
+    validate_train_config(compose_cfg([f"eval.prompts={dog}", "reward=[jpeg_compressibility]",  # any prompt is fine
+                                       "data=shapes_pairs"]))
     with pytest.raises(ValueError, match="trainer.batch_size=32 is larger than data.num_pairs=16"):
         validate_train_config(compose_cfg(["trainer.batch_size=32", "data=shapes_pairs", "data.num_pairs=16"]))
     (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)
@@ -264,7 +265,7 @@ def test_reward_of_the_other_modality_is_refused_before_any_model_loads(override
     ["recipe=tiny_vipo_video"],
     ["recipe=tiny_vipo_video", "monitor.every=5"],
     ["recipe=tiny_vipo_video", "reward=[per_frame,temporal_consistency]"],
-    ["model=tiny_wan_random", "reward=[video_motion]", "eval.enabled=false"],
+    ["model=tiny_wan_random", "reward=[video_motion]", "eval.enabled=false", "data=shapes_pairs"],
     ["model=tiny_sd3", "reward=[geneval_shapes,clip_score]"],
 ])
 def test_rewards_of_the_models_modality_pass_validation(overrides, tmp_path):

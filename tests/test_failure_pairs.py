@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffalign.data.failure_pairs import FailurePairs
+from diffalign.data.onpolicy import sample_seed
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.rewards.geneval_shapes import GenevalShapes
 from diffalign.samplers.rollout import rollout
@@ -64,7 +65,7 @@ def test_losers_are_the_wrong_samples_and_winners_are_verified_renders(policy):
         i, j = pair["prompt_index"], pair["sample_index"]
         assert pair["prompt"] == data.rows[i]["prompt"] == rows[(i * len(rows)) // 3]["prompt"]
         # the loser is the policy's own sample for the documented seed, recomputed here on its own
-        gen = torch.Generator().manual_seed(5 * 1_000_003 + i * 2 + j)
+        gen = torch.Generator().manual_seed(sample_seed(5, i, j))
         image = rollout(policy, [pair["prompt"]], num_inference_steps=2, guidance_scale=4.0, eta=0.0,
                         generator=[gen]).images[0].float()
         assert torch.allclose(pair["image_l"], image, atol=1e-6)
@@ -123,12 +124,32 @@ def test_bad_settings_name_the_field(policy, tmp_path):
 
 
 def test_the_training_loop_refuses_fewer_pairs_than_one_batch(tmp_path):
-    from tests.test_cli import compose_cfg
-
     from diffalign.train.preference import train
+    from tests.test_cli import compose_cfg
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "data=failure_pairs", "data.num_prompts=2",
                        "data.samples_per_prompt=1", "data.num_inference_steps=1", "trainer.batch_size=4",
                        "trainer.max_steps=1", "trainer.log_with=none", "eval.enabled=false"])
     with pytest.raises(ValueError, match=r"holds 2 items, fewer than one global batch \(trainer.batch_size=4"):
         train(cfg)
+
+
+def test_training_samples_never_start_from_an_evaluated_images_noise():
+    """Evaluation seeds image (s, p) with s * 1_000_003 + p; on-policy data seeds are 63-bit stream seeds, so none of
+    the default data's 594 × 4 samples (data seeds 0-2) shares its initial noise with an evaluated image of 16 seeds."""
+    from diffalign.evaluate import image_seed
+
+    data_seeds = {sample_seed(d, i, j) for d in range(3) for i in range(594) for j in range(4)}
+    assert len(data_seeds) == 3 * 594 * 4
+    eval_seeds = {image_seed(s, p) for s in range(16) for p in range(594)}
+    assert not data_seeds & eval_seeds and min(data_seeds) > max(eval_seeds)
+
+
+def test_a_data_reward_that_is_not_selected_is_refused_before_any_model_loads(tmp_path):
+    from diffalign.validation import validate_train_config
+    from tests.test_cli import compose_cfg
+
+    cfg = compose_cfg([f"output_dir={tmp_path}", "reward=[jpeg_compressibility]"])  # the default data judges with
+    with pytest.raises(ValueError, match=r"data.reward='geneval_shapes'.*reward=\[geneval_shapes\]"):  # the verifier
+        validate_train_config(cfg)
+    validate_train_config(compose_cfg([f"output_dir={tmp_path}"]))

@@ -9,8 +9,8 @@ needed and the losers are on-policy samples of the reference model, here the fro
 (Wallace et al., arXiv:2311.12908, Eq. 14) uses as its reference. Where SePPO decides from the model's own likelihoods
 whether a reference sample may serve as a loser (its anchor-based criterion), this data set asks a verifier, so that
 only samples that really fail become losers: the contrast is between what the model draws when it is wrong and what a
-right image looks like. On the tiny world this matters (measured in the README): the same number of steps with every
-sample as a loser moves held-out accuracy by +0.004, with only the failures by +0.03–0.04.
+right image looks like. ``losers="all"`` keeps every sample as a loser (the ablation of the filter; the README's main-job
+table compares the two on the tiny world).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffalign.samplers.rollout import rollout
+from diffalign.data.onpolicy import sample_and_judge
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 
@@ -55,8 +55,11 @@ class FailurePairs:
         num_inference_steps, guidance_scale, eta: the DDIM sampler of the on-policy samples (by default the
             evaluation's: 20 steps, CFG 4, η = 0).
         batch_size: images per sampling batch.
-        seed: base seed; sample ``j`` of prompt ``i`` uses ``seed * 1_000_003 + i * samples_per_prompt + j``, and the
-            winner of pair ``k`` is rendered with a seed drawn from ``numpy.random.default_rng([seed, k])``.
+        seed: base seed; sample ``j`` of prompt ``i`` starts from the noise of
+            ``diffalign.data.onpolicy.sample_seed(seed, i, j)`` (a 63-bit
+            seed, disjoint from evaluation's per-image seeds ``s * 1_000_003 + p``: no training sample shares its
+            initial noise with an evaluated image), and the winner of pair ``k`` is rendered with a seed drawn from
+            ``numpy.random.default_rng([seed, k])``.
         losers: ``"failures"`` (the samples judged incorrect) or ``"all"`` (every sample, whatever the verdict: SePPO's
             reference samples without a criterion; the ablation of the filter).
 
@@ -100,23 +103,15 @@ class FailurePairs:
         if self.reward not in rewards:
             raise ValueError(f"data.reward={self.reward!r} is not among the selected rewards {sorted(rewards)}; "
                              f"add it with reward=[{self.reward}]")
-        g = self.samples_per_prompt
-        jobs = [(i, j) for i in range(len(self.rows)) for j in range(g)]
-        losers = []
-        correct_total = 0
-        for start in range(0, len(jobs), self.batch_size):
-            chunk = jobs[start:start + self.batch_size]
-            prompts = [self.rows[i]["prompt"] for i, _ in chunk]
-            gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + i * g + j) for i, j in chunk]
-            images = rollout(policy, prompts, generator=gens, **self.sampler).images.float().cpu()
-            out = rewards[self.reward](images, prompts, [self.rows[i] for i, _ in chunk])
-            if "correct" not in out.info:
-                raise ValueError(f"data.reward={self.reward!r} does not report per-sample correctness "
-                                 "(info['correct']); data=failure_pairs needs a verifier such as geneval_shapes")
-            correct = torch.as_tensor(out.info["correct"]).bool().tolist()
-            correct_total += sum(correct)
-            losers += [(i, j, img) for (i, j), img, ok in zip(chunk, images, correct)
-                       if not ok or self.losers == "all"]
+        judged = sample_and_judge(
+            policy, self.rows, self.samples_per_prompt, rewards[self.reward], sampler=self.sampler,
+            batch_size=self.batch_size, seed=self.seed,
+            require_correct=f"data.reward={self.reward!r} does not report per-sample correctness (info['correct']); "
+                            "data=failure_pairs needs a verifier such as geneval_shapes")
+        losers = [(i, j, image) for (i, j), image, ok in zip(judged.jobs, judged.images, judged.correct.tolist())
+                  if not ok or self.losers == "all"]
+        jobs = judged.jobs
+        correct_total = int(judged.correct.sum())
         if not losers:
             raise ValueError(f"the reward {self.reward!r} judged all {len(jobs)} samples correct; there is no failure "
                              "to learn from (use harder prompts or data=ranked_pairs)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffalign.samplers.rollout import rollout
+from diffalign.data.onpolicy import sample_and_judge
 from diffalign.world.prompts import load_prompts
 
 
@@ -44,7 +44,8 @@ class RankedPairs:
         reward: name of the selected reward (``reward=[...]``) that ranks the samples.
         num_inference_steps, guidance_scale, eta: sampler settings for the on-policy samples (DDIM).
         batch_size: images per sampling batch.
-        seed: base seed; image ``j`` of prompt ``i`` uses ``seed * 1_000_003 + i * samples_per_prompt + j``.
+        seed: base seed; image ``j`` of prompt ``i`` starts from the noise of
+            ``diffalign.data.onpolicy.sample_seed(seed, i, j)`` (disjoint from evaluation's per-image seeds).
 
     After `prepare`, ``pairs[k]`` is ``{"id", "prompt", "image_w" (3,H,W), "image_l" (3,H,W), "score_w", "score_l"}``.
 
@@ -78,17 +79,9 @@ class RankedPairs:
             raise ValueError(f"data.reward={self.reward!r} is not among the selected rewards {sorted(rewards)}; "
                              f"add it with reward=[{self.reward}]")
         g = self.samples_per_prompt
-        jobs = [(i, j) for i in range(len(self.rows)) for j in range(g)]
-        images, scores = [], []
-        for start in range(0, len(jobs), self.batch_size):
-            chunk = jobs[start:start + self.batch_size]
-            prompts = [self.rows[i]["prompt"] for i, _ in chunk]
-            gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + i * g + j) for i, j in chunk]
-            traj = rollout(policy, prompts, generator=gens, **self.sampler)
-            out = rewards[self.reward](traj.images.float().cpu(), prompts, [self.rows[i] for i, _ in chunk])
-            images.append(traj.images.float().cpu())
-            scores.append(out.scores.float().cpu())
-        images, scores = torch.cat(images), torch.cat(scores)
+        judged = sample_and_judge(policy, self.rows, g, rewards[self.reward], sampler=self.sampler,
+                                  batch_size=self.batch_size, seed=self.seed)
+        images, scores, jobs = judged.images, judged.scores, judged.jobs
         pairs = []
         for i, row in enumerate(self.rows):
             s = scores[i * g:(i + 1) * g]

@@ -1,0 +1,61 @@
+"""On-policy samples for data sets made by the policy before training (`FailurePairs`, `RankedPairs`): every prompt
+sampled ``samples_per_prompt`` times, each sample from its own seeded generator, and judged by a reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffalign.samplers.groups import stream_seed
+from diffalign.samplers.rollout import rollout
+
+_DATA_STREAM = 0xDA7A  # stream tag of on-policy data samples (`stream_seed`'s last field)
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The generator seed of on-policy data sample `sample_index` of prompt `prompt_index`: a 63-bit
+    ``stream_seed(seed, prompt_index, sample_index, 0, 0xDA7A)``. Evaluation seeds image ``(s, p)`` with
+    ``s * 1_000_003 + p`` (below 2^31 for any practical s, p), so a training sample never starts from the initial
+    noise of an evaluated image (with the deterministic DDIM sampler the noise fixes much of the layout)."""
+    return stream_seed(seed, prompt_index, sample_index, 0, _DATA_STREAM)
+
+
+@dataclass
+class JudgedSamples:
+    """``images`` `(N, 3, H, W)` float32 in [0, 1] on the CPU, in job order (prompt 0's samples 0..g-1, then prompt 1's,
+    ...); ``jobs`` the N ``(prompt_index, sample_index)``; ``scores`` `(N,)` float32; ``correct`` `(N,)` bool when the
+    reward reports correctness (``info["correct"]``), else None."""
+
+    images: torch.Tensor
+    jobs: list[tuple[int, int]]
+    scores: torch.Tensor
+    correct: torch.Tensor | None
+
+
+@torch.no_grad()
+def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, *, sampler: dict, batch_size: int,
+                     seed: int, require_correct: str | None = None) -> JudgedSamples:
+    """Samples ``samples_per_prompt`` images per row of `rows` (sample ``j`` of prompt ``i`` from a generator seeded
+    with ``sample_seed(seed, i, j)``; `sampler` holds `rollout`'s ``num_inference_steps``, ``guidance_scale``,
+    ``eta``), in batches of `batch_size`, and scores each batch with `reward` ``(images, prompts, rows)``.
+
+    Raises:
+        ValueError: with the message `require_correct`, when it is given and the reward's first batch reports no
+            per-sample correctness (before any further sampling).
+    """
+    jobs = [(i, j) for i in range(len(rows)) for j in range(samples_per_prompt)]
+    images, scores, correct = [], [], []
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start:start + batch_size]
+        prompts = [rows[i]["prompt"] for i, _ in chunk]
+        gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
+        batch = rollout(policy, prompts, generator=gens, **sampler).images.float().cpu()
+        out = reward(batch, prompts, [rows[i] for i, _ in chunk])
+        if require_correct is not None and "correct" not in out.info:
+            raise ValueError(require_correct)
+        images.append(batch)
+        scores.append(out.scores.float().cpu())
+        correct.append(None if "correct" not in out.info else torch.as_tensor(out.info["correct"]).bool().cpu())
+    has_correct = all(c is not None for c in correct)
+    return JudgedSamples(torch.cat(images), jobs, torch.cat(scores), torch.cat(correct) if has_correct else None)
