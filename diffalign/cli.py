@@ -104,7 +104,8 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
     are left alone.
 
     Raises:
-        SystemExit: if the checkpoints were trained with different adapter settings (evaluate them separately).
+        ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), or a
+            LoRA file cannot be read.
     """
     import inspect
 
@@ -115,16 +116,18 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
     found = {str(f): saved_lora_settings(f) for f in folders}
     distinct = {json.dumps(v, sort_keys=True) for v in found.values() if v}
     if len(distinct) > 1:
-        raise SystemExit(f"diffalign: error: the checkpoints were trained with different LoRA settings ({found}); "
-                         "evaluate them in separate diffalign-eval runs")
+        raise ValueError(f"the checkpoints were trained with different LoRA settings ({found}); evaluate them in "
+                         "separate diffalign-eval runs")
     if not distinct:
         return
     settings = json.loads(distinct.pop())
     params = inspect.signature(get_method(cfg.model._target_)).parameters
+    adopted = {key: value for key, value in settings.items() if key in params}
+    if adopted:
+        print(f"[diffalign] LoRA settings from the checkpoints: {adopted}")
     with open_dict(cfg):
-        for key, value in settings.items():
-            if key in params:
-                cfg.model[key] = value
+        for key, value in adopted.items():
+            cfg.model[key] = value
 
 
 def _eval_main(cfg: DictConfig) -> None:
@@ -151,6 +154,7 @@ def _eval_main(cfg: DictConfig) -> None:
                 variants["checkpoint"] = Path(cfg.checkpoint)
         if cfg.run_dir is not None and not Path(cfg.run_dir).is_dir():
             raise FileNotFoundError(f"run_dir={cfg.run_dir!r} is not a folder; pass a diffalign-train output_dir")
+        _adopt_saved_lora_settings(cfg, [v for v in variants.values() if not isinstance(v, bool)])
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
@@ -164,7 +168,6 @@ def _eval_main(cfg: DictConfig) -> None:
     rewards = build_selected_rewards(cfg.reward)
     ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts, field="eval.prompts"), ecfg.prompts_per_tag)
-    _adopt_saved_lora_settings(cfg, [v for v in variants.values() if not isinstance(v, bool)])
     policy = instantiate(cfg.model)
     output_dir = Path(cfg.output_dir)
     metrics = evaluate_policy(policy, rows, rewards, ecfg, output_dir, variants, resume=cfg.resume,

@@ -31,8 +31,11 @@ METHODS = {
     "seppo_latest": ["recipe=tiny_seppo", "reference.selection=latest"],
     "seppo_initial": ["recipe=tiny_seppo", "reference.selection=initial"],
     "seppo_no_aaf": ["recipe=tiny_seppo", "method.aaf_mode=off"],
-    "dpo_pairs": ["recipe=tiny_dpo"],
-    "sft_winners": ["recipe=tiny_dpo", "method=sft", "data=shapes_winners", "~method.beta"],
+    # the earlier default recipe (renderer pairs, beta 5000, attention LoRA), spelled out since tiny_dpo moved on
+    "dpo_pairs": ["recipe=tiny_dpo", "model=tiny_sd", "method=diffusion_dpo", "data=shapes_pairs", "trainer.batch_size=16",
+                  "eval.seeds=[0,1,2,3]"],
+    "sft_winners": ["recipe=tiny_dpo", "model=tiny_sd", "method=sft", "data=shapes_winners", "trainer.batch_size=16",
+                    "eval.seeds=[0,1,2,3]"],
 }
 
 
@@ -57,7 +60,7 @@ def evaluate(lora_dir: str | None, prompts_per_tag: int | None, seeds: list[int]
     from diffalign.plugins import build_reward
     from diffalign.world.prompts import load_prompts
 
-    cfg = compose([])
+    cfg = compose(["model=tiny_sd"])  # every compared method trains LoRA on the attention projections
     policy = instantiate(cfg.model)
     if lora_dir is not None:
         policy.load_lora_weights(lora_dir)

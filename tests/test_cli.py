@@ -270,3 +270,16 @@ def test_reward_of_the_other_modality_is_refused_before_any_model_loads(override
 ])
 def test_rewards_of_the_models_modality_pass_validation(overrides, tmp_path):
     validate_train_config(compose_cfg([f"output_dir={tmp_path}"] + overrides))
+
+
+def test_eval_command_refuses_checkpoints_trained_with_different_lora_settings(tmp_path):
+    from diffalign.cli import _eval_main
+    from diffalign.models.tiny_random import build_tiny_random_policy
+
+    build_tiny_random_policy(seed=0, lora_rank=2).save_lora_weights(tmp_path / "a")
+    build_tiny_random_policy(seed=0, lora_rank=4).save_lora_weights(tmp_path / "b")
+    cfg = compose_cfg(["model=tiny_random", f"checkpoints=[{tmp_path / 'a'},{tmp_path / 'b'}]",
+                       f"output_dir={tmp_path / 'ev'}"], name="evaluate")
+    with pytest.raises(SystemExit, match="different LoRA settings"):
+        _eval_main(cfg)
+    assert not (tmp_path / "ev" / "samples.jsonl").exists()  # refused before anything was sampled

@@ -128,7 +128,7 @@ def test_the_training_loop_refuses_fewer_pairs_than_one_batch(tmp_path):
     from tests.test_cli import compose_cfg
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "data=failure_pairs", "data.num_prompts=2",
-                       "data.samples_per_prompt=1", "data.num_inference_steps=1", "trainer.batch_size=4",
+                       "data.samples_per_prompt=1", "data.num_inference_steps=1", "data.losers=all", "trainer.batch_size=4",
                        "trainer.max_steps=1", "trainer.log_with=none", "eval.enabled=false"])
     with pytest.raises(ValueError, match=r"holds 2 items, fewer than one global batch \(trainer.batch_size=4"):
         train(cfg)

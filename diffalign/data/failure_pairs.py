@@ -110,11 +110,10 @@ class FailurePairs:
                             "data=failure_pairs needs a verifier such as geneval_shapes")
         losers = [(i, j, image) for (i, j), image, ok in zip(judged.jobs, judged.images, judged.correct.tolist())
                   if not ok or self.losers == "all"]
-        jobs = judged.jobs
         correct_total = int(judged.correct.sum())
         if not losers:
-            raise ValueError(f"the reward {self.reward!r} judged all {len(jobs)} samples correct; there is no failure "
-                             "to learn from (use harder prompts or data=ranked_pairs)")
+            raise ValueError(f"the reward {self.reward!r} judged all {len(judged.jobs)} samples correct; there is no "
+                             "failure to learn from (use harder prompts or data=ranked_pairs)")
         pairs = []
         for k, (i, j, image_l) in enumerate(losers):
             row = self.rows[i]
@@ -123,7 +122,8 @@ class FailurePairs:
                           "image_w": to_tensor(render_spec(row, winner_seed, size=image_l.shape[-1])),
                           "image_l": image_l})
         self.pairs = pairs
-        self.stats = {"num_samples": len(jobs), "num_pairs": len(pairs), "accuracy": correct_total / len(jobs)}
+        num_samples = len(judged.jobs)
+        self.stats = {"num_samples": num_samples, "num_pairs": len(pairs), "accuracy": correct_total / num_samples}
 
     def __len__(self) -> int:
         if self.pairs is None:

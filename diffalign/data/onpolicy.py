@@ -41,8 +41,8 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     ``eta``), in batches of `batch_size`, and scores each batch with `reward` ``(images, prompts, rows)``.
 
     Raises:
-        ValueError: with the message `require_correct`, when it is given and the reward's first batch reports no
-            per-sample correctness (before any further sampling).
+        ValueError: with the message `require_correct`, when it is given and a batch's reward output reports no
+            per-sample correctness (checked on every batch, so it stops after the first one).
     """
     jobs = [(i, j) for i in range(len(rows)) for j in range(samples_per_prompt)]
     images, scores, correct = [], [], []

@@ -81,7 +81,7 @@ class RankedPairs:
         g = self.samples_per_prompt
         judged = sample_and_judge(policy, self.rows, g, rewards[self.reward], sampler=self.sampler,
                                   batch_size=self.batch_size, seed=self.seed)
-        images, scores, jobs = judged.images, judged.scores, judged.jobs
+        images, scores = judged.images, judged.scores
         pairs = []
         for i, row in enumerate(self.rows):
             s = scores[i * g:(i + 1) * g]
@@ -95,7 +95,7 @@ class RankedPairs:
             raise ValueError(f"every prompt's {g} samples tied under reward {self.reward!r}; no pairs to train on "
                              "(raise data.samples_per_prompt or use another reward)")
         self.pairs = pairs
-        self.stats = {"num_samples": len(jobs), "num_pairs": len(pairs), "mean_score": float(scores.mean())}
+        self.stats = {"num_samples": len(judged.jobs), "num_pairs": len(pairs), "mean_score": float(scores.mean())}
 
     def __len__(self) -> int:
         if self.pairs is None:
