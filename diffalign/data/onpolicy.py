@@ -59,3 +59,35 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         correct.append(None if "correct" not in out.info else torch.as_tensor(out.info["correct"]).bool().cpu())
     has_correct = all(c is not None for c in correct)
     return JudgedSamples(torch.cat(images), jobs, torch.cat(scores), torch.cat(correct) if has_correct else None)
+
+
+def spaced_rows(rows: list[dict], n: int) -> list[dict]:
+    """`n` rows evenly spaced through `rows` (``rows[i * len(rows) // n]``), or cycling through them when `n` is larger."""
+    return [rows[(i * len(rows)) // n if n <= len(rows) else i % len(rows)] for i in range(n)]
+
+
+class PreparedPairs:
+    """The pair store of a data set made by `prepare(policy, rewards)` (`FailurePairs`, `RankedPairs`): subclasses fill
+    ``self.pairs`` (dicts with ``id``, ``prompt``, ``image_w``, ``image_l`` and optionally ``metadata``) in `prepare`."""
+
+    pairs: list[dict] | None = None
+
+    def __len__(self) -> int:
+        if self.pairs is None:
+            raise RuntimeError(f"{type(self).__name__}.prepare(policy, rewards) must run before the pairs are used")
+        return len(self.pairs)
+
+    def __getitem__(self, k: int) -> dict:
+        return self.pairs[k]
+
+    def collate(self, indices: list[int]) -> dict:
+        """Stacks pairs into ``{"ids" (B,), "prompts", "images_w" (B,3,H,W), "images_l" (B,3,H,W)}``, plus
+        ``"metadata"`` when the pairs carry it."""
+        items = [self.pairs[k] for k in indices]
+        batch = {"ids": torch.tensor([it["id"] for it in items], dtype=torch.long),
+                 "prompts": [it["prompt"] for it in items]}
+        if items and "metadata" in items[0]:
+            batch["metadata"] = [it["metadata"] for it in items]
+        batch["images_w"] = torch.stack([it["image_w"] for it in items])
+        batch["images_l"] = torch.stack([it["image_l"] for it in items])
+        return batch
