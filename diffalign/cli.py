@@ -81,8 +81,10 @@ def _train_main(cfg: DictConfig) -> None:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
 
+    from diffalign.validation import ONLINE_FLOWS
+
     flow = getattr(get_class(cfg.method._target_), "data_flow", None)
-    if flow in ("online_groups", "online_trajectories"):
+    if flow in ONLINE_FLOWS:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run

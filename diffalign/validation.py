@@ -79,7 +79,7 @@ def validate_train_config(cfg: DictConfig) -> None:
                                 "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
     validate_reward_modality(cfg)
     if ("reward" in cfg.data and isinstance(cfg.data.reward, str) and cfg.data.reward not in (cfg.reward or {})
-            and not _is_online(cfg)):  # (online methods make their own samples; `data` is unused)
+            and _method_flow(cfg) not in ONLINE_FLOWS):  # (online methods make their own samples; `data` is unused)
         raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not among "
                          f"the selected rewards {sorted(cfg.reward or {})}; add it with reward=[{cfg.data.reward}] or "
                          "set data.reward to one of them")
@@ -126,14 +126,15 @@ def target_attribute(target: str | None, name: str):
     return getattr(owner, name, None) if inspect.isclass(owner) else None
 
 
-def _is_online(cfg: DictConfig) -> bool:
-    """Whether the method trains on its own rollouts (`ONLINE_FLOWS`), so that the `data` group is not used."""
+def _method_flow(cfg: DictConfig) -> str | None:
+    """The method class's ``data_flow`` (e.g. "pairs", "online_groups"); None for an unknown target, which Hydra's
+    instantiate reports later with its own message."""
     from hydra.utils import get_class
 
     try:
-        return getattr(get_class(cfg.method._target_), "data_flow", None) in ONLINE_FLOWS
+        return getattr(get_class(cfg.method._target_), "data_flow", None)
     except (ImportError, AttributeError, ValueError):
-        return False
+        return None
 
 
 def validate_reward_modality(cfg: DictConfig) -> None:
@@ -205,13 +206,7 @@ def validate_online_config(cfg: DictConfig) -> None:
     """Checks of an online method's config (DGPO, Flow-GRPO, DDPO) that would otherwise fail after the models load:
     group size, sampler kind vs method, DGPO's timestep clip against the rollout schedule, micro-batches of whole
     groups, the advantage options and the prompt file. Does nothing for offline methods."""
-    from hydra.utils import get_class
-
-    try:
-        method_class = get_class(cfg.method._target_)
-    except (ImportError, AttributeError, ValueError):  # an unknown target is reported by Hydra's instantiate with its own message
-        return
-    flow = getattr(method_class, "data_flow", None)
+    flow = _method_flow(cfg)
     if flow not in ONLINE_FLOWS:
         return
     on, sp, tr = cfg.online, cfg.sampler, cfg.trainer
