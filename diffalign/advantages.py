@@ -5,6 +5,14 @@ For a prompt c with group rewards r_1..r_G:  A_i = (r_i − mean_c) / (std + ε)
 [−clip, clip] (5 in all released code). A group whose rewards are all equal has A ≡ 0 (its numerator is exactly 0);
 the fraction of such groups is reported, since those prompts teach nothing (Flow-GRPO logs it).
 
+The std is sqrt(Σ (r − mean)² / (n − correction)): the released code differs in both the correction and ε —
+
+| released code | std | ε | here |
+|---|---|---|---|
+| flow_grpo / DGPO `flow_grpo/stat_tracking.py` | `np.std`, population (n) | 1e-4 | ``correction=0, eps=1e-4`` |
+| DanceGRPO / ViPO `train_vipo_*.py` | `torch.Tensor.std()`, sample (n − 1) | 1e-8 | ``correction=1, eps=1e-8`` |
+| ddpo-pytorch `stat_tracking.py` (`PerPromptStatTracker`) | `np.std`, population | 1e-6 | the tracker's `eps` |
+
 DDPO (Black et al., arXiv:2305.13301; ddpo-pytorch `PerPromptStatTracker`) normalises with per-prompt running
 statistics over the last `buffer_size` rewards of that prompt, falling back to the batch's statistics until a prompt has
 `min_count` rewards.
@@ -24,25 +32,34 @@ def group_advantages(
     std: str = "group",
     eps: float = 1e-4,
     clip: float | None = 5.0,
+    correction: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Group-normalised advantages.
 
     Args:
         rewards (`torch.Tensor`): `(N,)` rewards.
-        group_ids (`torch.Tensor`): `(N,)` int group of each sample (any integers; a group may have any size ≥ 1).
-        std (`str`, defaults to "group"): "group" (each group's population std), "global" (the batch's population
-            std) or "none" (centring only).
-        eps (`float`, defaults to 1e-4): added to the std.
+        group_ids (`torch.Tensor`): `(N,)` int group of each sample (any integers; a group may have any size ≥ 1,
+            > `correction` with ``std="group"``).
+        std (`str`, defaults to "group"): "group" (each group's std), "global" (the batch's std) or "none"
+            (centring only).
+        eps (`float`, defaults to 1e-4): added to the std (flow_grpo 1e-4, ViPO 1e-8).
         clip (`float`, *optional*, defaults to 5): clip A to [−clip, clip]; `None` disables clipping.
+        correction (`int`, defaults to 0): the std's divisor is n − correction: 0 the population std (`np.std`,
+            flow_grpo), 1 the sample std (`torch.Tensor.std()`, DanceGRPO/ViPO).
 
     Returns:
-        (`(N,)` float32 advantages, stats ``{"zero_std_fraction", "reward_mean", "reward_std"}``).
+        (`(N,)` float32 advantages, stats ``{"zero_std_fraction", "reward_mean", "reward_std"}``; ``reward_std`` is
+        the batch's population std whatever `correction`).
 
     Raises:
-        ValueError: for mismatched shapes, a non-finite reward, or an unknown `std`.
+        ValueError: for mismatched shapes, a non-finite reward, an unknown `std` or `correction`, or a group (batch,
+            with ``std="global"``) of at most `correction` samples.
     """
     if std not in ("group", "global", "none"):
-        raise ValueError(f"`std` must be 'group', 'global' or 'none', got {std!r}.")
+        raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {std!r}.")
+    if correction not in (0, 1):
+        raise ValueError(f"online.advantage_std_correction={correction!r} must be 0 (population std, flow_grpo) or 1 "
+                         "(sample std, DanceGRPO/ViPO).")
     rewards = rewards.detach().float().reshape(-1)
     group_ids = torch.as_tensor(group_ids).reshape(-1)
     if rewards.shape != group_ids.shape:
@@ -53,12 +70,17 @@ def group_advantages(
     counts = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones_like(rewards))
     means = torch.zeros(len(uniq)).index_add_(0, inverse, rewards) / counts
     centred = rewards - means[inverse]
-    var = torch.zeros(len(uniq)).index_add_(0, inverse, centred**2) / counts
-    group_std = var.sqrt()
     if std == "group":
-        advantages = centred / (group_std[inverse] + eps)
+        if (counts <= correction).any():
+            raise ValueError(f"a group of {int(counts.min())} reward(s) has no sample std (online.advantage_std_correction"
+                             f"={correction}); use groups of at least 2 (online.group_size) or correction 0.")
+        var = torch.zeros(len(uniq)).index_add_(0, inverse, centred**2) / (counts - correction)
+        advantages = centred / (var.sqrt()[inverse] + eps)
     elif std == "global":
-        advantages = centred / (rewards.std(unbiased=False) + eps)
+        if len(rewards) <= correction:
+            raise ValueError(f"{len(rewards)} reward(s) have no sample std (online.advantage_std_correction="
+                             f"{correction}).")
+        advantages = centred / (rewards.std(correction=correction) + eps)
     else:
         advantages = centred
     if clip is not None:

@@ -159,7 +159,7 @@ def validate_reward_modality(cfg: DictConfig) -> None:
     for field in ("reward", "eval_reward"):
         for name, node in (cfg.get(field) or {}).items():
             kind = target_modality((node or {}).get("_target_"))
-            if kind is None or kind == model:
+            if kind is None or kind == model or kind == "any":  # "any": scores images and videos (brightness)
                 continue
             if model == "image":
                 raise ValueError(f"{field}=[...{name}...]: {name} scores videos (B, F, C, H, W) but model="
@@ -218,6 +218,11 @@ def validate_online_config(cfg: DictConfig) -> None:
             raise ValueError(f"online.{key} must be >= 1, got {on[key]}")
     if on.advantage_std not in ("group", "global", "none"):
         raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {on.advantage_std!r}")
+    if on.advantage_std_correction not in (0, 1):
+        raise ValueError(f"online.advantage_std_correction must be 0 (population std: flow_grpo, DGPO) or 1 (sample "
+                         f"std: DanceGRPO, ViPO), got {on.advantage_std_correction!r}")
+    if not on.advantage_eps > 0:
+        raise ValueError(f"online.advantage_eps must be > 0 (flow_grpo 1e-4, ViPO 1e-8), got {on.advantage_eps}")
     if on.get("split", "groups") not in ("groups", "members"):
         raise ValueError(f"online.split={on.split!r} must be 'groups' (whole groups per process) or 'members' (every "
                          "group spread over the processes)")

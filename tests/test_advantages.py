@@ -64,3 +64,45 @@ def test_best_of_n_keeps_the_extremes_of_each_group():
     assert best_of_n_rows(rewards, groups, 4).tolist() == list(range(8))  # N = G: a no-op
     with pytest.raises(ValueError, match="even"):
         best_of_n_rows(rewards, groups, 3)
+
+
+def test_sample_std_and_eps_of_the_released_vipo_code_by_hand():
+    # DanceGRPO/ViPO (train_vipo_*.py): (r − mean) / (group_rewards.std() + 1e-8), torch's sample std (n − 1).
+    # Rewards 1, 2, 3, 4: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5, sample variance 5/3.
+    a, _ = group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(4, dtype=torch.long), correction=1,
+                            eps=1e-8)
+    s = math.sqrt(5 / 3)  # 1.2909944...
+    torch.testing.assert_close(a, torch.tensor([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s]))
+    torch.testing.assert_close(a, torch.tensor([-1.161895, -0.387298, 0.387298, 1.161895]), rtol=0, atol=1e-6)
+    # flow_grpo (stat_tracking.py): np.std (population) + 1e-4: 5/4 -> std sqrt(1.25) = 1.1180340
+    p, _ = group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(4, dtype=torch.long), correction=0,
+                            eps=1e-4)
+    torch.testing.assert_close(p, torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (math.sqrt(1.25) + 1e-4))
+    # groups of two: the population std is |r1 − r2|/2 (A = ±1), the sample std |r1 − r2|/√2 (A = ±1/√2)
+    rewards, ids = torch.tensor([0.0, 1.0, 0.0, 3.0]), torch.tensor([0, 0, 1, 1])
+    two, _ = group_advantages(rewards, ids, correction=1, eps=1e-8)
+    torch.testing.assert_close(two, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(2))
+    two_pop, _ = group_advantages(rewards, ids, correction=0, eps=1e-8)
+    torch.testing.assert_close(two_pop, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    # global sample std: batch mean 1, deviations (−1, 0, −1, 2), SS 6, /3 -> √2; numerators stay group-centred
+    glob, _ = group_advantages(rewards, ids, std="global", correction=1, eps=1e-8)
+    torch.testing.assert_close(glob, torch.tensor([-0.5, 0.5, -1.5, 1.5]) / math.sqrt(2))
+    with pytest.raises(ValueError, match="online.advantage_std_correction"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]), correction=1)
+    with pytest.raises(ValueError, match="online.advantage_std_correction"):
+        group_advantages(rewards, ids, correction=2)
+
+
+@pytest.mark.parametrize("recipe,correction,eps", [
+    (None, 0, 1e-4),                      # online/default.yaml: flow_grpo's np.std + 1e-4
+    ("flow_grpo_sd35_geneval", 0, 1e-4),  # [CODE flow_grpo/stat_tracking.py]
+    ("dgpo_sd35_geneval", 0, 1e-4),       # DGPO ships flow_grpo's stat tracker
+    ("vipo_wan", 1, 1e-8),                # [CODE train_vipo_wan_fsdp.py: group_rewards.std() + 1e-8]
+    ("tiny_vipo_image", 1, 1e-8),
+    ("tiny_vipo_video", 1, 1e-8),
+])
+def test_recipes_set_the_released_std_and_eps(recipe, correction, eps, tmp_path):
+    from tests.test_cli import compose_cfg
+
+    cfg = compose_cfg([f"output_dir={tmp_path}"] + ([f"recipe={recipe}"] if recipe else []))
+    assert cfg.online.advantage_std_correction == correction and cfg.online.advantage_eps == eps

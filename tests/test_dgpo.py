@@ -134,3 +134,63 @@ def test_rollout_policy_is_theta_until_the_switch_then_an_ema():
     torch.testing.assert_close(old.adapter.params[key], expected)
     old.after_update()
     assert old.active
+
+
+def test_kl_term_is_taken_against_the_base_while_the_dpo_term_uses_an_ema_reference():
+    from diffalign.reference import EmaReference
+
+    # released scripts/train_sd3_dgpo.py: ref_old_v under `transformer.module.disable_adapter()`, the KL is
+    # mean((model_v − ref_old_v)²) and, with use_ema_ref, only the DPO term's reference becomes the EMA's prediction
+    policy = _policy_with_nonzero_lora()
+    reference = EmaReference(decay=0.5)
+    reference.setup(policy)  # the EMA adapter = the policy's current LoRA …
+    with torch.no_grad():  # … then the policy moves on: θ ≠ θ_ema ≠ base
+        for p in policy.trainable_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 1)))
+    G = 2
+    x0 = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    gids = torch.tensor([0, 0, 1, 1])
+    adv = torch.tensor([0.7, -0.7, -1.0, 1.0])
+    prompts = ["a red circle"] * 2 + ["two blue squares"] * 2
+    embeds = policy.encode_prompts(prompts, do_classifier_free_guidance=False)
+    batch = GroupBatch(x0, prompts, embeds, adv, gids, G)
+    noise = group_noise((4, 8, 8), gids, seed=0, epoch=0, timestep_index=0)
+    t = torch.tensor(650.0)
+    beta, beta_kl = 40.0, 0.3
+
+    # by hand: the three models' predictions at the same x_t
+    tt = t.expand(len(x0))
+    x_t = policy.add_noise(x0, noise, tt)
+    target = policy.training_target(x0, noise, tt)
+    with torch.no_grad():
+        v_theta = policy.predict(x_t, tt, embeds, guidance_scale=1.0)
+        with policy.reference():
+            v_base = policy.predict(x_t, tt, embeds, guidance_scale=1.0)
+        with reference.use(policy):
+            v_ema = policy.predict(x_t, tt, embeds, guidance_scale=1.0)
+    kl_base = ((v_theta - v_base) ** 2).mean()
+    kl_ema = ((v_theta - v_ema) ** 2).mean()
+    assert (kl_base - kl_ema).abs() > 1e-3 * kl_base  # the two references really differ
+    l_theta = ((v_theta - target) ** 2).flatten(1).mean(1)
+    l_ema = ((v_ema - target) ** 2).flatten(1).mean(1)
+    z_group = [beta / G * (adv[g * G:(g + 1) * G] * (l_theta - l_ema)[g * G:(g + 1) * G]).sum() for g in range(2)]
+    z = torch.stack([z_group[0], z_group[0], z_group[1], z_group[1]])
+    dpo = (torch.sigmoid(z) * adv * l_theta).mean()
+
+    loss, metrics = DGPO(beta=beta, beta_kl=beta_kl, kl_reference="base")(
+        policy, batch, timesteps=t, noise=noise, reference=reference)
+    torch.testing.assert_close(metrics["kl"], kl_base, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(metrics["dgpo_z"], z.mean(), rtol=1e-5, atol=1e-6)  # DPO term: the EMA reference
+    torch.testing.assert_close(loss.detach(), dpo + beta_kl * kl_base, rtol=1e-5, atol=1e-7)
+    # the alternative: the KL against the reference strategy too
+    loss_ref, metrics_ref = DGPO(beta=beta, beta_kl=beta_kl, kl_reference="reference")(
+        policy, batch, timesteps=t, noise=noise, reference=reference)
+    torch.testing.assert_close(metrics_ref["kl"], kl_ema, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(loss_ref.detach(), dpo + beta_kl * kl_ema, rtol=1e-5, atol=1e-7)
+    assert DGPO().kl_reference == "base"
+    with pytest.raises(ValueError, match="method.kl_reference"):
+        DGPO(kl_reference="ema")
+    from tests.test_cli import compose_cfg
+
+    for overrides in (["method=dgpo"], ["recipe=dgpo_sd35_geneval"], ["recipe=tiny_dgpo", "reference=ema"]):
+        assert compose_cfg(overrides).method.kl_reference == "base"

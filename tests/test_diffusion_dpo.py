@@ -156,6 +156,31 @@ def test_loss_gradient_matches_closed_form():
     assert model_w.grad.item() == pytest.approx(5.0 / (1.0 + math.e), abs=1e-6)
 
 
+def test_beta_maps_to_twice_the_diffusers_example_beta():
+    # diffusers examples/research_projects/diffusion_dpo/train_diffusion_dpo.py (sigmoid loss, default beta_dpo 2500):
+    #   model_diff = ℓθw − ℓθl, ref_diff = ℓrefw − ℓrefl, loss = −logsigmoid(beta_dpo · (ref_diff − model_diff)).mean()
+    # Losses on a 2^-12 grid, so every difference below is exact in float32 (u = 2^-12):
+    #   model_diff = (−2u, 0, 3u), ref_diff = (0, −3u, u), ref_diff − model_diff = (2u, −3u, −2u)
+    #   beta_dpo · (…) = 2500 · (2, −3, −2) / 4096 = (1.220703125, −1.8310546875, −1.220703125)
+    #   loss = mean(log(1 + e^−x)) = (0.258528 + 1.979685 + 1.479231) / 3 = 1.239148
+    u = 2.0**-12
+    model_w = torch.tensor([0.25, 0.125, 0.5])
+    model_l = torch.tensor([0.25 + 2 * u, 0.125, 0.5 - 3 * u])
+    ref_w = torch.tensor([0.25 + u, 0.125 - 2 * u, 0.5 + u])
+    ref_l = torch.tensor([0.25 + u, 0.125 + u, 0.5])
+    beta_diffusers = 2500.0
+    x = [beta_diffusers * k * u for k in (2, -3, -2)]
+    assert x == [1.220703125, -1.8310546875, -1.220703125]
+    expected = sum(math.log1p(math.exp(-v)) for v in x) / 3
+    assert expected == pytest.approx(1.239148, abs=1e-6)
+    loss, metrics = diffusion_dpo_loss(model_w, model_l, ref_w, ref_l, beta=2 * beta_diffusers)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["rewards/margins"].item() == pytest.approx(sum(x) / 3, rel=1e-6)  # our z is diffusers' logit
+    # the same β in both (no factor 2) is a different loss: diffusers' loss with 2500 is ours with 5000
+    wrong, _ = diffusion_dpo_loss(model_w, model_l, ref_w, ref_l, beta=beta_diffusers)
+    assert abs(wrong.item() - expected) > 0.1
+
+
 @pytest.mark.parametrize("beta", [0.0, -1.0])
 def test_nonpositive_beta_raises_naming_field(beta):
     with pytest.raises(ValueError, match="method.beta"):

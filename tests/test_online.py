@@ -70,6 +70,8 @@ def test_resume_continues_exactly(tmp_path):
     (["method=dgpo", "sampler=dpm_ode", "online.prompts=/nonexistent.jsonl"], "online.prompts"),
     (["recipe=dgpo_sd35_geneval"], "online.prompts is required"),
     (["method=dgpo"], "deterministic ODE solver"),
+    (["method=dgpo", "sampler=dpm_ode", "online.advantage_std_correction=2"], "online.advantage_std_correction"),
+    (["method=dgpo", "sampler=dpm_ode", "online.advantage_eps=0"], "online.advantage_eps"),
 ])
 def test_bad_online_configs_fail_before_any_model_loads(overrides, match, tmp_path):
     cfg = compose_cfg(["model=tiny_random", f"output_dir={tmp_path}"] + overrides)
@@ -90,3 +92,57 @@ def test_monitor_logs_held_out_accuracy_before_and_during_training(tmp_path):
     for h in history:  # one PNG per monitor prompt and measurement
         assert sorted(f.name for f in (tmp_path / "logs" / "samples" / f"step-{h['step']}").iterdir()) == \
             ["000.png", "001.png", "prompts.txt"]
+
+
+def test_flow_grpo_trains_the_first_transitions_in_order_as_released():
+    from hydra.utils import instantiate
+
+    from diffalign.objectives.policy_gradient import train_transitions
+
+    # flow_grpo scripts/train_sd3.py: num_train_timesteps = int(num_steps * timestep_fraction), then
+    # `for j in range(num_train_timesteps)` over the time-ordered stored transitions
+    assert train_transitions(10, 0.99, "first") == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # int(9.9) = 9: never the 10th
+    assert train_transitions(16, 0.6, "first") == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # int(9.6) = 9
+    assert train_transitions(40, 0.5, "first") == list(range(20))
+    assert train_transitions(3, 0.1, "first") == [0]  # int(0.3) = 0 trains nothing there; at least one here
+    # ddpo-pytorch (timestep_fraction 1.0, config/base.py) trains every transition of every sample: so does "random"
+    assert train_transitions(50, 1.0, "random", torch.Generator().manual_seed(0)) == list(range(50))
+    # "random": the former loop's draw (5 distinct of 10, increasing), so runs and resumes are unchanged
+    picked = train_transitions(10, 0.5, "random", torch.Generator().manual_seed(3))
+    assert picked == torch.randperm(10, generator=torch.Generator().manual_seed(3))[:5].sort().values.tolist()
+    assert len(set(picked)) == 5 and picked == sorted(picked)
+    with pytest.raises(ValueError, match="method.timestep_selection"):
+        train_transitions(10, 0.5, "per_sample")
+    # defaults: Flow-GRPO "first" (class, method config, paper recipe); DDPO and ViPO "random"
+    for overrides, expected in [(["method=flow_grpo"], "first"), (["recipe=flow_grpo_sd35_geneval"], "first"),
+                                (["recipe=tiny_flow_grpo"], "first"), (["method=ddpo"], "random"),
+                                (["recipe=ddpo_sd15_aesthetic"], "random"), (["method=vipo"], "random"),
+                                (["recipe=vipo_wan"], "random")]:
+        cfg = compose_cfg(overrides)
+        assert cfg.method.timestep_selection == expected, overrides
+        if "method=vipo" not in overrides and "recipe=vipo_wan" not in overrides:
+            assert instantiate(cfg.method).timestep_selection == expected
+    from diffalign.objectives.ddpo import DDPO
+    from diffalign.objectives.flow_grpo import FlowGRPO
+    from diffalign.objectives.vipo import ViPO
+
+    for method in (FlowGRPO, DDPO, ViPO):
+        with pytest.raises(ValueError, match="method.timestep_selection"):
+            method(timestep_selection="last")
+
+
+def test_the_online_loop_trains_flow_grpos_first_transitions(tmp_path, monkeypatch):
+    from diffalign.objectives.flow_grpo import FlowGRPO
+
+    trained = []
+    call = FlowGRPO.__call__
+
+    def spy(self, policy, trajectory, advantages, k, **kwargs):
+        trained.append(k)
+        return call(self, policy, trajectory, advantages, k, **kwargs)
+
+    monkeypatch.setattr(FlowGRPO, "__call__", spy)
+    cfg = compose_cfg(CASES["flow_grpo_flow"] + online_overrides(tmp_path, epochs=1) + ["trainer.batch_size=4"])
+    train(cfg)
+    # 4 rollout steps, timestep_fraction 0.99: int(3.96) = 3 transitions, 0, 1, 2 in order, for each of 2 minibatches
+    assert trained == [0, 1, 2, 0, 1, 2]

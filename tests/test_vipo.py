@@ -14,7 +14,7 @@ from diffalign.objectives.policy_gradient import ClippedPolicyGradient
 from diffalign.objectives.vipo import ViPO
 from diffalign.samplers.rollout import recompute_step, rollout
 from diffalign.vipo.backbones import Dinov2Backbone, TinyClipBackbone, build_backbone
-from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, pca_components
+from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, pca_components, smooth_1d, smooth_2d
 from diffalign.world.render import render_spec, to_tensor
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle", "a blue square"]
@@ -107,6 +107,60 @@ def test_psm_falls_back_to_all_ones_on_failure_or_constant_images():
     maps, info = PerceptualStructuring(NaNs())(world_images(2), (8, 8))
     assert torch.equal(maps[0], torch.ones(8, 8)) and info["fallback"].tolist() == [True, False]
     assert maps[1].min() == 0 and maps[1].max() == 1
+
+
+def test_psm_smoothing_is_scipy_gaussian_filter():
+    import numpy as np
+    from scipy.ndimage import gaussian_filter, gaussian_filter1d
+
+    # by hand, σ = 1 on (1, 0, 0, 0, 0): scipy's 'reflect' puts x[0] at position −1, so
+    # out[0] = (w0 + w1) = (1 + e^−0.5) / Z, Z = Σ_{k=−4..4} e^{−k²/2} = 2.5066208 (radius int(4·1 + 0.5) = 4) -> 0.640915;
+    # the earlier smoothing (edge replicated, radius 3): (1 + e^−0.5 + e^−2 + e^−4.5) / 2.5059500 = 0.699525
+    impulse = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0])
+    assert smooth_1d(impulse, 1.0, 0)[0].item() == pytest.approx(0.640915, abs=1e-6)
+    assert smooth_1d(impulse, 1.0, 0, "replicate", 3.0)[0].item() == pytest.approx(0.699525, abs=1e-6)
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 5, 9, 16):  # axes shorter than the radius too (scipy mirrors again and again)
+        for sigma in (0.3, 1.0, 2.0):
+            x = rng.random(n)
+            got = smooth_1d(torch.tensor(x, dtype=torch.float32), sigma, 0).numpy()
+            np.testing.assert_allclose(got, gaussian_filter1d(x, sigma), rtol=0, atol=1e-6)
+            old = smooth_1d(torch.tensor(x, dtype=torch.float32), sigma, 0, "replicate", 3.0).numpy()
+            np.testing.assert_allclose(old, gaussian_filter1d(x, sigma, mode="nearest", truncate=3.0), atol=1e-6)
+    # the spatial smoothing: (N, h, w) patch-grid maps, σ = 1, each map through gaussian_filter (both axes)
+    for shape in [(3, 8, 8), (2, 3, 5), (1, 16, 12)]:
+        maps = rng.random(shape)
+        got = smooth_2d(torch.tensor(maps, dtype=torch.float32), 1.0).numpy()
+        np.testing.assert_allclose(got, np.stack([gaussian_filter(m, 1.0) for m in maps]), rtol=0, atol=1e-6)
+    # the temporal smoothing of a video map (B, F_lat, h, w): σ = 0.3 along the frames (the Wan script filters each
+    # pixel's time series with gaussian_filter(series, sigma=0.3))
+    volume = rng.random((2, 6, 4, 4))
+    got = smooth_1d(torch.tensor(volume, dtype=torch.float32), 0.3, 1).numpy()
+    np.testing.assert_allclose(got, gaussian_filter1d(volume, 0.3, axis=1), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[0, :, 1, 2], gaussian_filter(volume[0, :, 1, 2], sigma=0.3), atol=1e-6)
+
+    # the PSM's patch maps use it (steps 2-3 by hand, then scipy, then min-max), and pass the option through
+    class Fixed:
+        def patch_tokens(self, images):
+            return torch.randn(len(images), 6, 6, 16, generator=torch.Generator().manual_seed(0))
+
+    tokens = Fixed().patch_tokens(torch.zeros(2)).reshape(2, 36, 16)
+    proj, ratio = pca_components(tokens, 3)
+    hi, lo = proj.amax(dim=1, keepdim=True), proj.amin(dim=1, keepdim=True)
+    weighted = (((hi - proj) / (hi - lo)) * ratio[:, None, :]).sum(dim=2).clamp(0, 1).reshape(2, 6, 6).double().numpy()
+    for kwargs, scipy_kwargs in [({}, {}), ({"smoothing_padding": "replicate", "smoothing_truncate": 3.0},
+                                          {"mode": "nearest", "truncate": 3.0})]:
+        smoothed = np.stack([gaussian_filter(m, 1.0, **scipy_kwargs) for m in weighted])
+        lo_s, hi_s = smoothed.min(axis=(1, 2), keepdims=True), smoothed.max(axis=(1, 2), keepdims=True)
+        got = PerceptualStructuring(Fixed(), **kwargs).patch_maps(torch.zeros(2, 3, 32, 32))
+        np.testing.assert_allclose(got.numpy(), (smoothed - lo_s) / (hi_s - lo_s), rtol=0, atol=1e-5)
+        assert ViPO(backbone=Fixed(), **kwargs).psm.smoothing_padding == kwargs.get("smoothing_padding", "reflect")
+    for kwargs, match in [({"smoothing_padding": "mirror"}, "smoothing_padding"),
+                          ({"smoothing_truncate": 0}, "smoothing_truncate")]:
+        with pytest.raises(ValueError, match=match):
+            ViPO(**kwargs)
+        with pytest.raises(ValueError, match=match):
+            PerceptualStructuring(Fixed(), **kwargs)
 
 
 def test_dinov2_backbone_loads_from_a_local_folder(tmp_path):
@@ -223,6 +277,7 @@ def test_vipo_recipes_compose(recipe, tmp_path):
     cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}"])
     assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and cfg.sampler.eta > 0
     assert cfg.online.shared_initial_noise and cfg.method.clip_range == 1e-4 and cfg.method.timestep_fraction == 0.6
+    assert cfg.method.smoothing_padding == "reflect" and cfg.method.smoothing_truncate == 4.0  # scipy's defaults
     if recipe == "tiny_vipo_image":
         from diffalign.validation import validate_train_config
 

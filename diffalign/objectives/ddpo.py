@@ -8,8 +8,15 @@ from diffalign.objectives.policy_gradient import ClippedPolicyGradient
 
 
 class DDPO(ClippedPolicyGradient):
-    """DDPO; defaults are ddpo-pytorch's `config/base.py`: clip 1e-4, no KL, all transitions (timestep_fraction 1)."""
+    """DDPO; defaults are ddpo-pytorch's `config/base.py`: clip 1e-4, no KL, all transitions (timestep_fraction 1).
 
-    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, timestep_fraction: float = 1.0):
+    With timestep_fraction 1 every stored transition of every sample is trained once per inner epoch, as in
+    ddpo-pytorch (which permutes each sample's transitions with its own `torch.randperm` and trains the first
+    ⌊K · timestep_fraction⌋); below 1 the trained subset here is one random draw shared by the batch
+    (`timestep_selection="random"`), not one per sample."""
+
+    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, timestep_fraction: float = 1.0,
+                 timestep_selection: str = "random"):
         super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form="exact", detach_unconditional=False,
-                         advantage="per_prompt", timestep_fraction=timestep_fraction)
+                         advantage="per_prompt", timestep_fraction=timestep_fraction,
+                         timestep_selection=timestep_selection)

@@ -18,8 +18,15 @@ tests/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly).
 
 Post-review options of the released code: the PPO-style clip of the denoising loss against θ⁻ (ρ_i =
 exp(ℓ_old − ℓ_θ); where A_i > 0 and ρ_i > 1 + ε_c, or A_i ≤ 0 and ρ_i < 1 − ε_c, ℓ_θ(x^i) is detached), and a KL
-regulariser β_KL · mean‖v_θ − v_ref‖² to the frozen base. The training forward is unguided (conditional only); the
+regulariser β_KL · mean‖v_θ − v_base‖² to the frozen base. The training forward is unguided (conditional only); the
 reference forward may be guided (`reference_guidance_scale`, the CFG-free mode's `kl_cfg`).
+
+The two references are separate in the released code (`scripts/train_sd3_dgpo.py`): the KL term is always taken
+against the adapter-disabled base (``with transformer.module.disable_adapter()``), while with ``use_ema_ref`` (the
+EMA-reference configuration, `config/dgpo_wocfg_emaref.py`, β = 2000) the DPO term's ℓ_ref comes from an EMA of the
+policy. Here the DPO term uses the `reference` strategy passed in and the KL term uses ``kl_reference``: "base" (the
+released behaviour: `policy.reference()`, whatever the strategy) or "reference" (the same strategy as the DPO term).
+With the frozen-base strategy the two coincide and one reference forward serves both.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from diffalign.objectives.common import per_sample_mse
+from diffalign.reference import FrozenBaseReference
 from diffalign.types import GroupBatch
+
+KL_REFERENCES = ("base", "reference")
 
 
 def group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -76,15 +86,20 @@ class DGPO:
 
     Args:
         beta (`float`, defaults to 100): DPO strength β (100 GenEval/OCR, 10 PickScore, 2000 with an EMA reference).
-        beta_kl (`float`, defaults to 0.0): β_KL of the velocity/ε L2 to the reference (code: 0.02 GenEval).
+        beta_kl (`float`, defaults to 0.0): β_KL of the velocity/ε L2 to the KL reference (code: 0.02 GenEval).
         clip_range (`float`, *optional*): ε_c of the PPO-style clip against θ⁻ (code: 1e-2 GenEval); `None` disables.
-        reference_guidance_scale (`float`, defaults to 1.0): CFG scale of the reference forward (mode 2: 4.5).
+        reference_guidance_scale (`float`, defaults to 1.0): CFG scale of the reference forwards, DPO and KL (mode 2:
+            4.5).
+        kl_reference (`str`, defaults to "base"): the model of the KL term's v_ref: "base" (the adapter-disabled
+            base, as the released code also with an EMA DPO reference) or "reference" (the DPO term's reference
+            strategy).
         num_train_timesteps (`int`, defaults to 4): M timesteps per epoch.
         timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
         old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.old_policy`).
 
     Raises:
-        ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range or guidance < 1 (naming the `method.` field).
+        ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range, guidance < 1 or an unknown `kl_reference`
+            (naming the `method.` field).
     """
 
     data_flow = "online_groups"
@@ -92,7 +107,8 @@ class DGPO:
 
     def __init__(self, beta: float = 100.0, beta_kl: float = 0.0, clip_range: float | None = None,
                  reference_guidance_scale: float = 1.0, num_train_timesteps: int = 4, timestep_max_index: int = 4,
-                 old_policy_switch_step: int = 200, old_policy_decay: float = 0.3, old_policy_ramp: float = 0.001):
+                 old_policy_switch_step: int = 200, old_policy_decay: float = 0.3, old_policy_ramp: float = 0.001,
+                 kl_reference: str = "base"):
         if beta <= 0:
             raise ValueError(f"method.beta={beta} must be > 0 (DGPO: 100).")
         if beta_kl < 0:
@@ -101,11 +117,16 @@ class DGPO:
             raise ValueError(f"method.clip_range={clip_range} must be > 0, or null to disable the clip.")
         if reference_guidance_scale < 1:
             raise ValueError(f"method.reference_guidance_scale={reference_guidance_scale} must be >= 1.")
+        if kl_reference not in KL_REFERENCES:
+            raise ValueError(f"method.kl_reference={kl_reference!r} must be one of {KL_REFERENCES}: 'base' (the "
+                             "adapter-disabled base, released code) or 'reference' (the reference strategy).")
         self.beta, self.beta_kl, self.clip_range = beta, beta_kl, clip_range
         self.reference_guidance_scale = reference_guidance_scale
         self.num_train_timesteps, self.timestep_max_index = num_train_timesteps, timestep_max_index
         self.old_policy_switch_step, self.old_policy_decay = old_policy_switch_step, old_policy_decay
         self.old_policy_ramp = old_policy_ramp
+        self.kl_reference = kl_reference
+        self._base = FrozenBaseReference()  # holds no tensors: `use(policy)` disables the adapters
 
     def __call__(self, policy, batch: GroupBatch, *, timesteps: torch.Tensor, noise: torch.Tensor, reference,
                  old_policy=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -116,11 +137,14 @@ class DGPO:
             batch (`GroupBatch`): `N` samples; `latents` `(N, C, h, w)`.
             timesteps (`torch.Tensor`): scalar or `(N,)` training timestep(s) (the same for a group).
             noise (`torch.Tensor`): `(N, C, h, w)` ε, identical rows within a group (`group_noise`).
-            reference: a reference strategy with a `use(policy)` context (frozen base by default).
+            reference: the DPO term's reference strategy, a `use(policy)` context (frozen base by default); also the
+                KL term's with ``kl_reference="reference"``.
             old_policy: θ⁻ (`EmaRolloutPolicy`) for the clip; required when `clip_range` is set.
 
         Returns:
-            (scalar loss, detached metrics: ``loss, dgpo_z, dgpo_weight, loss_diff, clipfrac, kl``).
+            (scalar loss, detached metrics: ``loss, dgpo_z, dgpo_weight, loss_diff, clipfrac, kl``; ``kl`` is
+            mean‖v_θ − v_ref‖² against the KL reference, 0 when β_KL = 0 and that reference would cost an extra
+            forward).
 
         Raises:
             ValueError: when the clip is on and no `old_policy` is given.
@@ -152,7 +176,14 @@ class DGPO:
             used = torch.where(clipped, loss_theta.detach(), loss_theta)
             clipfrac = clipped.float().mean()
         loss = (weight * advantages * used).mean()
-        kl = F.mse_loss(pred, ref_pred)
+        if self.kl_reference == "reference" or isinstance(reference, FrozenBaseReference):
+            kl = F.mse_loss(pred, ref_pred)
+        elif self.beta_kl > 0:
+            with torch.no_grad(), self._base.use(policy):
+                base_pred = policy.predict(x_t, t, cond, guidance_scale=self.reference_guidance_scale)
+            kl = F.mse_loss(pred, base_pred)
+        else:
+            kl = torch.zeros((), device=loss.device)
         if self.beta_kl > 0:
             loss = loss + self.beta_kl * kl
         metrics = {"loss": loss.detach(), "dgpo_z": z.mean(), "dgpo_weight": weight.mean(),

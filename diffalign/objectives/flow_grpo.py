@@ -9,10 +9,13 @@ from diffalign.objectives.policy_gradient import ClippedPolicyGradient
 
 class FlowGRPO(ClippedPolicyGradient):
     """Flow-GRPO; defaults are the released GenEval config (`config/grpo.py`): clip 1e-4, β_KL 0.04, per-group
-    advantages (the `global_std` switch lives in `method.advantage_std`), 99% of the transitions trained."""
+    advantages (the `global_std` switch lives in `online.advantage_std`), 99% of the transitions trained, and those
+    are the first ones in order (`timestep_selection="first"`, `scripts/train_sd3.py`; "random" is diffalign's
+    alternative)."""
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.04, kl_form: str = "code",
-                 detach_unconditional: bool = True, timestep_fraction: float = 0.99):
+                 detach_unconditional: bool = True, timestep_fraction: float = 0.99,
+                 timestep_selection: str = "first"):
         super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form=kl_form,
                          detach_unconditional=detach_unconditional, advantage="group",
-                         timestep_fraction=timestep_fraction)
+                         timestep_fraction=timestep_fraction, timestep_selection=timestep_selection)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from diffalign.objectives.policy_gradient import TIMESTEP_SELECTIONS
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
-from diffalign.vipo.psm import PerceptualStructuring, advantage_maps
+from diffalign.vipo.psm import PADDINGS, PerceptualStructuring, advantage_maps
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
@@ -39,6 +40,9 @@ class ViPO:
         clip_range (`float`, defaults to 1e-4): ε_c of the per-position clipped ratio (released code: 1e-4).
         reduction (`str`): "per_position" (paper form; Wan script) or "scalar_weighted" (released FLUX script).
         timestep_fraction (`float`, defaults to 0.6): fraction of each rollout's transitions trained per epoch.
+        timestep_selection (`str`, defaults to "random"): "random" (a random subset, one draw for the whole batch) or
+            "first" (`diffalign.objectives.policy_gradient.train_transitions`); the released scripts draw one
+            permutation per sample, which is not implemented.
         detach_unconditional (`bool`, defaults to True): the unconditional CFG branch under no-grad (Wan script).
         advantage_clip (`float`, defaults to 5): clip of A_i^p.
         map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
@@ -47,11 +51,14 @@ class ViPO:
             `reward_coefficients`); False uses the advantage of the weighted reward sum.
         backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
             object with ``patch_tokens``.
-        num_components, aggregation, orientation, spatial_sigma, temporal_sigma: the PSM's options
-            (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3, weighted, σ = 1, temporal σ = 0.3).
+        num_components, aggregation, orientation, spatial_sigma, temporal_sigma, smoothing_padding,
+            smoothing_truncate: the PSM's options (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3,
+            weighted, σ = 1, temporal σ = 0.3; released code: `scipy.ndimage.gaussian_filter`, i.e. padding
+            "reflect" and truncate 4).
 
     Raises:
-        ValueError: for a non-positive clip range, an unknown reduction/map, or a fraction outside (0, 1].
+        ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection, or a fraction
+            outside (0, 1], an unknown smoothing padding or a non-positive truncate.
     """
 
     data_flow = "online_trajectories"
@@ -62,7 +69,8 @@ class ViPO:
                  detach_unconditional: bool = True, advantage_clip: float | None = 5.0, map: str = "psm",
                  backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
                  orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
-                 advantage_per_reward: bool = False):
+                 advantage_per_reward: bool = False, timestep_selection: str = "random",
+                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0):
         if clip_range <= 0:
             raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
         if reduction not in REDUCTIONS:
@@ -71,10 +79,18 @@ class ViPO:
             raise ValueError(f"method.map={map!r} must be one of {MAPS}.")
         if not 0 < timestep_fraction <= 1:
             raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
+        if timestep_selection not in TIMESTEP_SELECTIONS:
+            raise ValueError(f"method.timestep_selection={timestep_selection!r} must be one of {TIMESTEP_SELECTIONS}.")
+        if smoothing_padding not in PADDINGS:
+            raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
+        if smoothing_truncate <= 0:
+            raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
         self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
+        self.timestep_selection = timestep_selection
         self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
         self._psm_args = {"backbone": backbone, "num_components": num_components, "aggregation": aggregation,
-                              "orientation": orientation, "spatial_sigma": spatial_sigma, "temporal_sigma": temporal_sigma}
+                          "orientation": orientation, "spatial_sigma": spatial_sigma, "temporal_sigma": temporal_sigma,
+                          "smoothing_padding": smoothing_padding, "smoothing_truncate": smoothing_truncate}
         self._psm: PerceptualStructuring | None = None
         self.maps: torch.Tensor | None = None
         self.advantage_maps: torch.Tensor | None = None

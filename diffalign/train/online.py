@@ -16,9 +16,10 @@ ViPO).
 5. updates the policy ``online.updates_per_epoch`` times:
    - "online_groups" objectives (DGPO): ``method.num_train_timesteps`` timesteps from the high-noise part of the
      rollout schedule, noise shared per group, micro-batches of whole groups;
-   - "online_trajectories" objectives (Flow-GRPO, DDPO): ``online.num_inner_epochs`` passes over shuffled
-     minibatches (stratified by group, `trajectory_minibatches`), each over a random ``method.timestep_fraction`` of
-     the stored transitions.
+   - "online_trajectories" objectives (Flow-GRPO, DDPO, ViPO): ``online.num_inner_epochs`` passes over shuffled
+     minibatches (stratified by group, `trajectory_minibatches`), each over ``method.timestep_fraction`` of the stored
+     transitions, the first ones or a random subset (``method.timestep_selection``,
+     `diffalign.objectives.policy_gradient.train_transitions`).
 
 Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
 exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻, the DDPO tracker and the non-finite
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from pathlib import Path
 
@@ -58,6 +58,7 @@ from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, Traini
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.objectives.dgpo import select_train_timesteps
+from diffalign.objectives.policy_gradient import train_transitions
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.plugins import build_rewards, build_selected_rewards
 from diffalign.rewards.base import RewardError
@@ -378,13 +379,15 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             components = torch.stack([scored.info[f"scores/{n}"].detach().float().cpu() for n in names], 1)
             if num_proc > 1:
                 components = accelerator.gather(components.to(accelerator.device)).cpu()
-            columns = [group_advantages(components[:, j], all_ids, std=on.advantage_std, clip=on.advantage_clip)
+            columns = [group_advantages(components[:, j], all_ids, std=on.advantage_std, clip=on.advantage_clip,
+                                        correction=on.advantage_std_correction, eps=on.advantage_eps)
                        for j in range(len(names))]
             advantages = torch.stack([c[0] for c in columns], 1)[mine_rows]  # (N, R)
             adv_stats = {"zero_std_fraction": columns[0][1]["zero_std_fraction"]}
         else:
             advantages, adv_stats = group_advantages(all_scores, all_ids, std=on.advantage_std,
-                                                     clip=on.advantage_clip)
+                                                     clip=on.advantage_clip, correction=on.advantage_std_correction,
+                                                     eps=on.advantage_eps)
             advantages = advantages[mine_rows]
         if on.get("best_of_n") and flow == "online_trajectories":  # keep the n/2 best and n/2 worst of each group
             keep = best_of_n_rows(scores, group_ids, on.best_of_n)
@@ -430,12 +433,12 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                     add(metrics)
                 optimizer_step(part_finite)
         else:
-            num_steps = len(traj.timesteps)
-            n_train = max(1, math.floor(num_steps * objective.timestep_fraction))
             for inner in range(on.num_inner_epochs):
-                # the trained transitions are the same on every process (their own stream)
-                steps = torch.randperm(num_steps, generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
-                steps = steps[:n_train].sort().values.tolist()
+                # the trained transitions are the same on every process (their own stream); an objective without
+                # `timestep_selection` (a plugin written before it) keeps the random subset it was written for
+                steps = train_transitions(len(traj.timesteps), objective.timestep_fraction,
+                                          getattr(objective, "timestep_selection", "random"),
+                                          generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
                 minibatches, stratified = trajectory_minibatches(group_ids, tr.batch_size, seed=cfg.seed, epoch=epoch,
                                                                  inner=inner)
                 if not stratified and not said_local_shuffle and num_proc > 1:

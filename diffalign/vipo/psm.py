@@ -9,10 +9,13 @@ For each decoded sample (each frame of a video):
 3. aggregation into one patch-grid map S: ``"weighted"`` (the released code) Σ_j λ_j z'_j clipped to [0, 1], with each
    component normalised *reversed*, z'_j = (max z_j − z_j)/(max z_j − min z_j) (``orientation="reverse"``, as both
    official training scripts; ``"forward"`` flips it); ``"average"`` the mean of the z'_j; ``"first"`` z'_1 only;
-4. Gaussian smoothing on the patch grid (σ = 1; 0 disables), min-max normalisation;
+4. Gaussian smoothing on the patch grid (σ = 1; 0 disables), min-max normalisation. The smoothing follows
+   `scipy.ndimage.gaussian_filter`, which both released scripts call with its defaults: mode "reflect" (the border
+   sample repeated, d c b a | a b c d | d c b a) and a kernel of radius int(4σ + 0.5) (``padding="reflect"``,
+   ``truncate=4``); ``padding="replicate", truncate=3`` is diffalign's earlier smoothing;
 5. antialiased bilinear resampling to the latent grid (h, w), min-max normalisation;
 6. video: the per-frame maps (F, h, w) are resampled (trilinear) to the latent frame count F_lat, smoothed along time
-   with a Gaussian (σ = 0.3), and min-max normalised over the whole volume;
+   with a Gaussian (σ = 0.3, the same padding and truncate), and min-max normalised over the whole volume;
 7. any failure (an exception, a non-finite value, or a constant map with nothing to normalise) gives an all-ones map
    for that sample, i.e. plain GRPO for it; the number of such fallbacks is reported.
 
@@ -21,13 +24,12 @@ Advantage maps (Eq. 8): A_i^p = clip(M_i(p) · A_i, ±5). Since M ≥ 0 the sign
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 AGGREGATIONS = ("weighted", "average", "first")
 ORIENTATIONS = ("reverse", "forward")
+PADDINGS = ("reflect", "replicate")
 
 
 def minmax(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,31 +42,67 @@ def minmax(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.
     return out, flat.reshape(flat.shape[0], -1).any(dim=1)
 
 
-def gaussian_kernel1d(sigma: float, device=None) -> torch.Tensor:
-    """A normalised 1-D Gaussian of std `sigma`, radius ceil(3σ) (at least 1)."""
-    radius = max(1, math.ceil(3 * sigma))
-    x = torch.arange(-radius, radius + 1, dtype=torch.float32, device=device)
+def gaussian_kernel1d(sigma: float, truncate: float = 4.0, device=None) -> torch.Tensor:
+    """A normalised 1-D Gaussian of std `sigma` with radius r = int(truncate · σ + 0.5), `(2r + 1,)` float64: the kernel
+    of `scipy.ndimage.gaussian_filter1d` (``scipy/ndimage/_filters.py``, `_gaussian_kernel1d` with order 0)."""
+    radius = int(truncate * sigma + 0.5)
+    x = torch.arange(-radius, radius + 1, dtype=torch.float64, device=device)
     k = torch.exp(-0.5 * (x / sigma) ** 2)
     return k / k.sum()
 
 
-def smooth_1d(x: torch.Tensor, sigma: float, dim: int) -> torch.Tensor:
-    """Gaussian smoothing of `x` along `dim` with replicate padding (identity for σ ≤ 0 or a length-1 axis)."""
+def _padded_indices(n: int, radius: int, padding: str, device=None) -> torch.Tensor:
+    """Indices into a length-`n` axis for positions −radius … n − 1 + radius: ``"reflect"`` is scipy's mode of that
+    name (the axis mirrored about its edges with the edge sample repeated, period 2n, so any radius works);
+    ``"replicate"`` repeats the edge sample (torch's ``F.pad(mode="replicate")``)."""
+    i = torch.arange(-radius, n + radius, device=device)
+    if padding == "replicate":
+        return i.clamp(0, n - 1)
+    j = i.remainder(2 * n)
+    return torch.where(j >= n, 2 * n - 1 - j, j)
+
+
+def smooth_1d(x: torch.Tensor, sigma: float, dim: int, padding: str = "reflect", truncate: float = 4.0
+              ) -> torch.Tensor:
+    """Gaussian smoothing of `x` along `dim` (identity for σ ≤ 0 or a length-1 axis).
+
+    With the defaults it is `scipy.ndimage.gaussian_filter1d(x, sigma, axis=dim)` (mode "reflect", truncate 4.0, which
+    the released ViPO scripts use); ``padding="replicate", truncate=3`` is diffalign's earlier smoothing (the same as
+    its former radius ⌈3σ⌉ whenever that equals int(3σ + 0.5), e.g. for the shipped σ = 1 and 0.3).
+
+    Args:
+        x (`torch.Tensor`): any shape, float.
+        sigma (`float`): the Gaussian's std, in samples of `dim`.
+        dim (`int`): the axis.
+        padding (`str`, defaults to "reflect"): "reflect" (scipy's mode "reflect") or "replicate".
+        truncate (`float`, defaults to 4.0): kernel radius int(truncate · σ + 0.5).
+
+    Returns:
+        `torch.Tensor` of `x`'s shape and dtype.
+
+    Raises:
+        ValueError: for an unknown `padding` or a non-positive `truncate`.
+    """
+    if padding not in PADDINGS:
+        raise ValueError(f"method.smoothing_padding={padding!r} must be one of {PADDINGS}.")
+    if truncate <= 0:
+        raise ValueError(f"method.smoothing_truncate={truncate} must be > 0 (scipy's default: 4.0).")
     if sigma <= 0 or x.shape[dim] == 1:
         return x
-    k = gaussian_kernel1d(sigma, x.device)
+    k = gaussian_kernel1d(sigma, truncate, x.device).to(x.dtype)
     r = (len(k) - 1) // 2
     moved = x.movedim(dim, -1)
     shape = moved.shape
     flat = moved.reshape(-1, 1, shape[-1])
-    flat = F.pad(flat, (r, r), mode="replicate")
+    flat = flat.index_select(2, _padded_indices(shape[-1], r, padding, x.device))
     out = F.conv1d(flat, k.view(1, 1, -1)).reshape(shape)
     return out.movedim(-1, dim)
 
 
-def smooth_2d(x: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Separable Gaussian smoothing of `(N, h, w)` maps."""
-    return smooth_1d(smooth_1d(x, sigma, -1), sigma, -2)
+def smooth_2d(x: torch.Tensor, sigma: float, padding: str = "reflect", truncate: float = 4.0) -> torch.Tensor:
+    """Separable Gaussian smoothing of `(N, h, w)` maps over the last two axes: with the defaults
+    `scipy.ndimage.gaussian_filter(x[n], sigma)` for every n."""
+    return smooth_1d(smooth_1d(x, sigma, -1, padding, truncate), sigma, -2, padding, truncate)
 
 
 def pca_components(tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,21 +131,28 @@ class PerceptualStructuring:
         orientation (`str`): "reverse" (default, released code) or "forward" normalisation of each component.
         spatial_sigma (`float`, defaults to 1.0): Gaussian σ on the patch grid (0 disables).
         temporal_sigma (`float`, defaults to 0.3): Gaussian σ along latent frames (video only; 0 disables).
+        smoothing_padding (`str`, defaults to "reflect"): border handling of both smoothings, "reflect"
+            (`scipy.ndimage.gaussian_filter`'s default, as the released scripts) or "replicate" (`smooth_1d`).
+        smoothing_truncate (`float`, defaults to 4.0): kernel radius int(truncate · σ + 0.5) (scipy's default).
         batch_size (`int`): frames per backbone forward.
 
     Raises:
-        ValueError: for an unknown aggregation/orientation or K < 1.
+        ValueError: for an unknown aggregation/orientation/padding, K < 1, or a non-positive truncate.
     """
 
     def __init__(self, backbone, num_components: int = 3, aggregation: str = "weighted",
                  orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
-                 batch_size: int = 64):
+                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0, batch_size: int = 64):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
         if orientation not in ORIENTATIONS:
             raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
         if num_components < 1:
             raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+        if smoothing_padding not in PADDINGS:
+            raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
+        if smoothing_truncate <= 0:
+            raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
         if isinstance(backbone, str) or backbone is None:
             from diffalign.vipo.backbones import build_backbone
 
@@ -115,6 +160,7 @@ class PerceptualStructuring:
         self.backbone, self.num_components = backbone, num_components
         self.aggregation, self.orientation = aggregation, orientation
         self.spatial_sigma, self.temporal_sigma, self.batch_size = spatial_sigma, temporal_sigma, batch_size
+        self.smoothing_padding, self.smoothing_truncate = smoothing_padding, smoothing_truncate
 
     def patch_maps(self, frames: torch.Tensor) -> torch.Tensor:
         """Steps 1–4 for `(N, 3, H, W)` frames: `(N, gh, gw)` maps in [0, 1] (NaN where a frame failed)."""
@@ -134,7 +180,7 @@ class PerceptualStructuring:
             s = z.mean(dim=2)
         else:
             s = z[:, :, 0]
-        s = smooth_2d(s.reshape(n, gh, gw), self.spatial_sigma)
+        s = smooth_2d(s.reshape(n, gh, gw), self.spatial_sigma, self.smoothing_padding, self.smoothing_truncate)
         s, flat = minmax(s, (1, 2))
         s[flat | broken] = float("nan")
         return s
@@ -165,7 +211,7 @@ class PerceptualStructuring:
                 f_lat = grid[0] if len(grid) == 3 else 1
                 if f_lat != nf:
                     s = F.interpolate(s[:, None], size=(f_lat, *grid[-2:]), mode="trilinear", align_corners=False)[:, 0]
-                s = smooth_1d(s, self.temporal_sigma, 1)
+                s = smooth_1d(s, self.temporal_sigma, 1, self.smoothing_padding, self.smoothing_truncate)
                 s, flat = minmax(s, (1, 2, 3))
                 bad |= flat
                 if len(grid) == 2:
