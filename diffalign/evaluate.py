@@ -51,6 +51,10 @@ class EvalConfig:
         bootstrap_resamples, confidence, bootstrap_seed: the prompt-level bootstrap of every interval
             (`diffalign.stats.bootstrap_ci`).
         video_format: ``"gif"`` or ``"mp4"``, the file written per sample of a video model.
+        reuse_base: take the base model's samples from an earlier evaluation beside this one (a sibling folder of
+            the run folder, e.g. another ``runs/train-*/eval``) when it used the same base weights (hash of the
+            frozen parameters), prompts, seeds, sampler and rewards, instead of sampling them again
+            (`find_reusable_base`).
     """
 
     prompts: str = "heldout"
@@ -65,6 +69,7 @@ class EvalConfig:
     confidence: float = 0.95
     bootstrap_seed: int = 0
     video_format: str = "gif"
+    reuse_base: bool = True
 
 
 def eval_config_from(node) -> EvalConfig:
@@ -163,7 +168,7 @@ def _sample(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: EvalConf
     gens = [torch.Generator(device="cpu").manual_seed(image_seed(s, p)) for p, s in jobs]
     prompts = [rows[p]["prompt"] for p, _ in jobs]
     kwargs = {"num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
-              "generator": gens}
+              "generator": gens, "fuse_lora": True}
     if use_reference:
         with policy.reference():
             traj = rollout(policy, prompts, **kwargs)
@@ -320,15 +325,92 @@ def _slug(label: str) -> str:
 def _fingerprint(policy, spec: bool | str | Path) -> str:
     """What a variant samples from: the adapter-disabled base, the hash of the policy's trainable parameters
     (the policy as it is), or the hash of a LoRA file. A re-run reuses a variant's samples only for an equal one."""
-    if spec is True:
-        return "adapter-disabled"
     digest = hashlib.sha256()
+    if spec is True:
+        return f"adapter-disabled:{base_weights_hash(policy)}"
     if spec is False:
         for p in policy.trainable_parameters():
             digest.update(p.detach().float().cpu().numpy().tobytes())
         return f"policy:{digest.hexdigest()[:16]}"
     digest.update((Path(spec) / LORA_FILE).read_bytes())
     return f"lora:{digest.hexdigest()[:16]}"
+
+
+def base_weights_hash(policy) -> str:
+    """A 16-hex-digit SHA-256 of the policy's frozen weights (every parameter and buffer of its modules except LoRA
+    adapters and trainable parameters): what the adapter-disabled base samples from. Cached on the policy per
+    (name, shape, dtype, data pointer, version) signature, so it is computed once per run."""
+    trainable = {id(p) for p in policy.trainable_parameters()}
+    tensors = [(name, t) for name, t in sorted(policy.state_dict(keep_vars=True).items())
+               if id(t) not in trainable and ".lora_" not in name]
+    signature = tuple((name, tuple(t.shape), str(t.dtype), t.data_ptr(), t._version) for name, t in tensors)
+    cached = policy.__dict__.get("_base_weights_hash")
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    digest = hashlib.sha256()
+    for name, t in tensors:
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    policy.__dict__["_base_weights_hash"] = (signature, digest.hexdigest()[:16])
+    return digest.hexdigest()[:16]
+
+
+def find_reusable_base(out_dir: Path, key: dict, fingerprint: str, num_rows: int, seeds: list[int],
+                       max_candidates: int = 64) -> tuple[Path, list[dict]] | None:
+    """An earlier, finished evaluation of the same base model beside `out_dir`, and its samples of that base.
+
+    Looks at ``<root>/*/eval_state.json`` and ``<root>/*/eval/eval_state.json``, where ``<root>`` is the folder that
+    holds the run folder (``runs/`` for ``runs/train-<time>/eval`` and for ``runs/eval-<time>``), newest first, at
+    most `max_candidates`. A candidate qualifies when its resume key equals `key` apart from ``context`` (same
+    prompts, seeds, sampler, rewards, video format), one of its variants has `fingerprint` (the same frozen base
+    weights, `base_weights_hash`), and that variant has every (prompt, seed) sample with its image file.
+
+    Returns:
+        ``(folder, samples)`` of the first qualifying evaluation, or None.
+    """
+    out_dir = Path(out_dir).resolve()
+    root = out_dir.parent.parent if out_dir.name == "eval" else out_dir.parent
+    found = [p for pattern in ("*/eval_state.json", "*/eval/eval_state.json") for p in root.glob(pattern)]
+    found = sorted((p for p in found if p.parent.resolve() != out_dir), key=lambda p: p.stat().st_mtime,
+                   reverse=True)[:max_candidates]
+    wanted = {k: v for k, v in key.items() if k != "context"}
+    for state_path in found:
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if {k: v for k, v in state.get("key", {}).items() if k != "context"} != wanted:
+            continue
+        labels = [label for label, fp in state.get("fingerprints", {}).items() if fp == fingerprint]
+        if not labels:
+            continue
+        folder = state_path.parent
+        rows = [s for s in _read_samples(folder / "samples.jsonl") if s.get("variant") == labels[0]]
+        have = {(s["prompt_index"], s["seed"]) for s in rows}
+        if have != {(p, s) for p in range(num_rows) for s in seeds}:
+            continue
+        if all((folder / s["image"]).is_file() and ("video" not in s or (folder / s["video"]).is_file())
+               for s in rows):
+            return folder, rows
+    return None
+
+
+def _adopt_base(source: Path, rows: list[dict], out_dir: Path, label: str, slug: str) -> list[dict]:
+    """Copies the reused base samples' files into `out_dir` under this evaluation's variant `label`."""
+    import shutil
+
+    adopted = []
+    for row in rows:
+        row = dict(row, variant=label)
+        for field_name in ("image", "video"):
+            if field_name in row:
+                name = Path(row[field_name]).name
+                target = f"images/{slug}/{name}"
+                (out_dir / target).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source / row[field_name], out_dir / target)
+                row[field_name] = target
+        adopted.append(row)
+    return adopted
 
 
 def _read_samples(path: Path) -> list[dict]:
@@ -419,6 +501,12 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         fingerprint = _fingerprint(policy, spec)
         if state["fingerprints"].get(label) != fingerprint:
             samples = [s for s in samples if s["variant"] != label]
+            reusable = find_reusable_base(out_dir, key, fingerprint, len(rows), seeds) \
+                if spec is True and cfg.reuse_base else None
+            if reusable is not None:
+                samples += _adopt_base(reusable[0], reusable[1], out_dir, label, slugs[label])
+                log(f"eval {label}: reusing the identical base evaluation in {reusable[0]} (same base weights, "
+                    "prompts, seeds, sampler and rewards; eval.reuse_base=false samples it again)")
         state["fingerprints"][label] = fingerprint
         state_path.write_text(json.dumps(state, indent=2))
         # a prompt counts as finished only with all its seeds (rows of one prompt are written together)

@@ -142,7 +142,8 @@ class HackingMonitor:
             for start in range(0, len(jobs), self.batch_size):
                 chunk = jobs[start:start + self.batch_size]
                 gens = [torch.Generator().manual_seed(s * 1_000_003 + p) for s, p in chunk]
-                traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk], generator=gens, **self.sampler)
+                traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk], generator=gens, fuse_lora=True,
+                              **self.sampler)
                 images.append(traj.images.float().cpu())
         finally:
             policy.denoiser.train(was_training)

@@ -298,6 +298,7 @@ def test_call_time_errors_name_the_fix():
         DDSPO(rand_cond=True, rand_cond_schedule="constant")(policy, one)
 
 
+@pytest.mark.slow
 def test_ddcpp_target_script_writes_loras_that_ddspo_loads(tmp_path):
     import os
     import subprocess

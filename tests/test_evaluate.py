@@ -190,7 +190,8 @@ def test_checkpoint_lists_expand_run_folders_in_step_order(tmp_path):
 def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(tmp_path, monkeypatch):
     lora = _lora_dir(tmp_path, "lora", seed=1)
     rows = _rows(4)
-    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=2)  # one prompt per batch
+    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=2,  # one prompt per batch
+                     reuse_base=False)  # "ref" beside "ev" would otherwise give "ev" its base samples
     variants = {"base": True, "ft": lora}
 
     def run(out, reward):

@@ -138,6 +138,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_saves_a_checkpoint_exits_143_and_resumes_exactly(tmp_path):
     from diffalign.train.preference import train
 
@@ -174,6 +175,7 @@ preference.save_checkpoint = save_checkpoint
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     from diffalign.train.preference import train
 

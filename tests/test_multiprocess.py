@@ -19,6 +19,8 @@ from accelerate.utils import DistributedType
 
 from diffalign.cli import CONFIG_DIR
 
+pytestmark = pytest.mark.slow  # each test launches two processes (≈ 8 s)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

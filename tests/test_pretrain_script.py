@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_pretrain_script_runs_a_few_steps(tmp_path):
     from diffusers import StableDiffusionPipeline
 

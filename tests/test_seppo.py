@@ -217,6 +217,7 @@ def _overrides(out: Path, steps: int) -> list[str]:
             "reference.save_every=2", "sampler.num_inference_steps=3"]
 
 
+@pytest.mark.slow
 def test_cli_two_step_tiny_seppo_run(tmp_path):
     code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
     res = subprocess.run([sys.executable, "-c", code, *_overrides(tmp_path, 2)], capture_output=True, text=True,

@@ -67,6 +67,7 @@ def test_vae_reconstructions_pass_the_verifier():
     assert acc >= 0.97, acc
 
 
+@pytest.mark.slow
 def test_heldout_accuracy_is_in_the_documented_range(tmp_path):
     """README documents 0.40 ± 0.02 (468 images); one seed on all 117 held-out prompts must land in [0.25, 0.55]."""
     from diffalign.evaluate import EvalConfig, evaluate_policy
@@ -128,6 +129,7 @@ def test_clip_score_resizes_and_is_batch_independent(size):
     assert batch.abs().max() <= 1.0 + 1e-5
 
 
+@pytest.mark.slow
 def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     """The shipped tiny text-to-video model (scripts/pretrain_tiny_video.py --inflate) loads with
     `TextToVideoSDPipeline.from_pretrained` and as a policy; 8 held-out prompts give 8 videos of 8 frames, whose

@@ -174,6 +174,7 @@ def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, 
     assert metrics["variants"]["base"]["video_motion/accuracy"] == 0.0  # a random model moves nothing correctly
 
 
+@pytest.mark.slow
 def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
     import subprocess
     import sys

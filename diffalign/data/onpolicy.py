@@ -50,7 +50,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         chunk = jobs[start:start + batch_size]
         prompts = [rows[i]["prompt"] for i, _ in chunk]
         gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
-        batch = rollout(policy, prompts, generator=gens, **sampler).images.float().cpu()
+        batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
         out = reward(batch, prompts, [rows[i] for i, _ in chunk])
         if require_correct is not None and "correct" not in out.info:
             raise ValueError(require_correct)

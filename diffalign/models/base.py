@@ -190,3 +190,66 @@ def saved_lora_settings(directory) -> dict:
         return {}
     return {"lora_rank": config["r"], "lora_alpha": config["lora_alpha"],
             "lora_target_modules": sorted(config["target_modules"])}
+
+
+def _lora_layers(denoiser: nn.Module) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in denoiser.modules() if isinstance(m, LoraLayer)]
+
+
+@contextlib.contextmanager
+def inference_lora(denoiser: nn.Module, *, fuse: bool = True) -> Iterator[str]:
+    """Runs the block with the denoiser's active LoRA adapters folded out of the forward pass, for sampling without
+    gradients (data preparation, evaluation, monitors). Yields what it did:
+
+    - ``"skipped"``: every active adapter is zero (``lora_B`` all 0, as peft initialises it, so before the first
+      update), so the adapters are disabled: the outputs are bit-for-bit those of the adapted model, at the bare
+      denoiser's cost (the LoRA branch adds ~20–55 % to a forward of the tiny model on CPU; `docs/performance.md`);
+    - ``"fused"`` (with `fuse`): each adapted layer's base weight gets its LoRA delta added (W + (α/r)·B·A, peft's
+      `get_delta_weight`, what diffusers' `fuse_lora` does) and the adapters are disabled; on exit the original
+      weights are copied back from a saved copy (exact, unlike peft's `unmerge`, which subtracts the delta again and
+      drifts by rounding). The outputs equal the adapted model's up to float rounding (the weights are summed before
+      instead of after the matmul; max |Δ| of a tiny-model forward ≈ 1e-6);
+    - ``"unchanged"``: nothing to do (no LoRA layer, adapters already disabled, e.g. inside ``policy.reference()``,
+      a non-LoRA tuner, or a non-zero adapter with ``fuse=False``).
+
+    Not for training: under the context the adapters receive no gradient. The saved copies hold the adapted layers'
+    base weights (memory: those weights once more while the block runs).
+    """
+    layers = _lora_layers(denoiser)
+    if not layers or any(layer.disable_adapters or layer.merged for layer in layers):
+        yield "unchanged"
+        return
+    active = [(layer, name) for layer in layers for name in layer.active_adapters
+              if name in getattr(layer, "lora_B", {})]
+    if not active or any(name in getattr(layer, "lora_embedding_B", {}) for layer in layers
+                         for name in layer.active_adapters):
+        yield "unchanged"
+        return
+    zero = all(not bool(layer.lora_B[name].weight.detach().any()) for layer, name in active)
+    if not zero and not fuse:
+        yield "unchanged"
+        return
+    saved: dict[nn.Module, torch.Tensor] = {}
+    flags = [(param, param.requires_grad) for param in denoiser.parameters()]  # peft's enable_adapters resets them
+    try:
+        with torch.no_grad():
+            if not zero:
+                for layer, name in active:
+                    base = layer.get_base_layer()
+                    if base not in saved:
+                        saved[base] = base.weight.detach().clone()
+                    delta = layer.get_delta_weight(name)
+                    base.weight.add_(delta.to(base.weight.dtype))
+        for layer in layers:
+            layer.enable_adapters(False)
+        yield "skipped" if zero else "fused"
+    finally:
+        with torch.no_grad():
+            for base, weight in saved.items():
+                base.weight.copy_(weight)
+        for layer in layers:
+            layer.enable_adapters(True)
+        for param, flag in flags:
+            param.requires_grad_(flag)

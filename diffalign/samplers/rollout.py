@@ -10,6 +10,7 @@ flow models with `eta=0` the images equal `StableDiffusion3Pipeline.__call__` wi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffalign.models.base import DiffusionPolicy
+from diffalign.models.base import DiffusionPolicy, inference_lora
 from diffalign.samplers.ddim_logprob import ddim_step
 from diffalign.samplers.flow_sde import SDE_TYPES, flow_step
 from diffalign.types import PromptEmbeds, Trajectory
@@ -41,6 +42,7 @@ def rollout(
     callback: Callable[[dict[str, Any]], None] | None = None,
     enable_grad: bool = False,
     sde_type: str = "flow_grpo",
+    fuse_lora: bool = False,
 ) -> Trajectory:
     """Samples `len(prompts)` images and records the trajectory (DDPO, arXiv:2305.13301, §4.3; Flow-GRPO,
     arXiv:2505.05470, §4.1).
@@ -72,6 +74,12 @@ def rollout(
         enable_grad (`bool`, defaults to False): keep the autograd graph through the whole loop.
         sde_type (`str`, defaults to "flow_grpo"): the flow models' SDE, "flow_grpo" (`flow_sde_step`, a = `eta`) or
             "dance" (DanceGRPO's, `dance_sde_step`, η = `eta`; ViPO's sampler). Ignored for DDIM.
+        fuse_lora (`bool`, defaults to False): without gradients (`enable_grad=False`) an all-zero LoRA adapter is
+            always skipped (bit-for-bit the same samples, at the bare denoiser's cost); with `fuse_lora` a non-zero
+            one is fused into the weights for the rollout and restored exactly afterwards
+            (`diffalign.models.base.inference_lora`: same samples up to float rounding). For evaluation and data
+            preparation; policy-gradient rollouts keep it off, so their stored log-probs are the ones the
+            training-time recomputation reproduces exactly.
 
     Returns:
         `Trajectory` with float32 `latents` `(B, K+1, C, h, w)` (``latents[:, 0]`` the initial noise), `timesteps`
@@ -110,7 +118,10 @@ def rollout(
     if latents is not None and tuple(latents.shape) != shape:
         raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
 
-    with torch.set_grad_enabled(enable_grad):
+    denoiser = getattr(policy, "denoiser", None)
+    lora_context = (inference_lora(denoiser, fuse=fuse_lora) if denoiser is not None and not enable_grad
+                    else contextlib.nullcontext())
+    with torch.set_grad_enabled(enable_grad), lora_context:
         # 2. encode the prompts (negatives only with guidance)
         if prompt_embeds is None:
             prompt_embeds = policy.encode_prompts(

@@ -102,6 +102,32 @@ def data_latents(policy, batch_data: dict, side: str, device) -> torch.Tensor:
     return policy.encode_images(batch_data[f"images_{side}"].to(device))
 
 
+class LatentCache:
+    """The clean latents of a data set's items, VAE-encoded once per run instead of at every step they are drawn.
+
+    Valid because every built-in data set returns the same item for the same index each time it is read (renders and
+    crops are seeded by the index; no random augmentation). Keyed by (side, index); float32, on the device. Data
+    that carries latents itself (``latents_<side>``, e.g. DDSPO pairs) passes through. `enabled` is False for a data
+    set whose latents would need more than `max_bytes` (then every batch is encoded as it comes).
+    """
+
+    def __init__(self, num_items: int, latent_numel: int, *, enabled: bool = True, max_bytes: int = 2 * 1024**3):
+        self.estimate = 2 * num_items * latent_numel * 4  # both sides, float32
+        self.enabled = enabled and self.estimate <= max_bytes
+        self._store: dict[tuple[str, int], torch.Tensor] = {}
+
+    def latents(self, policy, batch_data: dict, side: str, indices: list[int], device) -> torch.Tensor:
+        """`data_latents` of one side of a batch whose items are `indices`, encoding only items not seen before."""
+        if not self.enabled or f"latents_{side}" in batch_data:
+            return data_latents(policy, batch_data, side, device)
+        missing = [k for k, i in enumerate(indices) if (side, i) not in self._store]
+        if missing:
+            images = batch_data[f"images_{side}"][missing]
+            for k, latent in zip(missing, policy.encode_images(images.to(device))):
+                self._store[side, indices[k]] = latent
+        return torch.stack([self._store[side, i] for i in indices])
+
+
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
     """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
     if kind not in ("constant_with_warmup", "cosine"):
@@ -225,6 +251,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                          f"{tr.batch_size} × {num_proc} processes); lower trainer.batch_size or make more data "
                          "(e.g. raise data.num_prompts or data.samples_per_prompt)")
     sampler = ResumableSampler(len(dataset), tr.batch_size * num_proc, seed=cfg.seed, shuffle=True, drop_last=True)
+    latent_cache = LatentCache(len(dataset), math.prod(policy.latent_shape), enabled=tr.get("cache_latents", True))
+    if tr.get("cache_latents", True) and not latent_cache.enabled:
+        accelerator.print(f"[diffalign] the data's latents would take {latent_cache.estimate / 1024**3:.1f} GiB; "
+                          "encoding every batch as it comes instead of caching (trainer.cache_latents)")
     n_trainable = sum(p.numel() for p in params)
     effective = tr.batch_size * tr.gradient_accumulation_steps * accelerator.num_processes
     unit = "pairs" if data_flow == "pairs" else "winners"
@@ -274,7 +304,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         loss_finite = True
         reference.on_step(policy, global_step)
         for micro in range(tr.gradient_accumulation_steps):
-            batch_data = dataset.collate(sampler.next_batch()[rank * tr.batch_size:(rank + 1) * tr.batch_size])
+            indices = sampler.next_batch()[rank * tr.batch_size:(rank + 1) * tr.batch_size]
+            batch_data = dataset.collate(indices)
             if "latents_w" in batch_data:
                 if tuple(batch_data["latents_w"].shape[1:]) != tuple(policy.latent_shape):
                     raise ValueError(f"data latents are {tuple(batch_data['latents_w'].shape[1:])} but the model's are "
@@ -286,10 +317,10 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
                 raise ValueError(f"method={cfg.method._target_} needs preference pairs but data={cfg.data._target_} "
                                  "yields winners only; pick a pairs data set (e.g. data=shapes_pairs, data=pickapic)")
             with torch.no_grad():
-                latents_w = data_latents(policy, batch_data, "w", accelerator.device)
+                latents_w = latent_cache.latents(policy, batch_data, "w", indices, accelerator.device)
                 embeds = policy.encode_prompts(batch_data["prompts"], do_classifier_free_guidance=False)
                 if data_flow == "pairs":
-                    latents_l = data_latents(policy, batch_data, "l", accelerator.device)
+                    latents_l = latent_cache.latents(policy, batch_data, "l", indices, accelerator.device)
                     degraded = batch_data.get("degraded_prompts")
                     degraded_embeds = (None if degraded is None else
                                        policy.encode_prompts(degraded, do_classifier_free_guidance=False))
@@ -344,7 +375,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     # ------------------------------------------------------------------------------------------------------------------
     # 4. evaluate base vs fine-tuned; the HTML report (<output_dir>/eval/report.html)
     # ------------------------------------------------------------------------------------------------------------------
-    results = {"global_step": global_step, "train_seconds": train_seconds, "data_seconds": data_seconds, "final_lora": str(final_dir),
+    results = {"global_step": global_step, "train_seconds": train_seconds, "data_seconds": data_seconds,
+               "data_stats": getattr(dataset, "stats", {}), "final_lora": str(final_dir),
                "history_tail": history[-5:]}
     if cfg.eval.enabled and accelerator.is_main_process:
         t_eval = time.time()
