@@ -167,23 +167,23 @@ def test_third_party_reward_end_to_end(tmp_path, monkeypatch, config_dir):
     (tmp_path / "diffalign_test_plugin.py").write_text(PLUGIN_SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     dist = fake_distribution(
-        tmp_path, "diffalign-test-plugin", "[diffalign.rewards]\nbrightness = diffalign_test_plugin:BrightnessConfig\n"
+        tmp_path, "diffalign-test-plugin", "[diffalign.rewards]\npixel_mean = diffalign_test_plugin:BrightnessConfig\n"
     )
     add_entry_points(monkeypatch, dist)
 
-    assert plugins.register_configs()["reward"].count("brightness") == 1
-    assert ConfigStore.instance().load("reward/brightness.yaml").provider == "diffalign-test-plugin"
+    assert plugins.register_configs()["reward"].count("pixel_mean") == 1
+    assert ConfigStore.instance().load("reward/pixel_mean.yaml").provider == "diffalign-test-plugin"
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        cfg = compose("config", overrides=["reward=[brightness,jpeg_compressibility]", "reward.brightness.scale=3.0"])
-    assert cfg.reward.brightness.scale == 3.0
+        cfg = compose("config", overrides=["reward=[pixel_mean,jpeg_compressibility]", "reward.pixel_mean.scale=3.0"])
+    assert cfg.reward.pixel_mean.scale == 3.0
 
     combined = plugins.build_rewards(cfg.reward)
     out = combined(IMAGES, ["a", "b"])
     brightness = 3.0 * IMAGES.flatten(1).mean(1)
-    torch.testing.assert_close(out.info["scores/brightness"], brightness)
+    torch.testing.assert_close(out.info["scores/pixel_mean"], brightness)
     torch.testing.assert_close(out.scores, brightness + JpegCompressibility()(IMAGES, ["a", "b"]).scores)
-    assert plugins.build_reward("brightness", scale=2.0).scale == 2.0
-    assert plugins.build_rewards({"brightness": None}).rewards["brightness"].scale == 1.0
+    assert plugins.build_reward("pixel_mean", scale=2.0).scale == 2.0
+    assert plugins.build_rewards({"pixel_mean": None}).rewards["pixel_mean"].scale == 1.0
 
 
 def test_duplicate_entry_point_names_raise_naming_both(tmp_path, monkeypatch):

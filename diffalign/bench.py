@@ -1,0 +1,275 @@
+"""``diffalign-bench``: the miniature learning benchmark — does each method learn in the tiny world, and by how much?
+
+For every (method, reward, seed) it runs one ``diffalign-train`` job into ``<out>/runs/<method>-<reward>-s<seed>``
+(skipped when that run finished before, continued with ``resume=latest`` when it was cut short), then reads back:
+
+- the training reward per epoch (online methods, ``history.jsonl``): its rise, mean of the last 3 epochs − mean of the
+  first 2;
+- the run's own evaluation, base vs fine-tuned on held-out prompts with fixed seeds: the benchmark reward's mean
+  (start → end and the paired gain), the verifier's held-out accuracy (``geneval_shapes``, a hacking monitor for the
+  easy reward), and sample diversity (mean pairwise distance of the tiny CLIP's embeddings of one prompt's images
+  across seeds, `diffalign.monitors.pairwise_diversity`): a rise bought by collapse shows as a diversity drop;
+- wall seconds and rollouts.
+
+Over the seeds, each figure is a mean ± its standard error (std over seeds / √n), and the gain is also given in units
+of that standard error. The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
+to ``<out>/curves.png``, and each run's sample grids stay in its ``eval/`` folder (linked from the table).
+
+    diffalign-bench --quick                              # a few epochs / steps of each method, 1 seed (CI-sized)
+    diffalign-bench --methods ddpo dgpo --rewards brightness --seeds 0 1 2
+    diffalign-bench --list                               # the methods, rewards and their overrides
+
+Rewards: ``brightness`` (the toy reward with large headroom, `diffalign.rewards.brightness`; offline methods get
+on-policy pairs ranked by it, ``data=ranked_pairs``) and ``verifier`` (``geneval_shapes`` on the train prompts).
+DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Method:
+    """One benchmarked configuration: a recipe plus overrides; `online` says which loop (and figures) apply."""
+
+    recipe: str
+    online: bool
+    overrides: list[str] = field(default_factory=list)
+    quick: list[str] = field(default_factory=list)  # what --quick adds
+    rewards: tuple[str, ...] = ("brightness", "verifier")
+
+
+ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
+OFFLINE_QUICK = ["trainer.max_steps=10", "trainer.checkpointing_steps=null"]
+
+METHODS: dict[str, Method] = {
+    "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
+    "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK),
+    "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
+    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd"], quick=ONLINE_QUICK),
+    "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),
+    "vipo_sd": Method("tiny_vipo_image", True, ["model=tiny_sd", "sampler=ddim", "sampler.eta=1.0"],
+                      quick=ONLINE_QUICK),
+    "diffusion_dpo": Method("tiny_dpo", False, quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
+    "seppo": Method("tiny_seppo", False, quick=OFFLINE_QUICK),
+    "ddspo": Method("tiny_ddspo", False, quick=OFFLINE_QUICK + ["data.num_prompts=32"], rewards=("verifier",)),
+    "sft": Method("tiny_dpo", False, ["method=sft"], quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
+}
+
+REWARDS = {
+    # the training reward, the evaluation rewards (the benchmark reward first), and the offline methods' data
+    "brightness": {"train": ["reward=[brightness]"], "eval": "[brightness,geneval_shapes]",
+                   "offline_data": ["data=ranked_pairs", "data.reward=brightness", "data.num_prompts=64"]},
+    "verifier": {"train": ["reward=[geneval_shapes]"], "eval": "[geneval_shapes]", "offline_data": []},
+}
+REWARD_KEY = {"brightness": "brightness/mean", "verifier": "geneval_shapes/accuracy"}  # base/fine-tuned summary key
+
+# held-out evaluation of every run: 8 prompts per tag (48), 2 seeds — enough for a paired gain, cheap on a CPU
+EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "trainer.log_with=none"]
+
+
+TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
+
+
+def run_overrides(method: Method, reward: str, seed: int, quick: bool) -> list[str]:
+    """The ``diffalign-train`` overrides of one benchmark run."""
+    spec = REWARDS[reward]
+    data = [] if method.online else spec["offline_data"]  # offline: pairs ranked by the reward (verifier: as shipped)
+    out = [f"recipe={method.recipe}", *method.overrides, *spec["train"], f"eval_reward={spec['eval']}",
+           *data, *EVAL, f"seed={seed}"]
+    if not method.online and any(o.startswith("data=") for o in out):
+        out.append(f"data.seed={seed}")
+    return out + (method.quick if quick else [])
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    if len(values) == 1:
+        return values[0], math.nan
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+def diversity(eval_dir: Path, variant: str, embedder) -> float:
+    """Mean over prompts of the pairwise embedding distance of that prompt's images across seeds."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from diffalign.monitors import pairwise_diversity
+
+    by_prompt: dict[int, list[str]] = {}
+    for line in (eval_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["variant"] == variant:
+            by_prompt.setdefault(row["prompt_index"], []).append(row["image"])
+    values = []
+    for paths in by_prompt.values():
+        if len(paths) < 2:
+            continue
+        images = torch.stack([torch.from_numpy(np.array(Image.open(eval_dir / p).convert("RGB"))).permute(2, 0, 1)
+                              for p in paths]).float() / 255
+        values.append(float(pairwise_diversity(embedder.embed_images(images))))
+    return statistics.fmean(values) if values else math.nan
+
+
+def read_run(run_dir: Path, reward: str, embedder) -> dict:
+    """The figures of one finished run (see the module docstring)."""
+    res = json.loads((run_dir / "results.json").read_text())
+    ev = res["eval"]
+    key = REWARD_KEY[reward]
+    base, ft = ev["variants"]["base"], ev["variants"]["finetuned"]
+    gain = ev["finetuned_vs_base"].get(f"{key}_gain", {})
+    out = {"seconds": res["total_seconds"], "train_seconds": res["train_seconds"],
+           "start": base[key], "end": ft[key], "gain": gain.get("gain", ft[key] - base[key]), "gain_se": gain.get("se"),
+           "verifier_start": base.get("geneval_shapes/accuracy"), "verifier_end": ft.get("geneval_shapes/accuracy"),
+           "diversity_start": diversity(run_dir / "eval", "base", embedder),
+           "diversity_end": diversity(run_dir / "eval", "finetuned", embedder), "rollouts": res.get("rollouts")}
+    history = run_dir / "history.jsonl"
+    if history.is_file():
+        curve = [json.loads(line).get("reward/mean") for line in history.read_text().splitlines()]
+        curve = [c for c in curve if c is not None]
+        out["train_curve"] = curve
+        if len(curve) >= 5:
+            out["train_rise"] = statistics.fmean(curve[-3:]) - statistics.fmean(curve[:2])
+    return out
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per (method, reward): means ± s.e. over seeds."""
+    rows = []
+    for (method, reward), runs in results.items():
+        if not runs:
+            continue
+        row = {"method": method, "reward": reward, "seeds": len(runs)}
+        for name in ("start", "end", "gain", "train_rise", "verifier_start", "verifier_end", "diversity_start",
+                     "diversity_end", "seconds", "rollouts"):
+            values = [r[name] for r in runs if r.get(name) is not None and not math.isnan(r[name])]
+            row[name], row[f"{name}_se"] = _mean_se(values)
+        row["gain_over_se"] = row["gain"] / row["gain_se"] if row["gain_se"] and row["gain_se"] > 0 else math.nan
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, se=None, digits=3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    text = f"{value:.{digits}f}"
+    if se is not None and not (isinstance(se, float) and math.isnan(se)):
+        text += f" ± {se:.{digits}f}"
+    return text
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = [(f"Generated by `{command}`. Mean ± s.e. over seeds; start/end = base/fine-tuned on held-out prompts "
+             "(8 per tag × 2 seeds); gain/s.e. = the mean gain over its s.e. across seeds; train rise = mean training "
+             "reward of the last 3 epochs − first 2 (online methods)."), "",
+             ("| method | reward | seeds | start → end | gain (gain/s.e.) | train rise | held-out verifier acc. | "
+             "diversity | s per run |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['reward']} | {r['seeds']} | {_fmt(r['start'])} → {_fmt(r['end'])} | "
+            f"{_fmt(r['gain'], r['gain_se'])} ({_fmt(r['gain_over_se'], digits=1)}) | "
+            f"{_fmt(r['train_rise'], r['train_rise_se'])} | {_fmt(r['verifier_start'])} → {_fmt(r['verifier_end'])} | "
+            f"{_fmt(r['diversity_start'])} → {_fmt(r['diversity_end'])} | {_fmt(r['seconds'], digits=0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {key: [r["train_curve"] for r in runs if r.get("train_curve")] for key, runs in results.items()}
+    curves = {key: c for key, c in curves.items() if c}
+    if not curves:
+        return
+    rewards = sorted({reward for _, reward in curves})
+    fig, axes = plt.subplots(1, len(rewards), figsize=(6 * len(rewards), 4), squeeze=False)
+    for ax, reward in zip(axes[0], rewards):
+        for (method, rw), runs in curves.items():
+            if rw != reward:
+                continue
+            n = min(len(c) for c in runs)
+            mean = [statistics.fmean(c[i] for c in runs) for i in range(n)]
+            ax.plot(range(1, n + 1), mean, label=method)
+        ax.set_title(f"training reward: {reward}")
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="diffalign-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--rewards", nargs="+", default=list(REWARDS), choices=list(REWARDS))
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (0 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a few epochs/steps per run (a smoke test, not a result)")
+    p.add_argument("--out", default="runs/bench", help="output folder (runs, table, plots); reruns resume in it")
+    p.add_argument("--list", action="store_true", help="print the runs' overrides and exit")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = p.parse_args(argv)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    jobs = [(m, r, s) for m in args.methods for r in args.rewards if r in METHODS[m].rewards for s in seeds]
+    if args.list:
+        for m, r, s in jobs:
+            print(f"{m}-{r}-s{s}: diffalign-train " + " ".join(run_overrides(METHODS[m], r, s, args.quick)
+                                                               + args.overrides))
+        return 0
+    from tqdm.auto import tqdm
+
+    from diffalign.rewards.clip_score import ClipScore
+
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    embedder = ClipScore()
+    results: dict[tuple[str, str], list[dict]] = {}
+    failures = []
+    for m, r, s in tqdm(jobs, desc="bench", unit="run"):
+        run_dir = out / "runs" / f"{m}-{r}-s{s}"
+        if not (run_dir / "results.json").is_file():
+            cmd = [sys.executable, "-c", TRAIN, f"output_dir={run_dir}",
+                   *run_overrides(METHODS[m], r, s, args.quick), *args.overrides]
+            if run_dir.exists():
+                cmd.append("resume=latest")
+            t0 = time.time()
+            log = run_dir.parent / f"{run_dir.name}.log"
+            with log.open("w") as f:
+                done = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT)
+            if done.returncode != 0:
+                failures.append(f"{m}-{r}-s{s} (exit {done.returncode}, log {log})")
+                tqdm.write(f"[bench] {m}-{r}-s{s} failed after {time.time() - t0:.0f}s; see {log}")
+                continue
+        figures = read_run(run_dir, r, embedder)
+        results.setdefault((m, r), []).append(figures)
+        tqdm.write(f"[bench] {m}-{r}-s{s}: {REWARD_KEY[r]} {figures['start']:.3f} -> {figures['end']:.3f}, "
+                   f"{figures['seconds']:.0f}s")
+    rows = summarize(results)
+    command = "diffalign-bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "bench.md").write_text(markdown(rows, command))
+    (out / "bench.json").write_text(json.dumps({"command": command, "rows": rows,
+                                                "runs": {f"{m}/{r}": v for (m, r), v in results.items()}}, indent=2))
+    plot_curves(results, out / "curves.png")
+    print(markdown(rows, command))
+    print(f"[bench] table {out / 'bench.md'}, numbers {out / 'bench.json'}, curves {out / 'curves.png'}")
+    if failures:
+        print("[bench] failed runs: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

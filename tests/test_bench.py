@@ -1,0 +1,78 @@
+"""The learning benchmark's bookkeeping (`diffalign.bench`): the runs' overrides, the figures read back from a run
+folder, and the statistics over seeds, checked by hand on a fabricated run folder."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from diffalign.bench import METHODS, main, markdown, read_run, run_overrides, summarize
+
+
+def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
+    online = run_overrides(METHODS["vipo"], "brightness", 2, quick=False)
+    assert online[0] == "recipe=tiny_vipo_image"
+    assert "reward=[brightness]" in online and "eval_reward=[brightness,geneval_shapes]" in online
+    assert "seed=2" in online and not any(o.startswith("data=") for o in online)
+    offline = run_overrides(METHODS["diffusion_dpo"], "brightness", 1, quick=True)
+    assert "data=ranked_pairs" in offline and "data.reward=brightness" in offline and "data.seed=1" in offline
+    assert "trainer.max_steps=10" in offline  # --quick
+    assert run_overrides(METHODS["sft"], "verifier", 0, quick=False)[:2] == ["recipe=tiny_dpo", "method=sft"]
+    assert METHODS["ddspo"].rewards == ("verifier",)  # reward-free pairs: no easy-reward row
+
+
+def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(0, 1)):
+    """A run folder as diffalign-train leaves it: results.json, history.jsonl, eval samples (2 prompts x 2 seeds)."""
+    eval_dir = folder / "eval"
+    rows = []
+    for variant, value in (("base", base), ("finetuned", finetuned)):
+        for p in range(2):
+            for s in seeds:
+                path = f"images/{variant}/p{p}_s{s}.png"
+                (eval_dir / path).parent.mkdir(parents=True, exist_ok=True)
+                pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(p * 10 + s)) * 255).byte()
+                Image.fromarray(pixels.numpy()).save(eval_dir / path)
+                rows.append({"variant": variant, "prompt_index": p, "seed": s, "image": path})
+    (eval_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"base": {"brightness/mean": base, "geneval_shapes/accuracy": 0.5},
+               "finetuned": {"brightness/mean": finetuned, "geneval_shapes/accuracy": 0.25}}
+    results = {"total_seconds": 60.0, "train_seconds": 50.0, "rollouts": 640,
+               "eval": {"variants": summary, "finetuned_vs_base": {
+                   "brightness/mean_gain": {"gain": finetuned - base, "se": 0.01}}}}
+    (folder / "results.json").write_text(json.dumps(results))
+    (folder / "history.jsonl").write_text("".join(json.dumps({"epoch": i + 1, "reward/mean": r}) + "\n"
+                                                  for i, r in enumerate(curve)))
+
+
+class MeanEmbedder:
+    """Embeds an image as its mean colour: identical images have distance 0."""
+
+    def embed_images(self, images):
+        return images.flatten(2).mean(2) + 1.0
+
+
+def test_a_run_is_read_back_and_seeds_are_summarised_by_hand(tmp_path):
+    _fake_run(tmp_path / "a", 0.1, 0.3, [0.1, 0.1, 0.2, 0.3, 0.4])
+    _fake_run(tmp_path / "b", 0.1, 0.2, [0.1, 0.2, 0.2, 0.2, 0.2])
+    a = read_run(tmp_path / "a", "brightness", MeanEmbedder())
+    assert a["start"] == 0.1 and a["end"] == 0.3 and a["gain"] == pytest.approx(0.2)
+    assert a["train_rise"] == pytest.approx(0.3 - 0.1)  # mean(0.2, 0.3, 0.4) - mean(0.1, 0.1)
+    assert a["verifier_start"] == 0.5 and a["verifier_end"] == 0.25
+    assert a["diversity_start"] == a["diversity_end"] > 0  # the same fake images for both variants
+    b = read_run(tmp_path / "b", "brightness", MeanEmbedder())
+    (row,) = summarize({("vipo", "brightness"): [a, b]})
+    assert row["gain"] == pytest.approx(0.15)
+    assert row["gain_se"] == pytest.approx(math.sqrt(((0.05**2) * 2) / 1) / math.sqrt(2))  # stdev/sqrt(n)
+    assert row["gain_over_se"] == pytest.approx(0.15 / 0.05)
+    table = markdown([row], "diffalign-bench --x")
+    assert "| vipo | brightness | 2 | 0.100 → 0.250 | 0.150 ± 0.050 (3.0) |" in table
+
+
+def test_list_prints_the_runs_without_running_them(capsys):
+    assert main(["--list", "--methods", "ddpo", "ddspo", "--rewards", "brightness", "--seeds", "0", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["ddpo-brightness-s0", "ddpo-brightness-s1"]  # no DDSPO row
