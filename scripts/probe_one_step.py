@@ -52,6 +52,8 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     policy = instantiate(cfg.model)
     objective = instantiate(cfg.method)
+    reference = instantiate(cfg.reference)  # the KL term's reference (Flow-GRPO), set up as the online loop does
+    reference.setup(policy)
     if getattr(objective, "data_flow", None) != "online_trajectories":
         raise SystemExit("the probe handles policy-gradient methods (DDPO, Flow-GRPO, ViPO)")
     rewards = build_selected_rewards(cfg.reward)
@@ -86,7 +88,7 @@ def main() -> None:
     total = 0.0
     for k in steps:
         kwargs = {"rows": rows_all} if prepare is not None else {}
-        loss, _ = objective(policy, traj, advantages, k, reference=None, **kwargs)
+        loss, _ = objective(policy, traj, advantages, k, reference=reference, **kwargs)
         (loss / len(steps)).backward()
         total += float(loss.detach()) / len(steps)
     grads = [prm.grad.detach().clone() for prm in params]
