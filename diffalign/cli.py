@@ -162,7 +162,7 @@ def _eval_main(cfg: DictConfig) -> None:
 
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+    from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
     from diffalign.plugins import build_selected_rewards
     from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts
@@ -173,7 +173,8 @@ def _eval_main(cfg: DictConfig) -> None:
     policy = instantiate(cfg.model)
     output_dir = Path(cfg.output_dir)
     metrics = evaluate_policy(policy, rows, rewards, ecfg, output_dir, variants, resume=cfg.resume,
-                              context={"model": OmegaConf.to_container(cfg.model, resolve=True)})
+                              context={"model": OmegaConf.to_container(cfg.model, resolve=True)},
+                              base_key=base_reuse_key(cfg.model, cfg.reward))
     print(json.dumps({"variants": {label: {k: v for k, v in summary.items() if isinstance(v, float)}
                                    for label, summary in metrics["variants"].items()},
                       **{k: v for k, v in metrics.items() if "_vs_" in k}}, indent=2))

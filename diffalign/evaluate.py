@@ -348,22 +348,36 @@ def base_weights_hash(policy) -> str:
     if cached is not None and cached[0] == signature:
         return cached[1]
     digest = hashlib.sha256()
-    for name, t in tensors:
-        digest.update(name.encode())
+    for name, t in sorted((n.replace(".base_layer.", "."), t) for n, t in tensors):  # a LoRA-wrapped layer's
+        digest.update(name.encode())                                                # weight is ...base_layer.weight
         digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     policy.__dict__["_base_weights_hash"] = (signature, digest.hexdigest()[:16])
     return digest.hexdigest()[:16]
 
 
+def base_reuse_key(model_cfg, reward_cfg) -> dict:
+    """The settings besides the weights that decide the base model's samples and scores: the model config without
+    its LoRA fields (``num_frames``, ``max_sequence_length``, dtype, ...) and the reward configs (e.g. a verifier's
+    ``score=binary``). Plain JSON-able dicts from OmegaConf nodes or dicts."""
+    from omegaconf import OmegaConf
+
+    def plain(node):
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+
+    model = {k: v for k, v in plain(model_cfg).items() if not k.startswith("lora_")}
+    return json.loads(json.dumps({"model": model, "rewards": plain(reward_cfg)}, sort_keys=True, default=str))
+
+
 def find_reusable_base(out_dir: Path, key: dict, fingerprint: str, num_rows: int, seeds: list[int],
-                       max_candidates: int = 64) -> tuple[Path, list[dict]] | None:
+                       max_candidates: int = 64, *, base_key: dict | None = None) -> tuple[Path, list[dict]] | None:
     """An earlier, finished evaluation of the same base model beside `out_dir`, and its samples of that base.
 
     Looks at ``<root>/*/eval_state.json`` and ``<root>/*/eval/eval_state.json``, where ``<root>`` is the folder that
     holds the run folder (``runs/`` for ``runs/train-<time>/eval`` and for ``runs/eval-<time>``), newest first, at
     most `max_candidates`. A candidate qualifies when its resume key equals `key` apart from ``context`` (same
-    prompts, seeds, sampler, rewards, video format), one of its variants has `fingerprint` (the same frozen base
-    weights, `base_weights_hash`), and that variant has every (prompt, seed) sample with its image file.
+    prompts, seeds, sampler, rewards, video format), its `base_key` equals `base_key` (model and reward settings,
+    `base_reuse_key`), one of its variants has `fingerprint` (the same frozen base weights, `base_weights_hash`), and
+    that variant has every (prompt, seed) sample with its image file.
 
     Returns:
         ``(folder, samples)`` of the first qualifying evaluation, or None.
@@ -380,6 +394,8 @@ def find_reusable_base(out_dir: Path, key: dict, fingerprint: str, num_rows: int
         except (OSError, json.JSONDecodeError):
             continue
         if {k: v for k, v in state.get("key", {}).items() if k != "context"} != wanted:
+            continue
+        if base_key is None or state.get("base_key") != base_key:
             continue
         labels = [label for label, fp in state.get("fingerprints", {}).items() if fp == fingerprint]
         if not labels:
@@ -432,7 +448,7 @@ def _write_samples(path: Path, samples: list[dict]) -> None:
 
 def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, out_dir: Path,
                     variants: dict[str, bool | str | Path], log=print, *, resume: bool = True,
-                    context: dict | None = None, progress: bool = True) -> dict:
+                    context: dict | None = None, progress: bool = True, base_key: dict | None = None) -> dict:
     """Generates and scores each variant on `rows` with identical per-image seeds, and writes under `out_dir`:
 
     - ``images/<variant>/p<prompt_index>_s<seed>.png`` (and ``.gif``/``.mp4`` for video models, whose images are
@@ -458,6 +474,9 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         context: JSON-able description of what is evaluated (e.g. the model config): part of the resume key and
             written to metrics.json.
         progress: show a tqdm bar over (variant, prompt) pairs.
+        base_key: what else determines the base's samples and scores besides its weights, prompts, seeds and
+            sampler (`base_reuse_key`: the model config without its LoRA fields, the reward configs); the base is
+            reused from a sibling evaluation (``cfg.reuse_base``) only when it is given and equal. None: no reuse.
 
     Returns:
         The metrics written to metrics.json.
@@ -493,6 +512,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         samples = []
     else:
         samples = _read_samples(samples_path)
+    state["base_key"] = base_key
     _write_samples(samples_path, samples)
 
     bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
@@ -501,8 +521,8 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         fingerprint = _fingerprint(policy, spec)
         if state["fingerprints"].get(label) != fingerprint:
             samples = [s for s in samples if s["variant"] != label]
-            reusable = find_reusable_base(out_dir, key, fingerprint, len(rows), seeds) \
-                if spec is True and cfg.reuse_base else None
+            reusable = find_reusable_base(out_dir, key, fingerprint, len(rows), seeds, base_key=base_key) \
+                if spec is True and cfg.reuse_base and base_key is not None else None
             if reusable is not None:
                 samples += _adopt_base(reusable[0], reusable[1], out_dir, label, slugs[label])
                 log(f"eval {label}: reusing the identical base evaluation in {reusable[0]} (same base weights, "

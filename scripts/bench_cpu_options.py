@@ -14,7 +14,7 @@ Options (the shipped tiny UNet with the main job's LoRA: rank 8 on attention and
 - ``batch-64`` / ``batch-128`` / ``batch-512``: per-image cost at another UNet batch than 256 rows;
 - ``bf16-autocast``: `torch.autocast("cpu", torch.bfloat16)` (and the largest output difference);
 - ``compile`` (with --compile): `torch.compile(unet)` after its first (compiling) call.
-Every option except ``lora-off`` and ``bf16-autocast`` runs the adapter disabled, so that it is compared on the bare
+Every option except ``lora-off`` runs the adapter disabled (``bf16-autocast`` too, with 2 repeats whatever --repeats), so that it is compared on the bare
 denoiser; their outputs are checked against the default's.
 """
 

@@ -76,3 +76,8 @@ def test_list_prints_the_runs_without_running_them(capsys):
     assert main(["--list", "--methods", "ddpo", "ddspo", "--rewards", "brightness", "--seeds", "0", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["ddpo-brightness-s0", "ddpo-brightness-s1"]  # no DDSPO row
+    # a Hydra override may follow any option (it is not taken as one of --seeds' values); duplicate seeds run once
+    assert main(["--list", "--methods", "ddpo", "--rewards", "brightness", "--seeds", "0", "0",
+                 "trainer.learning_rate=5e-3"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith("trainer.learning_rate=5e-3")

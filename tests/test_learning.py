@@ -30,7 +30,7 @@ def _train(tmp_path, *overrides) -> dict:
 def test_vipo_raises_held_out_brightness_within_six_epochs(tmp_path):
     """ViPO (per-position advantages, the tiny SD3-format model), one update per epoch at lr 1e-2, 6 epochs x 64
     rollouts. Measured with exactly these overrides, seeds 0/1/2: held-out brightness 0.063 -> 0.118 / 0.157 / 0.282
-    (paired gains +0.055 ± 0.014, +0.093 ± 0.012, +0.218 ± 0.028 over 24 prompts x 1 seed). The assertion asks for
+    (paired gains +0.055 ± 0.014, +0.093 ± 0.012, +0.218 ± 0.028 over 12 prompts x 1 seed). The assertion asks for
     +0.02 at 1.5 paired s.e. (seed 0: 4.0 s.e.). The same run with the recipe's two updates per epoch (the second one
     mostly clipped, docs/learning.md) gives +0.003 ± 0.004 and fails it."""
     ev = _train(tmp_path, "recipe=tiny_vipo_image", "reward=[brightness]", "eval_reward=[brightness]",

@@ -188,15 +188,16 @@ def _count_samples(monkeypatch) -> list[int]:
 
 def test_the_base_evaluation_of_a_sibling_run_is_reused_only_when_identical(tmp_path, monkeypatch):
     cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=4)
-    first_policy = build_tiny_random_policy(seed=0)
+    key = {"model": {"num_frames": 8}, "rewards": {"mean": {}}}  # what `base_reuse_key` gives
+    first_policy = build_tiny_random_policy(seed=0, lora_target_modules=CONV_AND_ATTENTION)  # another LoRA: reused
     first = evaluate_policy(first_policy, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / "a" / "eval",
-                            {"base": True}, progress=False)
+                            {"base": True}, progress=False, base_key=key)
     calls = _count_samples(monkeypatch)
     policy = build_tiny_random_policy(seed=0)
     perturb_lora_(policy)
     logs = []
     second = evaluate_policy(policy, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / "b" / "eval",
-                             {"base": True, "finetuned": False}, progress=False, log=logs.append)
+                             {"base": True, "finetuned": False}, progress=False, log=logs.append, base_key=key)
     assert calls == [(False, 4)]  # only the fine-tuned model was sampled
     assert any("reusing the identical base evaluation" in line for line in logs)
     assert second["variants"]["base"] == first["variants"]["base"]
@@ -207,10 +208,15 @@ def test_the_base_evaluation_of_a_sibling_run_is_reused_only_when_identical(tmp_
     with torch.no_grad():
         other.unet.conv_in.bias.add_(1e-3)
     evaluate_policy(other, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / "c" / "eval", {"base": True},
-                    progress=False)
+                    progress=False, base_key=key)
     evaluate_policy(policy, ROWS, {"mean": MeanReward()}, EvalConfig(seeds=[0, 2], num_inference_steps=2,
-                    batch_size=4), tmp_path / "runs" / "d" / "eval", {"base": True}, progress=False)
+                    batch_size=4), tmp_path / "runs" / "d" / "eval", {"base": True}, progress=False, base_key=key)
     evaluate_policy(policy, ROWS, {"mean": MeanReward()}, EvalConfig(seeds=[0, 1], num_inference_steps=2,
                     batch_size=4, reuse_base=False), tmp_path / "runs" / "e" / "eval", {"base": True},
-                    progress=False)
-    assert calls[1:] == [(True, 4), (True, 4), (True, 4)]
+                    progress=False, base_key=key)
+    # other model settings (a video's frame count) or reward settings (binary score), or no key: sampled again
+    for n, other_key in enumerate(({"model": {"num_frames": 4}, "rewards": {"mean": {}}},
+                                   {"model": {"num_frames": 8}, "rewards": {"mean": {"score": "binary"}}}, None)):
+        evaluate_policy(policy, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / f"f{n}" / "eval",
+                        {"base": True}, progress=False, base_key=other_key)
+    assert calls[1:] == [(True, 4)] * 6

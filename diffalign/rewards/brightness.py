@@ -39,8 +39,8 @@ def luma(images: torch.Tensor) -> torch.Tensor:
 class Brightness:
     """Mean luma of each image (or video), a toy reward with large headroom for checking that a method learns.
 
-    Returns scores `(B,)` in [0, 1] and the luma itself as the dense map (`(B, H, W)`, or `(B, F, H, W)` for videos),
-    so pixel-level methods (ViPO) can use it too.
+    Returns scores `(B,)` in [0, 1] and the luma itself as the dense map (`(B, H, W)`, or `(B, F, H, W)` for videos,
+    the `RewardOutput.maps` convention).
     """
 
     modality = "any"  # images and videos alike

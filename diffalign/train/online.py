@@ -53,7 +53,7 @@ from diffalign.checkpoint import (
     save_checkpoint,
     write_state,
 )
-from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
@@ -493,7 +493,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         eval_rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
         with bare_forward(policy):
             results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
-                                              {"base": True, "finetuned": False}, log=accelerator.print)
+                                              {"base": True, "finetuned": False}, log=accelerator.print,
+                                              base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))
         results["eval_seconds"] = time.time() - t_eval
         try:
             from diffalign.report import write_report

@@ -50,7 +50,7 @@ from diffalign.checkpoint import (
     write_state,
 )
 from diffalign.data.preference import ResumableSampler
-from diffalign.evaluate import eval_config_from, evaluate_policy, select_prompts
+from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
@@ -387,7 +387,8 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         with stop_on_reward_error(lambda: checkpoint_before_stop(global_step), log=accelerator.print), \
                 bare_forward(policy):
             results["eval"] = evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
-                                              {"base": True, "finetuned": False}, log=accelerator.print)
+                                              {"base": True, "finetuned": False}, log=accelerator.print,
+                                              base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))
         results["eval_seconds"] = time.time() - t_eval
         results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
         accelerator.print(f"[diffalign] report: {results['report']}")
