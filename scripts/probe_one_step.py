@@ -41,7 +41,6 @@ def main() -> None:
     from diffalign.objectives.policy_gradient import train_transitions
     from diffalign.plugins import build_selected_rewards
     from diffalign.samplers.groups import group_rollout
-    from diffalign.samplers.ode import ode_rollout  # noqa: F401  (registers nothing; the loop imports it too)
     from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
