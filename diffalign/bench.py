@@ -88,7 +88,7 @@ def run_overrides(method: Method, reward: str, seed: int, quick: bool) -> list[s
     data = [] if method.online else spec["offline_data"]  # offline: pairs ranked by the reward (verifier: as shipped)
     out = [f"recipe={method.recipe}", *method.overrides, *spec["train"], f"eval_reward={spec['eval']}",
            *data, *EVAL, f"seed={seed}"]
-    if not method.online and any(o.startswith("data=") for o in out):
+    if not method.online:  # every offline data set (ranked, failure, DDSPO pairs, winners) takes the seed too
         out.append(f"data.seed={seed}")
     return out + (method.quick if quick else [])
 

@@ -21,7 +21,8 @@ def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
     offline = run_overrides(METHODS["diffusion_dpo"], "brightness", 1, quick=True)
     assert "data=ranked_pairs" in offline and "data.reward=brightness" in offline and "data.seed=1" in offline
     assert "trainer.max_steps=10" in offline  # --quick
-    assert run_overrides(METHODS["sft"], "verifier", 0, quick=False)[:2] == ["recipe=tiny_dpo", "method=sft"]
+    sft = run_overrides(METHODS["sft"], "verifier", 2, quick=False)
+    assert sft[:2] == ["recipe=tiny_dpo", "method=sft"] and "data.seed=2" in sft  # the recipe's data, reseeded
     assert METHODS["ddspo"].rewards == ("verifier",)  # reward-free pairs: no easy-reward row
 
 
