@@ -168,3 +168,61 @@ def best_of_n_rows(rewards: torch.Tensor, group_ids: torch.Tensor, n: int) -> to
         order = rows[torch.argsort(rewards[rows], stable=True)]
         keep.append(torch.cat([order[:n // 2], order[-(n // 2):]]))
     return torch.cat(keep).sort().values
+
+
+class EpochAdvantages:
+    """The advantages of an online epoch, of the kind the method asks for (`diffalign.methods.ADVANTAGE_KINDS`).
+
+    - "group": `group_advantages` of the weighted reward sum;
+    - "per_prompt": DDPO's `PerPromptStatTracker` (its state is this object's `state_dict`);
+    - "per_reward": `group_advantages` of each reward's own scores, one column per reward.
+
+    Args:
+        kind (`str`): one of the kinds above.
+        std, clip, correction, eps: `group_advantages`' options (``online.advantage_*``); `clip` also the tracker's.
+        tracker_buffer_size, tracker_min_count (`int`): the tracker's (``online.tracker_*``).
+
+    Raises:
+        ValueError: for an unknown `kind` (naming the method's ``advantage``).
+    """
+
+    def __init__(self, kind: str, *, std: str = "group", clip: float | None = 5.0, correction: int = 0,
+                 eps: float = 1e-4, tracker_buffer_size: int = 16, tracker_min_count: int = 16):
+        if kind not in ("group", "per_prompt", "per_reward"):
+            raise ValueError(f"the method's advantage={kind!r} must be 'group', 'per_prompt' or 'per_reward'")
+        self.kind = kind
+        self.options = {"std": std, "clip": clip, "correction": correction, "eps": eps}
+        self.tracker = (PerPromptStatTracker(tracker_buffer_size, tracker_min_count, clip=clip)
+                        if kind == "per_prompt" else None)
+
+    def __call__(self, scores: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+                 components) -> tuple[torch.Tensor, dict[str, float]]:
+        """Advantages of every row of the epoch (all processes' rows, in rank order).
+
+        Args:
+            scores (`torch.Tensor`): `(N,)` the weighted reward sums.
+            group_ids (`torch.Tensor`): `(N,)` group id of each row.
+            prompts (`list[str]`): the `N` prompts.
+            components (`Callable[[], torch.Tensor]`): returns the `(N, R)` per-reward scores; called for
+                "per_reward" only.
+
+        Returns:
+            (`(N,)` or, for "per_reward", `(N, R)` float32 advantages; stats ``{"zero_std_fraction"}``).
+        """
+        if self.kind == "per_prompt":
+            return self.tracker.update(prompts, scores), {
+                "zero_std_fraction": group_advantages(scores, group_ids)[1]["zero_std_fraction"]}
+        if self.kind == "per_reward":
+            per_reward = components()
+            columns = [group_advantages(per_reward[:, j], group_ids, **self.options)
+                       for j in range(per_reward.shape[1])]
+            return torch.stack([c[0] for c in columns], 1), {"zero_std_fraction": columns[0][1]["zero_std_fraction"]}
+        return group_advantages(scores, group_ids, **self.options)
+
+    def state_dict(self) -> dict:
+        """The tracker's state ("per_prompt"), else empty."""
+        return self.tracker.state_dict() if self.tracker is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state)

@@ -81,7 +81,7 @@ def _train_main(cfg: DictConfig) -> None:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
 
-    from diffalign.validation import ONLINE_FLOWS
+    from diffalign.methods import ONLINE_FLOWS
 
     flow = getattr(get_class(cfg.method._target_), "data_flow", None)
     if flow in ONLINE_FLOWS:

@@ -6,6 +6,7 @@ latent channels/height/width in the model's native layout, ``L`` the text length
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,21 @@ class PreferenceBatch:
     degraded_prompts: list[str] | None = None
     degraded_prompt_embeds: PromptEmbeds | None = None
 
+    sides = ("w", "l")  # the data sides a batch is made of (winners and losers)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], latents: Callable[[str], torch.Tensor],
+                  encode: Callable[[list[str]], PromptEmbeds]) -> PreferenceBatch:
+        """A batch from a preference data set's collated `data` (``prompts``, ``ids``, optional
+        ``degraded_prompts``), with `latents(side)` the clean latents of side "w" or "l" and `encode(prompts)` the
+        conditional prompt embeddings."""
+        latents_w = latents("w")
+        embeds = encode(data["prompts"])
+        latents_l = latents("l")
+        degraded = data.get("degraded_prompts")
+        return cls(latents_w, latents_l, data["prompts"], embeds, data["ids"], degraded_prompts=degraded,
+                   degraded_prompt_embeds=None if degraded is None else encode(degraded))
+
 
 @dataclass
 class WinnerBatch:
@@ -150,6 +166,16 @@ class WinnerBatch:
     prompts: list[str]
     prompt_embeds: PromptEmbeds
     ids: torch.Tensor | None = None
+
+    sides = ("w",)  # the data sides a batch is made of (winners only)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], latents: Callable[[str], torch.Tensor],
+                  encode: Callable[[list[str]], PromptEmbeds]) -> WinnerBatch:
+        """A batch from a data set's collated `data` (its losers, if any, unused); arguments as
+        `PreferenceBatch.from_data`."""
+        latents_w = latents("w")
+        return cls(latents_w, data["prompts"], encode(data["prompts"]), data["ids"])
 
 
 @dataclass

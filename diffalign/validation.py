@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 from diffalign.world.verifier import parse_caption
 
@@ -129,8 +131,6 @@ def target_attribute(target: str | None, name: str):
 def _method_flow(cfg: DictConfig) -> str | None:
     """The method class's ``data_flow`` (e.g. "pairs", "online_groups"); None for an unknown target, which Hydra's
     instantiate reports later with its own message."""
-    from hydra.utils import get_class
-
     try:
         return getattr(get_class(cfg.method._target_), "data_flow", None)
     except (ImportError, AttributeError, ValueError):
@@ -198,18 +198,17 @@ def validate_eval_config(cfg: DictConfig) -> None:
                                      "use such a prompt file") from None
 
 
-ONLINE_FLOWS = ("online_groups", "online_trajectories")
 SAMPLER_NAMES = ("sde", "dpm_solver", "euler", "ddim")
 
 
 def validate_online_config(cfg: DictConfig) -> None:
-    """Checks of an online method's config (DGPO, Flow-GRPO, DDPO) that would otherwise fail after the models load:
-    group size, sampler kind vs method, DGPO's timestep clip against the rollout schedule, micro-batches of whole
-    groups, the advantage options and the prompt file. Does nothing for offline methods."""
+    """Checks of an online run's config that would otherwise fail after the models load: group size, the ``online``
+    sizes and advantage options, the sampler's name and SDE type, the method's own checks (its ``check_config``:
+    e.g. the sampler kind it needs) and the prompt file. Does nothing for offline methods."""
     flow = _method_flow(cfg)
     if flow not in ONLINE_FLOWS:
         return
-    on, sp, tr = cfg.online, cfg.sampler, cfg.trainer
+    on, sp = cfg.online, cfg.sampler
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
                          "prompt; set online.group_size >= 2 (DGPO and Flow-GRPO use 16-24)")
@@ -227,13 +226,9 @@ def validate_online_config(cfg: DictConfig) -> None:
         raise ValueError(f"online.split={on.split!r} must be 'groups' (whole groups per process) or 'members' (every "
                          "group spread over the processes)")
     best = on.get("best_of_n")
-    if best is not None:
-        if flow != "online_trajectories":
-            raise ValueError("online.best_of_n selects samples for the policy-gradient methods (DanceGRPO/ViPO); DGPO "
-                             "trains on whole groups: set online.best_of_n=null")
-        if best < 2 or best % 2:
-            raise ValueError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per "
-                             "group), or null")
+    if best is not None and (best < 2 or best % 2):
+        raise ValueError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per group), or "
+                         "null")
     name = sp.get("name", "sde")
     if name not in SAMPLER_NAMES:
         raise ValueError(f"sampler.name must be one of {SAMPLER_NAMES}, got {name!r}")
@@ -245,27 +240,9 @@ def validate_online_config(cfg: DictConfig) -> None:
         raise ValueError(f"sampler=dance_sde (sampler.sde_type=dance) is a flow-matching SDE but model="
                          f"{cfg.model._target_} is an eps/v model; use sampler=ddim for it, or a flow model (tiny_sd3, "
                          "sd35_medium, Wan)")
-    if flow == "online_trajectories" and (name != "sde" or sp.eta <= 0):
-        raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
-                         f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={sp.eta}. Use "
-                         "sampler=flow_sde (flow models) or sampler=ddim (eps-models) with eta > 0")
-    if flow == "online_groups" and name == "sde" and sp.eta > 0:
-        raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
-                         f"ALGORITHMS.md §5(b)), but sampler.name='sde' with sampler.eta={sp.eta} is stochastic. Use "
-                         "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler.eta=0 for deterministic "
-                         "DDIM")
-    if flow == "online_groups":
-        m = cfg.method
-        if m.timestep_max_index >= sp.num_inference_steps:
-            raise ValueError(f"method.timestep_max_index={m.timestep_max_index} must index the "
-                             f"{sp.num_inference_steps}-step rollout schedule; lower it below "
-                             f"sampler.num_inference_steps")
-        if not 1 <= m.num_train_timesteps <= m.timestep_max_index + 1:
-            raise ValueError(f"method.num_train_timesteps={m.num_train_timesteps} must be in [1, "
-                             f"method.timestep_max_index + 1 = {m.timestep_max_index + 1}]")
-        if on.get("split", "groups") == "groups" and tr.batch_size % on.group_size:
-            raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size="
-                             f"{on.group_size} for DGPO (a micro-batch holds whole groups)")
+    method = get_class(cfg.method._target_)
+    check_method(method, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
+    method.check_config(cfg)  # the method's own checks (diffalign.methods)
     if on.prompts is None:
         raise ValueError("online.prompts is required by this recipe (it trains on your prompts, not the tiny world's); "
                          "pass online.prompts=<prompt file: .jsonl with GenEval metadata, .txt or .csv>")

@@ -7,11 +7,10 @@ import torch
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.common import per_sample_mse
-from diffalign.objectives.dgpo import DGPO, boxed_group_loss, select_train_timesteps
+from diffalign.objectives.dgpo import DGPO, boxed_group_loss, group_noise, select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference
 from diffalign.samplers.groups import group_initial_noise, group_rollout
-from diffalign.train.online import group_noise
 from diffalign.types import GroupBatch
 
 

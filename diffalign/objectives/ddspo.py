@@ -254,6 +254,14 @@ class DDSPO(nn.Module):
 
     data_flow = "pairs"
 
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """No checks beyond its constructor's (the method contract, `diffalign.methods`)."""
+
+    def checkpoint_states(self) -> dict:
+        """No state beyond the reference strategy's."""
+        return {}
+
     def __init__(
         self,
         beta: float = 16000.0,

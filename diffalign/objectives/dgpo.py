@@ -31,15 +31,35 @@ With the frozen-base strategy the two coincide and one reference forward serves 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates
 from diffalign.objectives.common import per_sample_mse
+from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference
-from diffalign.types import GroupBatch
+from diffalign.samplers.groups import stream_seed
+from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")
+
+
+def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, epoch: int, timestep_index: int
+                ) -> torch.Tensor:
+    """DGPO's training noise: one ε per (group, training timestep), identical for every member of the group and on
+    every process that holds members of it. Returns `(N, *shape)` float32 on CPU."""
+    cache: dict[int, torch.Tensor] = {}
+    rows = []
+    for g in group_ids.tolist():
+        if g not in cache:
+            cache[g] = torch.randn(shape, generator=torch.Generator().manual_seed(
+                stream_seed(seed, epoch, g, timestep_index, NOISE)))
+        rows.append(cache[g])
+    return torch.stack(rows)
 
 
 def group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -104,6 +124,9 @@ class DGPO:
 
     data_flow = "online_groups"
     rollout_sampler_kind = "ode"
+    log_prob_reduction = "mean"  # (the ODE rollouts store none)
+    advantage = "group"
+    rollout_policy: EmaRolloutPolicy | None = None  # θ⁻, made by `setup`
 
     def __init__(self, beta: float = 100.0, beta_kl: float = 0.0, clip_range: float | None = None,
                  reference_guidance_scale: float = 1.0, num_train_timesteps: int = 4, timestep_max_index: int = 4,
@@ -127,6 +150,84 @@ class DGPO:
         self.old_policy_ramp = old_policy_ramp
         self.kl_reference = kl_reference
         self._base = FrozenBaseReference()  # holds no tensors: `use(policy)` disables the adapters
+
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """DGPO's checks of a run config (before any model loads): a deterministic rollout sampler, the timestep clip
+        inside the rollout schedule, micro-batches of whole groups (or, with ``online.split=members``, of whole shares
+        of a group on each of the `num_processes` processes; unchecked when None, before the launch), and no best-of-n
+        selection.
+
+        Raises:
+            ValueError: naming the field and the fix.
+        """
+        on, sp, m = cfg.online, cfg.sampler, cfg.method
+        if on.get("best_of_n") is not None:
+            raise ValueError("online.best_of_n selects samples for the policy-gradient methods (DanceGRPO/ViPO); DGPO "
+                             "trains on whole groups: set online.best_of_n=null")
+        if sp.get("name", "sde") == "sde" and sp.eta > 0:
+            raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
+                             f"ALGORITHMS.md §5(b)), but sampler.name='sde' with sampler.eta={sp.eta} is stochastic. "
+                             "Use sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler.eta=0 for "
+                             "deterministic DDIM")
+        if m.timestep_max_index >= sp.num_inference_steps:
+            raise ValueError(f"method.timestep_max_index={m.timestep_max_index} must index the "
+                             f"{sp.num_inference_steps}-step rollout schedule; lower it below "
+                             f"sampler.num_inference_steps")
+        if not 1 <= m.num_train_timesteps <= m.timestep_max_index + 1:
+            raise ValueError(f"method.num_train_timesteps={m.num_train_timesteps} must be in [1, "
+                             f"method.timestep_max_index + 1 = {m.timestep_max_index + 1}]")
+        batch_size, split = cfg.trainer.batch_size, on.get("split", "groups")
+        if split == "groups" and batch_size % on.group_size:
+            raise ValueError(f"trainer.batch_size={batch_size} must be a multiple of online.group_size="
+                             f"{on.group_size} for DGPO (a micro-batch holds whole groups)")
+        if split == "members" and num_processes is not None and batch_size % (on.group_size // num_processes):
+            raise ValueError(f"online.split=members: trainer.batch_size={batch_size} must be a multiple of each "
+                             f"process's share of a group ({on.group_size // num_processes}) so a micro-batch holds "
+                             "whole shares")
+
+    def setup(self, policy) -> None:
+        """Adds θ⁻ (`EmaRolloutPolicy`, an ``"old"`` adapter holding a copy of the policy's) to the policy."""
+        self.rollout_policy = EmaRolloutPolicy(self.old_policy_switch_step, self.old_policy_decay,
+                                               self.old_policy_ramp)
+        self.rollout_policy.setup(policy)
+
+    def checkpoint_states(self) -> dict[str, EmaRolloutPolicy]:
+        """θ⁻ is saved with every checkpoint as ``old_policy_state``."""
+        return {"old_policy_state": self.rollout_policy}
+
+    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
+        """One pass over the epoch: ``online.updates_per_epoch`` updates (``num_inner_epochs`` does not apply)."""
+        return updates_per_epoch
+
+    def prepare(self, policy, epoch: OnlineEpoch) -> dict[str, float]:
+        return {}
+
+    def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[_GroupUnit]]:
+        """The epoch's updates: `num_train_timesteps` timesteps drawn from the clipped rollout schedule (one draw per
+        epoch, `select_train_timesteps`), each over micro-batches of ``epoch.batch_size`` rows (whole groups), all
+        (timestep, micro-batch) units cut into ``epoch.updates`` contiguous updates (`split_updates`)."""
+        traj = epoch.trajectory
+        x0 = traj.latents[:, -1]
+        embeds = traj.prompt_embeds
+        if self.reference_guidance_scale > 1 and embeds.negative_prompt_embeds is None:
+            embeds = policy.encode_prompts(traj.prompts, do_classifier_free_guidance=True)  # CFG-free mode 2
+        chosen = select_train_timesteps(traj.timesteps, self.num_train_timesteps, self.timestep_max_index,
+                                        generator=epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS))
+        units = [_GroupUnit(epoch, x0, embeds, chosen, ti, start)
+                 for ti in range(len(chosen)) for start in range(0, len(x0), epoch.batch_size)]
+        yield from split_updates(units, epoch.updates)
+
+    def loss(self, policy, unit: _GroupUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch at one training timestep, with the group noise of `group_noise`."""
+        epoch, x0 = unit.epoch, unit.x0
+        rows = slice(unit.start, unit.start + epoch.batch_size)
+        gids = epoch.group_ids[rows]
+        noise = group_noise(x0.shape[1:], gids, seed=epoch.seed, epoch=epoch.epoch, timestep_index=unit.timestep_index)
+        batch = GroupBatch(x0[rows], epoch.trajectory.prompts[rows], unit.embeds.index(torch.arange(len(x0))[rows]),
+                           epoch.advantages[rows].to(x0.device), gids, epoch.group_size)
+        return self(policy, batch, timesteps=unit.timesteps[unit.timestep_index].to(x0.device),
+                    noise=noise.to(x0.device), reference=reference, old_policy=self.rollout_policy)
 
     def __call__(self, policy, batch: GroupBatch, *, timesteps: torch.Tensor, noise: torch.Tensor, reference,
                  old_policy=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -189,6 +290,18 @@ class DGPO:
         metrics = {"loss": loss.detach(), "dgpo_z": z.mean(), "dgpo_weight": weight.mean(),
                    "loss_diff": (loss_theta.detach() - loss_ref).mean(), "clipfrac": clipfrac, "kl": kl.detach()}
         return loss, metrics
+
+
+class _GroupUnit(NamedTuple):
+    """One DGPO micro-batch: rows ``start .. start + batch_size - 1`` of the epoch at its `timestep_index`-th
+    training timestep."""
+
+    epoch: OnlineEpoch
+    x0: torch.Tensor  # (N, C, h, w) the rollouts' final latents
+    embeds: PromptEmbeds  # (N, ...) their prompts (with the unconditional rows in the CFG-free mode)
+    timesteps: torch.Tensor  # (M,) the epoch's training timesteps
+    timestep_index: int
+    start: int
 
 
 def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantages: torch.Tensor, beta: float,

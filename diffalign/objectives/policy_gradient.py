@@ -20,13 +20,97 @@ rollout.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
+from diffalign.methods import SHUFFLE, TIMESTEPS, CurrentPolicy, OnlineEpoch, epoch_generator, split_updates
+from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
 
 TIMESTEP_SELECTIONS = ("first", "random")
+
+
+def check_stochastic_sampler(cfg) -> None:
+    """A policy-gradient method trains on stored step log-probs, so it needs stochastic rollouts that keep them.
+
+    Raises:
+        ValueError: unless ``sampler.name="sde"`` with ``sampler.eta > 0``.
+    """
+    name, eta = cfg.sampler.get("name", "sde"), cfg.sampler.eta
+    if name != "sde" or eta <= 0:
+        raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
+                         f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={eta}. Use "
+                         "sampler=flow_sde (flow models) or sampler=ddim (eps-models) with eta > 0")
+
+
+def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
+                           ) -> tuple[list[torch.Tensor], bool]:
+    """Row indices of a process's policy-gradient minibatches for one inner epoch.
+
+    Stratified by group when `batch_size` is a whole number k of members from each of the process's groups (and k
+    divides the group size): each group's members are shuffled by a stream keyed by (seed, epoch, global group id,
+    inner epoch), and minibatch m takes members m·k … m·k + k − 1 of every group. A minibatch of one process is then
+    exactly its groups' share of the global minibatch m of a run on fewer processes with the same global batch, so N
+    processes with ``online.split=groups`` reproduce one process up to float rounding (with ``split=members`` a
+    process shuffles only its share of each group, which does not). Otherwise the process's rows are shuffled as a
+    whole (by a stream keyed by (seed, epoch, inner)) and cut into chunks of `batch_size` — a local shuffle, which
+    does not reproduce across process counts.
+
+    Args:
+        group_ids (`torch.Tensor`): `(N,)` global group id of each local row.
+        batch_size (`int`): rows per minibatch on this process (``trainer.batch_size``).
+
+    Returns:
+        (`list[torch.Tensor]` of int64 row indices covering every row once, True when stratified).
+    """
+    ids = group_ids.tolist()
+    groups = list(dict.fromkeys(ids))
+    members = {g: [i for i, x in enumerate(ids) if x == g] for g in groups}
+    sizes = {len(m) for m in members.values()}
+    k = batch_size // len(groups) if batch_size % len(groups) == 0 else 0
+    if len(sizes) == 1 and k and next(iter(sizes)) % k == 0:
+        size = next(iter(sizes))
+        order = {g: [members[g][j] for j in torch.randperm(size, generator=torch.Generator().manual_seed(
+            stream_seed(seed, epoch, g, inner, SHUFFLE))).tolist()] for g in groups}
+        return [torch.tensor([i for g in groups for i in order[g][m * k:(m + 1) * k]])
+                for m in range(size // k)], True
+    perm = torch.randperm(len(ids), generator=epoch_generator(seed, epoch, SHUFFLE, inner))
+    return [perm[s:s + batch_size] for s in range(0, len(perm), batch_size)], False
+
+
+class TransitionUnit(NamedTuple):
+    """One policy-gradient micro-batch: transition `k` of the epoch's rows `rows` (int64 indices)."""
+
+    epoch: OnlineEpoch
+    rows: torch.Tensor
+    k: int
+
+
+def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selection: str
+                    ) -> Iterator[list[TransitionUnit]]:
+    """The updates of a policy-gradient epoch: ``epoch.inner_epochs`` passes, each over the minibatches of
+    `trajectory_minibatches` × the transitions of `train_transitions` (both drawn per pass from the epoch's streams),
+    those units cut into ``epoch.updates`` contiguous updates (`split_updates`)."""
+    traj = epoch.trajectory
+    for inner in range(epoch.inner_epochs):
+        # the trained transitions are the same on every process (their own stream)
+        steps = train_transitions(len(traj.timesteps), timestep_fraction, timestep_selection,
+                                  generator=epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS, inner))
+        minibatches, stratified = trajectory_minibatches(epoch.group_ids, epoch.batch_size, seed=epoch.seed,
+                                                         epoch=epoch.epoch, inner=inner)
+        if epoch.split == "members" and epoch.num_processes > 1:
+            epoch.note("[diffalign] note: online.split=members with a policy-gradient method shuffles each process's "
+                       "share of a group on its own; a run on another number of processes will differ "
+                       "(online.split=groups reproduces it)")
+        if not stratified and epoch.num_processes > 1:
+            epoch.note(f"[diffalign] note: trainer.batch_size={epoch.batch_size} is not a whole number of members from "
+                       "each of a process's groups, so minibatches are shuffled per process (a run on another number "
+                       "of processes will differ)")
+        units = [TransitionUnit(epoch, idx, k) for idx in minibatches for k in steps]
+        yield from split_updates(units, epoch.updates)
 
 
 def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
@@ -85,6 +169,9 @@ class ClippedPolicyGradient:
 
     data_flow = "online_trajectories"
     rollout_sampler_kind = "sde"
+    log_prob_reduction = "mean"
+    advantage = "group"  # (per instance: the `advantage` argument)
+    rollout_policy = CurrentPolicy()  # on-policy: θ samples the epoch
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, kl_form: str = "code",
                  detach_unconditional: bool = False, advantage: str = "group", timestep_fraction: float = 1.0,
@@ -104,6 +191,33 @@ class ClippedPolicyGradient:
         self.clip_range, self.beta_kl, self.kl_form = clip_range, beta_kl, kl_form
         self.detach_unconditional, self.advantage = detach_unconditional, advantage
         self.timestep_fraction, self.timestep_selection = timestep_fraction, timestep_selection
+
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """Raises ValueError unless the rollouts are stochastic with stored log-probs (`check_stochastic_sampler`)."""
+        check_stochastic_sampler(cfg)
+
+    def setup(self, policy) -> None:
+        pass
+
+    def checkpoint_states(self) -> dict:
+        return {}
+
+    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
+        """``online.num_inner_epochs`` passes of ``online.updates_per_epoch`` updates each."""
+        return updates_per_epoch * num_inner_epochs
+
+    def prepare(self, policy, epoch: OnlineEpoch) -> dict[str, float]:
+        return {}
+
+    def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[TransitionUnit]]:
+        """The epoch's updates (`transition_plan`)."""
+        return transition_plan(epoch, self.timestep_fraction, self.timestep_selection)
+
+    def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one unit: `__call__` on rows ``unit.rows`` of the epoch at transition ``unit.k``."""
+        mb = unit.epoch.trajectory.index(unit.rows)
+        return self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k, reference=reference)
 
     def __call__(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, *, reference=None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

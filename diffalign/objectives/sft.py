@@ -44,6 +44,17 @@ class WinnerSFT(nn.Module):
 
     data_flow = "winners"
 
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """No checks beyond its constructor's (the method contract, `diffalign.methods`)."""
+
+    def setup(self, policy) -> None:
+        """Nothing to add to the policy."""
+
+    def checkpoint_states(self) -> dict:
+        """No state beyond the reference strategy's."""
+        return {}
+
     def __init__(self, timestep_min: int = 0, timestep_max: int | None = None):
         super().__init__()
         if timestep_min < 0:

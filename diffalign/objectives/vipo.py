@@ -15,16 +15,24 @@ each selected reward gets its own group advantage and map, and the loss is Σ_r 
 mean-reduces the log-prob to one scalar per sample: its per-pixel loss is plain GRPO with A_i replaced by
 mean_p clip(M_i(p) A_i, ±5) (the max/clip commutes with M ≥ 0) — with an all-ones map it *is* GRPO.
 
-The online loop calls `prepare_epoch(policy, trajectory, advantages)` once per epoch, before any update (it decodes
-nothing twice: the maps are computed from `trajectory.images`), then the objective with ``rows=`` the minibatch's row
-indices into that epoch's trajectory.
+The online loop calls `prepare` (`prepare_epoch(policy, trajectory, advantages)`) once per epoch, before any update (it
+decodes nothing twice: the maps are computed from `trajectory.images`), then `loss`, which calls the objective with
+``rows=`` the minibatch's row indices into that epoch's trajectory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from diffalign.objectives.policy_gradient import TIMESTEP_SELECTIONS
+from diffalign.methods import CurrentPolicy, OnlineEpoch
+from diffalign.objectives.policy_gradient import (
+    TIMESTEP_SELECTIONS,
+    TransitionUnit,
+    check_stochastic_sampler,
+    transition_plan,
+)
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
 from diffalign.vipo.psm import PADDINGS, PerceptualStructuring, advantage_maps
@@ -47,7 +55,7 @@ class ViPO:
         advantage_clip (`float`, defaults to 5): clip of A_i^p.
         map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
         advantage_per_reward (`bool`, defaults to False): one group advantage per selected reward (normalised
-            separately) and the loss Σ_r c_r 𝓛_r with c_r = ``reward.<name>.weight`` (set by the training loop as
+            separately) and the loss Σ_r c_r 𝓛_r with c_r = ``reward.<name>.weight`` (set by `prepare` as
             `reward_coefficients`); False uses the advantage of the weighted reward sum.
         backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
             object with ``patch_tokens``.
@@ -63,7 +71,8 @@ class ViPO:
 
     data_flow = "online_trajectories"
     rollout_sampler_kind = "sde"
-    advantage = "group"
+    advantage = "group"  # (per instance: "per_reward" with advantage_per_reward)
+    rollout_policy = CurrentPolicy()  # on-policy: θ samples the epoch
 
     def __init__(self, clip_range: float = 1e-4, reduction: str = "per_position", timestep_fraction: float = 0.6,
                  detach_unconditional: bool = True, advantage_clip: float | None = 5.0, map: str = "psm",
@@ -96,12 +105,45 @@ class ViPO:
         self.advantage_maps: torch.Tensor | None = None
         self.map_stats: dict[str, float] = {}
         self.advantage_per_reward = advantage_per_reward
-        self.reward_coefficients: torch.Tensor | None = None  # (R,) c_r, set by the loop with advantage_per_reward
+        self.advantage = "per_reward" if advantage_per_reward else "group"  # what the loop computes (`OnlineMethod`)
+        self.reward_coefficients: torch.Tensor | None = None  # (R,) c_r, set by `prepare` with advantage_per_reward
 
     @property
     def log_prob_reduction(self) -> str:
         """The log-prob reduction the rollouts must store: "per_position" (`(B, K, *grid)`) or "mean"."""
         return "per_position" if self.reduction == "per_position" else "mean"
+
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """Raises ValueError unless the rollouts are stochastic with stored log-probs (`check_stochastic_sampler`)."""
+        check_stochastic_sampler(cfg)
+
+    def setup(self, policy) -> None:
+        pass
+
+    def checkpoint_states(self) -> dict:
+        return {}
+
+    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
+        """``online.num_inner_epochs`` passes of ``online.updates_per_epoch`` updates each."""
+        return updates_per_epoch * num_inner_epochs
+
+    def prepare(self, policy, epoch: OnlineEpoch) -> dict[str, float]:
+        """`prepare_epoch` on the epoch's rollouts and advantages (with ``advantage_per_reward``, the reward weights
+        become `reward_coefficients` first); returns the map statistics as ``vipo/<name>``."""
+        if self.advantage_per_reward:  # c_r of Σ_r c_r 𝓛_r: the rewards' weights
+            self.reward_coefficients = epoch.reward_weights
+        return {f"vipo/{k}": v for k, v in self.prepare_epoch(policy, epoch.trajectory, epoch.advantages).items()}
+
+    def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[TransitionUnit]]:
+        """The epoch's updates, as the other policy-gradient methods (`transition_plan`)."""
+        return transition_plan(epoch, self.timestep_fraction, self.timestep_selection)
+
+    def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one unit, with the advantage maps `prepare` built for its rows."""
+        mb = unit.epoch.trajectory.index(unit.rows)
+        return self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k, reference=reference,
+                    rows=unit.rows)
 
     @property
     def psm(self) -> PerceptualStructuring:

@@ -1,135 +1,71 @@
-"""Training loop for online group-based methods: rollouts → rewards → advantages → objective (DGPO, Flow-GRPO, DDPO,
-ViPO).
+"""Training loop for online methods: rollouts → rewards → advantages → the method's updates.
 
-``train(cfg)`` runs ``online.num_epochs`` epochs. Each epoch:
+``train(cfg)`` runs ``online.num_epochs`` epochs of the method built from ``cfg.method`` (any method whose
+``data_flow`` is in `diffalign.methods.ONLINE_FLOWS`; the loop reads only the method contract of `diffalign.methods`).
+Each epoch:
 
 1. draws ``online.groups_per_epoch`` train prompts (one group each; global group indices
    ``epoch · groups_per_epoch + j`` split across processes, so no two processes or groups share noise);
-2. samples ``online.group_size`` images per prompt with the rollout policy — θ⁻ (`diffalign.old_policy`) for DGPO,
-   θ for the policy-gradient methods — using ``sampler`` (an ODE solver for DGPO, the stochastic DDIM-η / flow SDE
-   with stored log-probs for Flow-GRPO and DDPO), with initial noise shared inside a group when
-   ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
+2. samples ``online.group_size`` images per prompt with the method's ``rollout_policy`` (θ, or θ⁻ for a method that
+   samples with an old policy) using ``sampler``, storing step log-probs as the method's ``log_prob_reduction`` asks,
+   with initial noise shared inside a group when ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
 3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
    checkpoint, naming the reward, batch and prompts);
-4. computes advantages (`diffalign.advantages`: per group with group or global std, or DDPO's per-prompt tracker)
-   from the whole epoch's rewards, gathered from every process;
-5. updates the policy ``online.updates_per_epoch`` times:
-   - "online_groups" objectives (DGPO): ``method.num_train_timesteps`` timesteps from the high-noise part of the
-     rollout schedule, noise shared per group, micro-batches of whole groups;
-   - "online_trajectories" objectives (Flow-GRPO, DDPO, ViPO): ``online.num_inner_epochs`` passes over shuffled
-     minibatches (stratified by group, `trajectory_minibatches`), each over ``method.timestep_fraction`` of the stored
-     transitions, the first ones or a random subset (``method.timestep_selection``,
-     `diffalign.objectives.policy_gradient.train_transitions`).
+4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
+   or DDPO's per-prompt tracker; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
+   every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
+5. hands the epoch to the method (`OnlineEpoch`): ``method.prepare`` once, then one optimizer update per list of
+   units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number).
 
 Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
-exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, θ⁻, the DDPO tracker and the non-finite
-counters. A non-finite loss or gradient skips that update (``nonfinite_skips``; ``trainer.max_consecutive_nonfinite``
-in a row stop the run with a checkpoint); SIGTERM / SIGINT stop it at the next epoch boundary with a checkpoint
-(`diffalign.faults`). After training the
-base and fine-tuned models are evaluated on ``eval.prompts`` as in the preference loop.
+exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, the method's ``checkpoint_states`` (e.g. θ⁻),
+the per-prompt tracker and the non-finite counters. A non-finite loss or gradient skips that update
+(``nonfinite_skips``; ``trainer.max_consecutive_nonfinite`` in a row stop the run with a checkpoint); SIGTERM / SIGINT
+stop it at the next epoch boundary with a checkpoint (`diffalign.faults`). After training the base and fine-tuned
+models are evaluated on ``eval.prompts`` as in the preference loop.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, gather_object, set_seed
+from accelerate.utils import gather_object
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from diffalign.advantages import PerPromptStatTracker, best_of_n_rows, group_advantages
-from diffalign.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    read_state,
-    remove_temporaries,
-    save_checkpoint,
-    write_state,
+from diffalign.advantages import EpochAdvantages, best_of_n_rows
+from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.methods import (
+    ONLINE_FLOWS,
+    ONLINE_MEMBERS,
+    PROMPTS,
+    OnlineEpoch,
+    check_method,
+    epoch_generator,
 )
-from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
-from diffalign.objectives.dgpo import select_train_timesteps
-from diffalign.objectives.policy_gradient import train_transitions
-from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.plugins import build_rewards, build_selected_rewards
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.combine import reward_metrics
-from diffalign.samplers.groups import group_rollout, stream_seed
-from diffalign.train.preference import _flat_hparams, build_lr_scheduler
-from diffalign.types import GroupBatch
+from diffalign.rewards.guard import checked_rewards
+from diffalign.samplers.groups import group_rollout
+from diffalign.train.common import (
+    Checkpoints,
+    apply_update,
+    final_evaluation,
+    make_accelerator,
+    prepare_training,
+    start_trackers,
+    stop_if_requested,
+)
 from diffalign.world.prompts import load_prompts
-
-ONLINE_FLOWS = ("online_groups", "online_trajectories")
-_PROMPTS, _TIMESTEPS, _NOISE, _SHUFFLE = 10, 11, 12, 13  # stream tags (diffalign.samplers.groups uses 0 and 1)
-
-
-def epoch_generator(seed: int, epoch: int, tag: int, extra: int = 0) -> torch.Generator:
-    """A CPU generator for one of an epoch's random streams (prompt draw, timestep choice, noise, shuffles)."""
-    return torch.Generator().manual_seed(stream_seed(seed, epoch, extra, 0, tag))
-
-
-def group_noise(shape: tuple[int, ...], group_ids: torch.Tensor, *, seed: int, epoch: int, timestep_index: int
-                ) -> torch.Tensor:
-    """DGPO's training noise: one ε per (group, training timestep), identical for every member of the group and on
-    every process that holds members of it. Returns `(N, *shape)` float32 on CPU."""
-    cache: dict[int, torch.Tensor] = {}
-    rows = []
-    for g in group_ids.tolist():
-        if g not in cache:
-            cache[g] = torch.randn(shape, generator=torch.Generator().manual_seed(
-                stream_seed(seed, epoch, g, timestep_index, _NOISE)))
-        rows.append(cache[g])
-    return torch.stack(rows)
-
-
-def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
-                           ) -> tuple[list[torch.Tensor], bool]:
-    """Row indices of a process's policy-gradient minibatches for one inner epoch.
-
-    Stratified by group when `batch_size` is a whole number k of members from each of the process's groups (and k
-    divides the group size): each group's members are shuffled by a stream keyed by (seed, epoch, global group id,
-    inner epoch), and minibatch m takes members m·k … m·k + k − 1 of every group. A minibatch of one process is then
-    exactly its groups' share of the global minibatch m of a run on fewer processes with the same global batch, so N
-    processes with ``online.split=groups`` reproduce one process up to float rounding (with ``split=members`` a
-    process shuffles only its share of each group, which does not). Otherwise the process's rows are shuffled as a
-    whole (by a stream keyed by (seed, epoch, inner)) and cut into chunks of `batch_size` — a local shuffle, which
-    does not reproduce across process counts.
-
-    Args:
-        group_ids (`torch.Tensor`): `(N,)` global group id of each local row.
-        batch_size (`int`): rows per minibatch on this process (``trainer.batch_size``).
-
-    Returns:
-        (`list[torch.Tensor]` of int64 row indices covering every row once, True when stratified).
-    """
-    ids = group_ids.tolist()
-    groups = list(dict.fromkeys(ids))
-    members = {g: [i for i, x in enumerate(ids) if x == g] for g in groups}
-    sizes = {len(m) for m in members.values()}
-    k = batch_size // len(groups) if batch_size % len(groups) == 0 else 0
-    if len(sizes) == 1 and k and next(iter(sizes)) % k == 0:
-        size = next(iter(sizes))
-        order = {g: [members[g][j] for j in torch.randperm(size, generator=torch.Generator().manual_seed(
-            stream_seed(seed, epoch, g, inner, _SHUFFLE))).tolist()] for g in groups}
-        return [torch.tensor([i for g in groups for i in order[g][m * k:(m + 1) * k]])
-                for m in range(size // k)], True
-    perm = torch.randperm(len(ids), generator=epoch_generator(seed, epoch, _SHUFFLE, inner))
-    return [perm[s:s + batch_size] for s in range(0, len(perm), batch_size)], False
-
-
-def _split(units: list, parts: int) -> list[list]:
-    """`units` in `parts` contiguous, nearly equal chunks (empty ones dropped)."""
-    bounds = np.linspace(0, len(units), parts + 1).round().astype(int)
-    return [units[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def train(cfg: DictConfig) -> dict:
@@ -137,69 +73,68 @@ def train(cfg: DictConfig) -> dict:
     metrics (also written to ``<output_dir>/results.json``).
 
     Raises:
-        ValueError: for a method whose data flow is not online, a sampler that does not fit the method (a
-            policy-gradient method needs stored log-probs: ``sampler.name=sde`` with ``sampler.eta > 0``), a group
-            size < 2, or a DGPO micro-batch that is not a whole number of groups.
+        ValueError: for a method whose data flow is not online (or that lacks members of the method contract), a
+            config the method refuses (its ``check_config``, e.g. a sampler that does not fit it), a group size < 2,
+            or an ``online.split`` the number of processes does not divide.
         RewardError: when a reward fails (after a checkpoint is written).
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
     with StopSignals() as stop:
-        return _train(cfg, stop)
+        t_start = time.time()
+        run = _setup(cfg)
+        history = _resume(run)
+        t_train = time.time()
+        history = _train_epochs(run, stop, history)
+        return _finish(run, history, train_seconds=time.time() - t_train, t_start=t_start)
 
 
-def _train(cfg: DictConfig, stop: StopSignals) -> dict:
-    t_start = time.time()
-    output_dir = Path(cfg.output_dir)
-    tr, on, sp = cfg.trainer, cfg.online, cfg.sampler
-    log_with = None if tr.log_with in (None, "none") else tr.log_with
-    accelerator = Accelerator(mixed_precision=tr.mixed_precision, log_with=log_with, cpu=tr.cpu,
-                              step_scheduler_with_optimizer=False,  # one LR step per update on any number of processes
-                              project_config=ProjectConfiguration(project_dir=str(output_dir),
-                                                                  logging_dir=str(output_dir / "logs")))
-    set_seed(cfg.seed)
-    objective = instantiate(cfg.method)
-    flow = getattr(objective, "data_flow", None)
-    if flow not in ONLINE_FLOWS:
-        raise ValueError(f"method={cfg.method._target_} consumes {flow!r} data; the online loop runs methods whose "
-                         f"data_flow is one of {ONLINE_FLOWS}")
-    sampler_name = sp.get("name", "sde")
-    if flow == "online_trajectories" and (sampler_name != "sde" or sp.eta <= 0):
-        raise ValueError(f"method={cfg.method._target_} is a policy-gradient method and needs stochastic rollouts with "
-                         f"log-probs; got sampler.name={sampler_name!r}, sampler.eta={sp.eta}. Use sampler=ddim (SD) "
-                         "or sampler=flow_sde (flow models) with eta > 0.")
+@dataclass
+class _Run:
+    """A set-up online run: its parts and its position (epoch, global step)."""
+
+    cfg: DictConfig
+    accelerator: Accelerator
+    objective: object
+    policy: object
+    reference: object
+    rewards: object
+    eval_rewards: dict
+    monitor: object
+    rows: list[dict]
+    advantages: EpochAdvantages
+    params: list
+    optimizer: object
+    lr_scheduler: object
+    guard: NonFiniteGuard
+    checkpoints: Checkpoints
+    epoch: int = 0
+    global_step: int = 0
+    said: set = field(default_factory=set)
+
+    def trainer_state(self, at_epoch: int) -> dict:
+        return {"epoch": at_epoch, "global_step": self.global_step, "tracker": self.advantages.state_dict(),
+                "nonfinite": self.guard.state_dict()}
+
+    def write_checkpoint(self, at_epoch: int) -> Path:
+        return self.checkpoints.write(self.global_step, self.trainer_state(at_epoch))
+
+    def stop_with_checkpoint(self, at_epoch: int) -> Path:
+        """The checkpoint of the current step (written by the main process unless it exists), after a barrier."""
+        return self.checkpoints.stop(self.global_step, lambda: self.trainer_state(at_epoch))
+
+    def note(self, message: str) -> None:
+        """Prints `message` once per run."""
+        if message not in self.said:
+            self.said.add(message)
+            self.accelerator.print(message)
+
+
+def _check_split(on: DictConfig, num_proc: int) -> None:
+    """The online config's checks that depend on the number of processes (the generic ones; a method adds its own)."""
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
                          "prompt; set online.group_size >= 2 (DGPO/Flow-GRPO use 16-24).")
-    if flow == "online_groups" and on.get("split", "groups") == "groups" and tr.batch_size % on.group_size:
-        raise ValueError(f"trainer.batch_size={tr.batch_size} must be a multiple of online.group_size={on.group_size}"
-                         " for DGPO (a micro-batch holds whole groups).")
-    policy = instantiate(cfg.model)
-    policy.to(accelerator.device)
-    reference = instantiate(cfg.reference)
-    reference.setup(policy)
-    old_policy = None
-    if flow == "online_groups":
-        old_policy = EmaRolloutPolicy(objective.old_policy_switch_step, objective.old_policy_decay,
-                                      objective.old_policy_ramp)
-        old_policy.setup(policy)
-    rewards = build_rewards(cfg.reward)
-    eval_rewards = build_selected_rewards(cfg.get("eval_reward") or cfg.reward)
-    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
-    rows = load_prompts(on.prompts, field="online.prompts")
-    tracker = PerPromptStatTracker(on.tracker_buffer_size, on.tracker_min_count, clip=on.advantage_clip) \
-        if getattr(objective, "advantage", "group") == "per_prompt" else None
-    if getattr(objective, "advantage_per_reward", False):  # c_r of Σ_r c_r 𝓛_r: the rewards' weights
-        objective.reward_coefficients = torch.tensor([rewards.weights[n] for n in rewards.weights])
-    params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
-                                  weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
-    total_updates = on.num_epochs * on.updates_per_epoch * (on.num_inner_epochs if flow == "online_trajectories" else 1)
-    lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
-    wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
-    if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
-        policy.set_forward_module(wrapped)
-    num_proc, rank = accelerator.num_processes, accelerator.process_index
     split = on.get("split", "groups")
     if split not in ("groups", "members"):
         raise ValueError(f"online.split={split!r} must be 'groups' (whole groups per process) or 'members' (every "
@@ -211,311 +146,238 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         if on.group_size % num_proc:
             raise ValueError(f"online.split=members: online.group_size={on.group_size} must be divisible by the "
                              f"{num_proc} processes")
-        if flow == "online_groups" and tr.batch_size % (on.group_size // num_proc):
-            raise ValueError(f"online.split=members: trainer.batch_size={tr.batch_size} must be a multiple of each "
-                             f"process's share of a group ({on.group_size // num_proc}) so a micro-batch holds whole "
-                             "shares")
         if on.get("best_of_n"):
             raise ValueError("online.best_of_n selects within whole groups; use online.split=groups with it")
-        if flow == "online_trajectories" and num_proc > 1:
-            accelerator.print("[diffalign] note: online.split=members with a policy-gradient method shuffles each "
-                              "process's share of a group on its own; a run on another number of processes will "
-                              "differ (online.split=groups reproduces it)")
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        accelerator.init_trackers("diffalign", config=_flat_hparams(cfg) if log_with == "tensorboard" else
-                                  OmegaConf.to_container(cfg, resolve=True))
+
+
+def _setup(cfg: DictConfig) -> _Run:
+    """Accelerator, method (checked against the contract and the config), policy, reference, rewards, optimizer."""
+    tr, on, sp = cfg.trainer, cfg.online, cfg.sampler
+    output_dir = Path(cfg.output_dir)
+    accelerator = make_accelerator(cfg)
+    num_proc = accelerator.num_processes
+    objective = instantiate(cfg.method)
+    check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
+    _check_split(on, num_proc)
+    objective.check_config(cfg, num_proc)
+    policy = instantiate(cfg.model)
+    policy.to(accelerator.device)
+    reference = instantiate(cfg.reference)
+    reference.setup(policy)
+    objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
+    rewards = build_rewards(cfg.reward)
+    eval_rewards = checked_rewards(build_selected_rewards(cfg.get("eval_reward") or cfg.reward))
+    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
+    rows = load_prompts(on.prompts, field="online.prompts")
+    advantages = EpochAdvantages(objective.advantage, std=on.advantage_std, clip=on.advantage_clip,
+                                 correction=on.advantage_std_correction, eps=on.advantage_eps,
+                                 tracker_buffer_size=on.tracker_buffer_size, tracker_min_count=on.tracker_min_count)
+    total_updates = on.num_epochs * objective.epoch_updates(on.updates_per_epoch, on.num_inner_epochs)
+    params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, total_updates)
+    start_trackers(accelerator, cfg)
+    name = sp.get("name", "sde")
     flow_sde_label = "DanceGRPO SDE eta" if sp.get("sde_type", "flow_grpo") == "dance" else "flow SDE a"
-    sampler_label = sampler_name if sampler_name != "sde" else (
+    sampler_label = name if name != "sde" else (
         f"{flow_sde_label if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
         f"({sampler_label}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
-        f"reward {rewards!r}{' (one advantage per reward)' if getattr(objective, 'advantage_per_reward', False) else ''}"
+        f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
-
-    # ---------------------------------------------------------------------------------------------------- resume
-    epoch, global_step = 0, 0
-    resumed_history: list[dict] = []
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
-    if accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
-        remove_temporaries(output_dir)
-    if cfg.resume is not None:
-        ckpt = latest_checkpoint(output_dir) if cfg.resume == "latest" else Path(cfg.resume)
-        if ckpt is None:
-            accelerator.print(f"[diffalign] resume=latest: no checkpoint in {output_dir}, starting from scratch")
-        else:
-            state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
-            policy.load_lora_weights(ckpt)
-            epoch, global_step = state["epoch"], state["global_step"]
-            reference.load_state_dict(read_state(ckpt, "reference_state"))
-            if old_policy is not None:
-                old_policy.load_state_dict(read_state(ckpt, "old_policy_state"))
-            if tracker is not None:
-                tracker.load_state_dict(state["tracker"])
-            guard.load_state_dict(state.get("nonfinite", guard.state_dict()))
-            if (output_dir / "history.jsonl").is_file():  # keep the log of the epochs before the checkpoint
-                resumed_history = [json.loads(line) for line in (output_dir / "history.jsonl").read_text().splitlines()
-                                   if line.strip()]
-                resumed_history = [h for h in resumed_history if h.get("epoch", 0) <= epoch]
-            accelerator.print(f"[diffalign] resumed from {ckpt} at epoch {epoch} (step {global_step})")
+    checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
+                              {"reference_state": reference, **objective.checkpoint_states()})
+    return _Run(cfg, accelerator, objective, policy, reference, rewards, eval_rewards, monitor, rows, advantages,
+                params, optimizer, lr_scheduler, guard, checkpoints)
 
-    def write_dir(directory: Path) -> None:
-        policy.save_lora_weights(directory)
-        write_state(reference.state_dict(), directory, "reference_state")
-        if old_policy is not None:
-            write_state(old_policy.state_dict(), directory, "old_policy_state")
 
-    def write_checkpoint(at_epoch: int) -> Path:
-        return save_checkpoint(output_dir, global_step, lora_dir_writer=write_dir, optimizer=optimizer,
-                               lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
-                               state={"epoch": at_epoch, "global_step": global_step,
-                                      "tracker": tracker.state_dict() if tracker is not None else {},
-                                      "nonfinite": guard.state_dict()})
+def _resume(run: _Run) -> list[dict]:
+    """Continues from ``cfg.resume`` (if any); returns the history of the epochs before the checkpoint."""
+    state = run.checkpoints.resume(run.cfg.resume)
+    if state is None:
+        return []
+    run.epoch, run.global_step = state["epoch"], state["global_step"]
+    run.advantages.load_state_dict(state.get("tracker", {}))
+    run.guard.load_state_dict(state.get("nonfinite", run.guard.state_dict()))
+    history = []
+    path = Path(run.cfg.output_dir) / "history.jsonl"
+    if path.is_file():  # keep the log of the epochs before the checkpoint
+        history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        history = [h for h in history if h.get("epoch", 0) <= run.epoch]
+    run.accelerator.print(f"[diffalign] resumed from {state['checkpoint']} at epoch {run.epoch} (step "
+                          f"{run.global_step})")
+    return history
 
-    def stop_with_checkpoint(at_epoch: int) -> Path:
-        """The checkpoint of the current step (written by the main process unless it exists), after a barrier."""
-        ckpt = output_dir / f"checkpoint-{global_step}"
-        if accelerator.is_main_process and not ckpt.exists():
-            write_checkpoint(at_epoch)
-        accelerator.wait_for_everyone()
-        return ckpt
 
-    def optimizer_step(loss_finite: bool) -> None:
-        nonlocal global_step
-        # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
-        if guard.update_ok(accelerator, params, tr.max_grad_norm, loss_finite):
-            optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        global_step += 1
-        reference.on_step(policy, global_step)
-        if old_policy is not None:
-            old_policy.after_update()
-        if guard.exhausted:
-            ckpt = stop_with_checkpoint(epoch)
-            raise NonFiniteError(
-                f"{guard.consecutive} updates in a row had a non-finite loss or gradient (epoch {epoch}, step "
-                f"{global_step}, trainer.max_consecutive_nonfinite={guard.max_consecutive}); checkpoint saved to "
-                f"{ckpt} (mid-epoch: it restarts epoch {epoch}). Lower trainer.learning_rate, set "
-                "trainer.max_grad_norm, or use trainer.mixed_precision=no", checkpoint=ckpt)
+def _monitor_logs(run: _Run) -> dict:
+    """The hacking monitors' metrics when due (main process), else `{}`."""
+    if run.monitor is None or not run.accelerator.is_main_process:
+        return {}
+    run.policy.denoiser.eval()
+    with bare_forward(run.policy):
+        out = run.monitor.maybe_log(run.global_step, run.policy, accelerator=run.accelerator,
+                                    log=run.accelerator.print) or {}
+    run.policy.denoiser.train()
+    return out
 
-    # ---------------------------------------------------------------------------------------------------- train
-    progress = tqdm(total=on.num_epochs, initial=epoch, desc="epochs", disable=not accelerator.is_main_process)
-    history, t_train = list(resumed_history), time.time()
+
+def _train_epochs(run: _Run, stop: StopSignals, history: list[dict]) -> list[dict]:
+    """Runs the remaining epochs (checkpoint every ``online.checkpointing_epochs``); returns the whole history."""
+    on, accelerator = run.cfg.online, run.accelerator
+    progress = tqdm(total=on.num_epochs, initial=run.epoch, desc="epochs", disable=not accelerator.is_main_process)
     # train_clock: seconds of rollouts + updates (no monitors), carried over a resume
     train_clock = float(history[-1].get("train_seconds", 0.0)) if history else 0.0
-
-    def monitor_logs() -> dict:
-        if monitor is None or not accelerator.is_main_process:
-            return {}
-        policy.denoiser.eval()
-        with bare_forward(policy):
-            out = monitor.maybe_log(global_step, policy, accelerator=accelerator, log=accelerator.print) or {}
-        policy.denoiser.train()
-        return out
-
-    if epoch == 0 and monitor is not None and not history:
-        first = monitor_logs()
+    if run.epoch == 0 and run.monitor is not None and not history:
+        first = _monitor_logs(run)
         if first:
             history.append({"epoch": 0, "step": 0, "rollouts": 0, "train_seconds": 0.0, **first})
+    while run.epoch < on.num_epochs:
+        stop_if_requested(stop, accelerator, lambda: run.stop_with_checkpoint(run.epoch),
+                          f"before epoch {run.epoch} (step {run.global_step})")
+        t_epoch = time.time()
+        logs = _epoch(run)
+        run.epoch += 1
+        train_clock += time.time() - t_epoch
+        logs.update({"nonfinite_skips": run.guard.skips, "lr": run.lr_scheduler.get_last_lr()[0],
+                     "epoch_seconds": time.time() - t_epoch, "train_seconds": train_clock,
+                     "rollouts": run.epoch * on.groups_per_epoch * on.group_size})
+        logs.update(_monitor_logs(run))
+        history.append({"epoch": run.epoch, "step": run.global_step, **logs})
+        accelerator.log(logs, step=run.epoch)
+        progress.update(1)
+        progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}")
+        if on.checkpointing_epochs and run.epoch % on.checkpointing_epochs == 0 and accelerator.is_main_process:
+            run.write_checkpoint(run.epoch)
+    progress.close()
+    return history
+
+
+def _epoch(run: _Run) -> dict:
+    """One epoch: rollouts, rewards, advantages, then the method's updates; returns the epoch's log entries."""
+    cfg, on, sp, accelerator, policy = run.cfg, run.cfg.online, run.cfg.sampler, run.accelerator, run.policy
+    num_proc, rank, epoch = accelerator.num_processes, accelerator.process_index, run.epoch
     # split of an epoch's rows across processes: whole groups ("groups"), or a share of every group ("members": each
     # process samples members r·G/P .. (r+1)·G/P − 1 of every group, so a group spans the processes)
-    split = on.get("split", "groups")
-    said_local_shuffle = False
-    per_proc = on.groups_per_epoch // num_proc if split == "groups" else on.groups_per_epoch
-    share = on.group_size // num_proc if split == "members" else on.group_size
-    my_members = list(range(rank * share, (rank + 1) * share)) if split == "members" else None
-    while epoch < on.num_epochs:
-        if stop.requested(accelerator):  # SIGTERM / SIGINT: checkpoint at this epoch boundary, then exit
-            ckpt = stop_with_checkpoint(epoch)
-            accelerator.print(f"[diffalign] {stop.name} received: stopped before epoch {epoch}, checkpoint {ckpt}; "
-                              "continue with resume=latest")
-            raise TrainingInterrupted(f"stopped by {stop.name} before epoch {epoch} (step {global_step}); checkpoint "
-                                      f"saved to {ckpt}; continue with resume=latest", stop.signum, checkpoint=ckpt)
-        t_epoch = time.time()
-        # 1. prompts of this epoch (the same draw on every process; each takes its own slice)
-        pick = torch.randint(len(rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, _PROMPTS))
-        mine = list(range(rank * per_proc, (rank + 1) * per_proc)) if split == "groups" else \
-            list(range(on.groups_per_epoch))
-        epoch_rows = [rows[int(pick[j])] for j in mine]
-        group_indices = [epoch * on.groups_per_epoch + j for j in mine]
-        # 2. rollouts with θ⁻ (DGPO) or θ
-        policy.denoiser.eval()
-        with torch.no_grad(), (old_policy.use(policy) if old_policy is not None else _null()):
-            traj, group_ids = group_rollout(
-                policy, [r["prompt"] for r in epoch_rows], on.group_size, group_indices=group_indices,
-                seed=cfg.seed, epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=sampler_name,
-                num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
-                rollout_batch_size=on.rollout_batch_size,
-                reduction=getattr(objective, "log_prob_reduction", "mean"),  # ViPO: "per_position"
-                sde_type=sp.get("sde_type", "flow_grpo"), members=my_members)
-        policy.denoiser.train()
-        # 3. rewards
-        metadata = [r for r in epoch_rows for _ in range(share)]
-        try:
-            scored = rewards(traj.images, traj.prompts, metadata)
-        except RewardError as err:
-            if accelerator.is_main_process:
-                err.checkpoint = write_checkpoint(epoch)
-            raise RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
-                              f"and resume with resume=latest", step=global_step, batch_index=epoch,
-                              prompts=sorted(set(traj.prompts))) from err
-        scores = scored.scores.detach().cpu()
-        # 4. advantages, computed from the whole epoch's rewards on every process (gathered in rank order), so the
-        # global std and the per-prompt tracker see what one process would; each process keeps its own rows
-        all_scores, all_ids, all_prompts = scores, group_ids, list(traj.prompts)
-        if num_proc > 1:
-            all_scores = accelerator.gather(scores.to(accelerator.device)).cpu()
-            all_ids = accelerator.gather(group_ids.to(accelerator.device)).cpu()
-            all_prompts = gather_object(list(traj.prompts))
-        mine_rows = slice(rank * len(scores), (rank + 1) * len(scores))
-        if tracker is not None:
-            advantages = tracker.update(all_prompts, all_scores)[mine_rows]
-            adv_stats = {"zero_std_fraction": group_advantages(all_scores, all_ids)[1]["zero_std_fraction"]}
-        elif getattr(objective, "advantage_per_reward", False):  # ViPO-Wan: one advantage per reward (VQ, MQ)
-            names = list(rewards.weights)
-            components = torch.stack([scored.info[f"scores/{n}"].detach().float().cpu() for n in names], 1)
-            if num_proc > 1:
-                components = accelerator.gather(components.to(accelerator.device)).cpu()
-            columns = [group_advantages(components[:, j], all_ids, std=on.advantage_std, clip=on.advantage_clip,
-                                        correction=on.advantage_std_correction, eps=on.advantage_eps)
-                       for j in range(len(names))]
-            advantages = torch.stack([c[0] for c in columns], 1)[mine_rows]  # (N, R)
-            adv_stats = {"zero_std_fraction": columns[0][1]["zero_std_fraction"]}
-        else:
-            advantages, adv_stats = group_advantages(all_scores, all_ids, std=on.advantage_std,
-                                                     clip=on.advantage_clip, correction=on.advantage_std_correction,
-                                                     eps=on.advantage_eps)
-            advantages = advantages[mine_rows]
-        if on.get("best_of_n") and flow == "online_trajectories":  # keep the n/2 best and n/2 worst of each group
-            keep = best_of_n_rows(scores, group_ids, on.best_of_n)
-            if len(keep) < len(scores):
-                traj, advantages, group_ids = traj.index(keep), advantages[keep], group_ids[keep]
-            adv_stats["kept_fraction"] = len(keep) / len(scores)
-        # 5. updates (an objective with `prepare_epoch`, e.g. ViPO's advantage maps, sees the whole epoch first and is
-        # then called with `rows=` the minibatch's row indices)
-        sums: dict[str, float] = {}
-        n_units = 0
-        prepare = getattr(objective, "prepare_epoch", None)
-        epoch_stats = prepare(policy, traj, advantages) if prepare is not None else None
+    members_split = on.get("split", "groups") == "members"
+    per_proc = on.groups_per_epoch if members_split else on.groups_per_epoch // num_proc
+    share = on.group_size // num_proc if members_split else on.group_size
+    # 1. prompts of this epoch (the same draw on every process; each takes its own slice)
+    pick = torch.randint(len(run.rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, PROMPTS))
+    mine = list(range(on.groups_per_epoch)) if members_split else list(range(rank * per_proc, (rank + 1) * per_proc))
+    epoch_rows = [run.rows[int(pick[j])] for j in mine]
+    # 2. rollouts with the method's rollout policy (θ, or θ⁻)
+    policy.denoiser.eval()
+    with torch.no_grad(), run.objective.rollout_policy.use(policy):
+        traj, group_ids = group_rollout(
+            policy, [r["prompt"] for r in epoch_rows], on.group_size,
+            group_indices=[epoch * on.groups_per_epoch + j for j in mine], seed=cfg.seed, epoch=epoch,
+            shared_initial_noise=on.shared_initial_noise, sampler=sp.get("name", "sde"),
+            num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
+            rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
+            sde_type=sp.get("sde_type", "flow_grpo"),
+            members=list(range(rank * share, (rank + 1) * share)) if members_split else None)
+    policy.denoiser.train()
+    # 3. rewards
+    metadata = [r for r in epoch_rows for _ in range(share)]
+    try:
+        scored = run.rewards(traj.images, traj.prompts, metadata)
+    except RewardError as err:
+        if accelerator.is_main_process:
+            err.checkpoint = run.write_checkpoint(epoch)
+        raise RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
+                          f"and resume with resume=latest", step=run.global_step, batch_index=epoch,
+                          prompts=sorted(set(traj.prompts))) from err
+    # 4. advantages
+    advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
+    scores = scored.scores.detach().cpu()
+    if on.get("best_of_n"):  # keep the n/2 best and n/2 worst of each group
+        keep = best_of_n_rows(scores, group_ids, on.best_of_n)
+        if len(keep) < len(scores):
+            traj, advantages, group_ids = traj.index(keep), advantages[keep], group_ids[keep]
+        adv_stats["kept_fraction"] = len(keep) / len(scores)
+    # 5. the method's updates
+    data = OnlineEpoch(traj, advantages, group_ids, on.group_size,
+                       torch.tensor([run.rewards.weights[n] for n in run.rewards.weights]), cfg.seed, epoch,
+                       cfg.trainer.batch_size, on.updates_per_epoch, on.num_inner_epochs, num_proc,
+                       on.get("split", "groups"), run.note)
+    prepared = run.objective.prepare(policy, data)
+    logs = _updates(run, data)
+    logs.update(reward_metrics(scored))
+    logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
+    logs.update(prepared)
+    return logs
 
-        def add(metrics, sums=sums):
-            nonlocal n_units
+
+def _advantages(run: _Run, scored, group_ids: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict]:
+    """This process's rows of the advantages, computed from the whole epoch's rewards on every process (gathered in
+    rank order), so the global std and the per-prompt tracker see what one process would."""
+    accelerator = run.accelerator
+    scores = scored.scores.detach().cpu()
+    all_scores, all_ids, all_prompts = scores, group_ids, list(prompts)
+    if accelerator.num_processes > 1:
+        all_scores = accelerator.gather(scores.to(accelerator.device)).cpu()
+        all_ids = accelerator.gather(group_ids.to(accelerator.device)).cpu()
+        all_prompts = gather_object(list(prompts))
+
+    def components() -> torch.Tensor:  # (N, R) each reward's scores, for one advantage per reward
+        out = torch.stack([scored.info[f"scores/{n}"].detach().float().cpu() for n in run.rewards.weights], 1)
+        return accelerator.gather(out.to(accelerator.device)).cpu() if accelerator.num_processes > 1 else out
+
+    advantages, stats = run.advantages(all_scores, all_ids, all_prompts, components)
+    rank = accelerator.process_index
+    return advantages[rank * len(scores):(rank + 1) * len(scores)], stats
+
+
+def _updates(run: _Run, data: OnlineEpoch) -> dict:
+    """One optimizer update per list of units of ``method.plan``; returns the units' mean metrics."""
+    accelerator, tr = run.accelerator, run.cfg.trainer
+    sums: dict[str, float] = {}
+    n_units = 0
+    for update in run.objective.plan(run.policy, data):
+        loss_finite = True
+        for unit in update:
+            with accelerator.autocast():
+                loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
+            loss_finite = loss_finite and bool(torch.isfinite(loss))
+            accelerator.backward(loss / len(update))
             n_units += 1
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
+        apply_update(accelerator, run.guard, run.optimizer, run.lr_scheduler, run.params, tr.max_grad_norm,
+                     loss_finite)
+        run.global_step += 1
+        run.reference.on_step(run.policy, run.global_step)
+        run.objective.rollout_policy.after_update()
+        if run.guard.exhausted:
+            ckpt = run.stop_with_checkpoint(run.epoch)
+            raise NonFiniteError(
+                f"{run.guard.consecutive} updates in a row had a non-finite loss or gradient (epoch {run.epoch}, step "
+                f"{run.global_step}, trainer.max_consecutive_nonfinite={run.guard.max_consecutive}); checkpoint saved "
+                f"to {ckpt} (mid-epoch: it restarts epoch {run.epoch}). Lower trainer.learning_rate, set "
+                "trainer.max_grad_norm, or use trainer.mixed_precision=no", checkpoint=ckpt)
+    return {k: v / max(1, n_units) for k, v in sums.items()}
 
-        if flow == "online_groups":
-            x0 = traj.latents[:, -1]
-            embeds = traj.prompt_embeds
-            if objective.reference_guidance_scale > 1 and embeds.negative_prompt_embeds is None:
-                embeds = policy.encode_prompts(traj.prompts, do_classifier_free_guidance=True)  # CFG-free mode 2
-            chosen = select_train_timesteps(traj.timesteps, objective.num_train_timesteps,
-                                            objective.timestep_max_index,
-                                            generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS))
-            units = [(ti, start) for ti in range(len(chosen)) for start in range(0, len(x0), tr.batch_size)]
-            for part in _split(units, on.updates_per_epoch):
-                part_finite = True
-                for ti, start in part:
-                    rows_idx = slice(start, start + tr.batch_size)
-                    gids = group_ids[rows_idx]
-                    noise = group_noise(x0.shape[1:], gids, seed=cfg.seed, epoch=epoch, timestep_index=ti)
-                    batch = GroupBatch(x0[rows_idx], traj.prompts[rows_idx], embeds.index(torch.arange(
-                        len(x0))[rows_idx]), advantages[rows_idx].to(x0.device), gids, on.group_size)
-                    with accelerator.autocast():
-                        loss, metrics = objective(policy, batch, timesteps=chosen[ti].to(x0.device),
-                                                  noise=noise.to(x0.device), reference=reference,
-                                                  old_policy=old_policy)
-                    part_finite = part_finite and bool(torch.isfinite(loss))
-                    accelerator.backward(loss / len(part))
-                    add(metrics)
-                optimizer_step(part_finite)
-        else:
-            for inner in range(on.num_inner_epochs):
-                # the trained transitions are the same on every process (their own stream); an objective without
-                # `timestep_selection` (a plugin written before it) keeps the random subset it was written for
-                steps = train_transitions(len(traj.timesteps), objective.timestep_fraction,
-                                          getattr(objective, "timestep_selection", "random"),
-                                          generator=epoch_generator(cfg.seed, epoch, _TIMESTEPS, inner))
-                minibatches, stratified = trajectory_minibatches(group_ids, tr.batch_size, seed=cfg.seed, epoch=epoch,
-                                                                 inner=inner)
-                if not stratified and not said_local_shuffle and num_proc > 1:
-                    said_local_shuffle = True
-                    accelerator.print(f"[diffalign] note: trainer.batch_size={tr.batch_size} is not a whole number of "
-                                      "members from each of a process's groups, so minibatches are shuffled per "
-                                      "process (a run on another number of processes will differ)")
-                units = [(idx, k) for idx in minibatches for k in steps]
-                for part in _split(units, on.updates_per_epoch):
-                    part_finite = True
-                    for idx, k in part:
-                        mb = traj.index(idx)
-                        with accelerator.autocast():
-                            loss, metrics = objective(policy, mb, advantages[idx].to(mb.latents.device), k,
-                                                      reference=reference,
-                                                      **({"rows": idx} if prepare is not None else {}))
-                        part_finite = part_finite and bool(torch.isfinite(loss))
-                        accelerator.backward(loss / len(part))
-                        add(metrics)
-                    optimizer_step(part_finite)
-        epoch += 1
-        train_clock += time.time() - t_epoch
-        logs = {k: v / max(1, n_units) for k, v in sums.items()}
-        logs.update(reward_metrics(scored))
-        logs.update({f"advantage/{k}": v for k, v in adv_stats.items()})
-        logs.update({f"vipo/{k}": v for k, v in (epoch_stats or {}).items()})
-        logs.update({"nonfinite_skips": guard.skips, "lr": lr_scheduler.get_last_lr()[0], "epoch_seconds": time.time() - t_epoch,
-                     "train_seconds": train_clock, "rollouts": epoch * on.groups_per_epoch * on.group_size})
-        logs.update(monitor_logs())
-        history.append({"epoch": epoch, "step": global_step, **logs})
-        accelerator.log(logs, step=epoch)
-        progress.update(1)
-        progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}")
-        if on.checkpointing_epochs and epoch % on.checkpointing_epochs == 0 and accelerator.is_main_process:
-            write_checkpoint(epoch)
-    progress.close()
-    train_seconds = time.time() - t_train
-    if accelerator.is_main_process and not (output_dir / f"checkpoint-{global_step}").exists():
-        write_checkpoint(epoch)
+
+def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: float) -> dict:
+    """The last checkpoint, the final LoRA and history, the evaluation and ``results.json``."""
+    accelerator, on, output_dir = run.accelerator, run.cfg.online, Path(run.cfg.output_dir)
+    if accelerator.is_main_process and not (output_dir / f"checkpoint-{run.global_step}").exists():
+        run.write_checkpoint(run.epoch)
     final_dir = output_dir / "final"
     if accelerator.is_main_process:
-        policy.save_lora_weights(final_dir)
+        run.policy.save_lora_weights(final_dir)
         (output_dir / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-
-    # ---------------------------------------------------------------------------------------------------- evaluate
-    results = {"epochs": epoch, "global_step": global_step, "train_seconds": train_seconds, "final_lora": str(final_dir),
-               "rollouts": epoch * on.groups_per_epoch * on.group_size, "history_tail": history[-3:]}
-    if cfg.eval.enabled and accelerator.is_main_process:
-        t_eval = time.time()
-        policy.denoiser.eval()
-        ecfg = eval_config_from(cfg.eval)
-        eval_rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
-        with bare_forward(policy):
-            results["eval"] = evaluate_policy(policy, eval_rows, eval_rewards, ecfg, output_dir / "eval",
-                                              {"base": True, "finetuned": False}, log=accelerator.print,
-                                              base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))
-        results["eval_seconds"] = time.time() - t_eval
-        try:
-            from diffalign.report import write_report
-
-            results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
-            accelerator.print(f"[diffalign] report: {results['report']}")
-        except ImportError:
-            pass
+    results = {"epochs": run.epoch, "global_step": run.global_step, "train_seconds": train_seconds,
+               "final_lora": str(final_dir), "rollouts": run.epoch * on.groups_per_epoch * on.group_size,
+               "history_tail": history[-3:]}
+    results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
+                                    lambda: run.checkpoints.before_stop(run.global_step,
+                                                                        lambda: run.trainer_state(run.epoch))))
     results["total_seconds"] = time.time() - t_start
     if accelerator.is_main_process:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
     accelerator.end_training()
     return results
-
-
-class _null:
-    """A no-op context manager."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -1,0 +1,232 @@
+"""What both training loops share, written once: the accelerator and trackers, the optimizer and LR schedule, the
+guarded optimizer step, checkpoints (write, stop, resume), the stop on SIGTERM / SIGINT, and the final evaluation.
+
+The loops stay unrolled (`diffalign.train.online`, `diffalign.train.preference`); these are the blocks they would
+otherwise each write out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from omegaconf import DictConfig, OmegaConf
+
+from diffalign.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    remove_temporaries,
+    save_checkpoint,
+    write_state,
+)
+from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
+from diffalign.faults import NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.models.base import bare_forward
+from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
+from diffalign.world.prompts import load_prompts
+
+
+def flat_hparams(cfg: DictConfig) -> dict:
+    """Scalar leaves of the config, flattened with '/' for the trackers."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}/")
+        elif isinstance(node, (int, float, str, bool)):
+            out[prefix[:-1]] = node
+        elif node is not None:
+            out[prefix[:-1]] = str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> Accelerator:
+    """The run's `Accelerator` (``trainer.mixed_precision``, ``trainer.log_with``, ``trainer.cpu``; logs under
+    ``<output_dir>/logs``), one LR step per optimizer step on any number of processes; then seeds every RNG with
+    ``cfg.seed``."""
+    tr, output_dir = cfg.trainer, Path(cfg.output_dir)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=tr.mixed_precision,
+        log_with=None if tr.log_with in (None, "none") else tr.log_with,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+        cpu=tr.cpu,
+        step_scheduler_with_optimizer=False,  # one LR step per optimizer step, whatever the number of processes
+    )
+    set_seed(cfg.seed)
+    return accelerator
+
+
+def start_trackers(accelerator: Accelerator, cfg: DictConfig) -> None:
+    """Creates ``output_dir`` and starts the trackers with the run's config (main process)."""
+    if accelerator.is_main_process:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        tensorboard = cfg.trainer.log_with == "tensorboard"
+        accelerator.init_trackers("diffalign", config=flat_hparams(cfg) if tensorboard else
+                                  OmegaConf.to_container(cfg, resolve=True))
+
+
+def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
+    """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
+    if kind not in ("constant_with_warmup", "cosine"):
+        raise ValueError(f"trainer.lr_scheduler must be 'constant_with_warmup' or 'cosine', got {kind!r}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant_with_warmup":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def prepare_training(accelerator: Accelerator, policy, tr: DictConfig, total_updates: int) -> tuple[list, Any, Any]:
+    """AdamW over the policy's trainable parameters (``trainer.adam_*``, ``trainer.learning_rate``), the LR schedule
+    over `total_updates`, and the denoiser, optimizer and schedule prepared by `accelerator` (under DDP/FSDP the policy
+    then forwards through the wrapper).
+
+    Returns:
+        (the trainable parameters, the optimizer, the LR scheduler).
+    """
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
+                                  weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
+    lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
+    wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
+        policy.set_forward_module(wrapped)
+    return params, optimizer, lr_scheduler
+
+
+def apply_update(accelerator: Accelerator, guard: NonFiniteGuard, optimizer, lr_scheduler, params,
+                 max_grad_norm: float | None, loss_finite: bool) -> None:
+    """One optimizer update from the accumulated gradients: skipped when the loss or a gradient is non-finite on any
+    process (`NonFiniteGuard`; the step still counts for the LR schedule), clipped to `max_grad_norm` otherwise."""
+    if guard.update_ok(accelerator, params, max_grad_norm, loss_finite):
+        optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Checkpoints:
+    """A run's checkpoints: ``checkpoint-<step>`` folders (`diffalign.checkpoint.save_checkpoint`) holding the LoRA,
+    the optimizer and LR scheduler, every object of `states` as ``<name>.{json,safetensors}`` and the loop's own
+    trainer state.
+
+    Args:
+        accelerator (`Accelerator`): only its main process writes.
+        output_dir (`Path`): the run folder.
+        policy: the policy whose LoRA is saved and loaded.
+        optimizer, lr_scheduler: saved and loaded with the checkpoint.
+        keep_last (`int`): the newest checkpoints kept (-1: all).
+        states (`dict[str, Any]`): objects with ``state_dict`` / ``load_state_dict`` by file stem (the reference
+            strategy as ``reference_state``, a method's `checkpoint_states`).
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: Path, policy, optimizer, lr_scheduler, keep_last: int,
+                 states: dict[str, Any]):
+        self.accelerator, self.output_dir, self.policy = accelerator, output_dir, policy
+        self.optimizer, self.lr_scheduler, self.keep_last, self.states = optimizer, lr_scheduler, keep_last, states
+
+    def _write_dir(self, directory: Path) -> None:
+        self.policy.save_lora_weights(directory)
+        for name, part in self.states.items():
+            write_state(part.state_dict(), directory, name)
+
+    def write(self, step: int, trainer_state: dict) -> Path:
+        """Writes ``checkpoint-<step>`` with `trainer_state` as its ``trainer_state.json`` (call on the main process)."""
+        return save_checkpoint(self.output_dir, step, lora_dir_writer=self._write_dir, optimizer=self.optimizer,
+                               lr_scheduler=self.lr_scheduler, keep_last=self.keep_last, state=trainer_state)
+
+    def before_stop(self, step: int, trainer_state: Callable[[], dict]) -> Path | None:
+        """The checkpoint of `step`, written now unless it exists; None on the other processes (no barrier)."""
+        existing = self.output_dir / f"checkpoint-{step}"
+        if not self.accelerator.is_main_process:
+            return None
+        return existing if existing.exists() else self.write(step, trainer_state())
+
+    def stop(self, step: int, trainer_state: Callable[[], dict]) -> Path:
+        """`before_stop`, then a barrier (the other processes wait for the write); the checkpoint's folder."""
+        self.before_stop(step, trainer_state)
+        self.accelerator.wait_for_everyone()
+        return self.output_dir / f"checkpoint-{step}"
+
+    def resume(self, resume: str | None) -> dict | None:
+        """Removes half-written checkpoints of a killed run, then loads `resume` (``"latest"`` or a folder) into the
+        optimizer, scheduler, LoRA and `states`; returns its trainer state, or None when there is nothing to resume."""
+        log = self.accelerator.print
+        if self.accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
+            remove_temporaries(self.output_dir)
+        if resume is None:
+            return None
+        ckpt = latest_checkpoint(self.output_dir) if resume == "latest" else Path(resume)
+        if ckpt is None:
+            log(f"[diffalign] resume=latest: no checkpoint in {self.output_dir}, starting from scratch")
+            return None
+        state = load_checkpoint(ckpt, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        self.policy.load_lora_weights(ckpt)
+        for name, part in self.states.items():
+            part.load_state_dict(read_state(ckpt, name))
+        state["checkpoint"] = ckpt
+        return state
+
+
+def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: Callable[[], Path], where: str) -> None:
+    """On SIGTERM / SIGINT (on any process): a checkpoint (`checkpoint()`), a message, then `TrainingInterrupted`.
+
+    Args:
+        where (`str`): when the run stopped, e.g. "before epoch 3" or "at step 12".
+
+    Raises:
+        TrainingInterrupted: with the signal and the checkpoint (the CLI exits with 128 + the signal number).
+    """
+    if not stop.requested(accelerator):
+        return
+    ckpt = checkpoint()
+    accelerator.print(f"[diffalign] {stop.name} received: stopped {where}, checkpoint {ckpt}; continue with "
+                      "resume=latest")
+    raise TrainingInterrupted(f"stopped by {stop.name} {where}; checkpoint saved to {ckpt}; continue with "
+                              "resume=latest", stop.signum, checkpoint=ckpt)
+
+
+def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rewards: dict, step: int,
+                     checkpoint: Callable[[], Path | None]) -> dict:
+    """Evaluates the base and the fine-tuned model on ``eval.prompts`` (main process, when ``eval.enabled``) and writes
+    the HTML report; a failing reward stops the run after `checkpoint()` (`stop_on_reward_error`).
+
+    Args:
+        eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`diffalign.rewards.guard.checked_rewards`).
+        step (`int`): the global step, named in reward errors.
+
+    Returns:
+        ``{"eval", "eval_seconds", "report"}`` for the run's results, or `{}` when nothing is evaluated here.
+    """
+    if not (cfg.eval.enabled and accelerator.is_main_process):
+        return {}
+    from diffalign.report import write_report
+
+    output_dir = Path(cfg.output_dir)
+    t_eval = time.time()
+    policy.denoiser.eval()
+    ecfg = eval_config_from(cfg.eval)
+    rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
+    set_reward_step(eval_rewards, step, reset_calls=True)
+    with stop_on_reward_error(checkpoint, log=accelerator.print), bare_forward(policy):
+        results = {"eval": evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
+                                           {"base": True, "finetuned": False}, log=accelerator.print,
+                                           base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))}
+    results["eval_seconds"] = time.time() - t_eval
+    results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
+    accelerator.print(f"[diffalign] report: {results['report']}")
+    return results

@@ -1,0 +1,114 @@
+"""Bit-for-bit regression record of the two training loops (a maintenance tool for refactors of diffalign/train/).
+
+Runs every tiny recipe for a few updates with a fixed seed and writes, per case, the logged history (without wall-clock
+fields) and a SHA-256 of the final LoRA tensors. Record before a refactor, check after it:
+
+    OMP_NUM_THREADS=1 python scripts/loop_regression.py --record /tmp/loops.json
+    OMP_NUM_THREADS=1 python scripts/loop_regression.py --check /tmp/loops.json [--only tiny_dgpo,...]
+
+``--check`` exits with status 1 and names every case whose history or weights differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from safetensors.torch import load_file
+
+from diffalign.cli import CONFIG_DIR, _setup
+
+ONLINE = ["online.num_epochs=2", "online.groups_per_epoch=2", "online.group_size=4", "online.rollout_batch_size=8",
+          "online.checkpointing_epochs=1", "trainer.batch_size=8", "sampler.num_inference_steps=4"]
+OFFLINE = ["trainer.max_steps=3", "trainer.batch_size=2", "trainer.checkpointing_steps=2"]
+COMMON = ["eval.enabled=false", "trainer.log_with=none", "trainer.keep_last=-1", "seed=3"]
+DGPO = ["method.timestep_max_index=2", "method.num_train_timesteps=2", "method.old_policy_switch_step=1"]
+
+# (loop, overrides); `{tmp}` is the case's scratch folder
+CASES: dict[str, tuple[str, list[str]]] = {
+    "tiny_ddpo": ("online", ["recipe=tiny_ddpo", "online.tracker_min_count=2", *ONLINE]),
+    "tiny_flow_grpo": ("online", ["recipe=tiny_flow_grpo", *ONLINE]),
+    "tiny_flow_grpo_best_of_n": ("online", ["recipe=tiny_flow_grpo", "online.best_of_n=2", "online.num_inner_epochs=2",
+                                            *ONLINE]),
+    "tiny_dgpo": ("online", ["recipe=tiny_dgpo", *DGPO, *ONLINE]),
+    "tiny_dgpo_tiny_sd": ("online", ["recipe=tiny_dgpo", "model=tiny_sd", *DGPO, *ONLINE]),
+    "tiny_dgpo_ema_reference": ("online", ["recipe=tiny_dgpo", "reference=ema", "reference.decay=0.5", *DGPO,
+                                           *ONLINE]),
+    "tiny_vipo_image": ("online", ["recipe=tiny_vipo_image", *ONLINE]),
+    "tiny_vipo_image_per_reward": ("online", ["recipe=tiny_vipo_image", "reward=[geneval_shapes,brightness]",
+                                              "method.advantage_per_reward=true", *ONLINE]),
+    "tiny_vipo_video": ("online", ["recipe=tiny_vipo_video", *ONLINE]),
+    "tiny_dpo": ("preference", ["recipe=tiny_dpo", "data.num_prompts=2", "data.samples_per_prompt=2",
+                                "data.num_inference_steps=4", *OFFLINE]),
+    "tiny_dpo_ema_accumulation": ("preference", ["recipe=tiny_dpo", "data.num_prompts=2", "data.samples_per_prompt=2",
+                                                 "data.num_inference_steps=4", "reference=ema", "reference.decay=0.5",
+                                                 "trainer.gradient_accumulation_steps=2", *OFFLINE]),
+    "tiny_dpo_sft": ("preference", ["recipe=tiny_dpo", "method=sft", "data=shapes_winners", "data.num_samples=8",
+                                    *OFFLINE]),
+    "tiny_seppo": ("preference", ["recipe=tiny_seppo", "data.num_samples=8", "sampler.num_inference_steps=4",
+                                  "reference.save_every=1", "reference.keep=2", *OFFLINE]),
+    "tiny_ddspo": ("preference", ["recipe=tiny_ddspo", "data.pairs_dir={tmp}/pairs", "data.prompts={tmp}/prompts.txt",
+                                  "data.max_pairs=4", "data.num_inference_steps=4", "data.batch_size=4", *OFFLINE]),
+}
+WALL_CLOCK = ("epoch_seconds", "train_seconds")
+
+
+def run_case(name: str, root: Path) -> dict:
+    """Trains case `name` in `root/name`; returns its history (no wall-clock fields) and final-LoRA digest."""
+    loop, overrides = CASES[name]
+    tmp = root / name
+    tmp.mkdir(parents=True)
+    (tmp / "prompts.txt").write_text("a red circle\na blue square\na green triangle\na yellow circle\n")
+    overrides = [o.replace("{tmp}", str(tmp)) for o in overrides] + COMMON + [f"output_dir={tmp / 'run'}"]
+    _setup()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    if loop == "online":
+        from diffalign.train.online import train
+    else:
+        from diffalign.train.preference import train
+    results = train(cfg)
+    if loop == "online":
+        history = [json.loads(line) for line in (tmp / "run" / "history.jsonl").read_text().splitlines()]
+    else:
+        history = results["history_tail"]
+    history = [{k: v for k, v in h.items() if k not in WALL_CLOCK} for h in history]
+    lora = load_file(tmp / "run" / "final" / "pytorch_lora_weights.safetensors")
+    digest = hashlib.sha256()
+    for key in sorted(lora):
+        digest.update(key.encode())
+        digest.update(lora[key].float().numpy().tobytes())
+    return {"history": history, "lora_sha256": digest.hexdigest(), "global_step": results["global_step"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--record", type=Path)
+    mode.add_argument("--check", type=Path)
+    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(CASES)
+    with tempfile.TemporaryDirectory() as root:
+        got = {name: run_case(name, Path(root)) for name in names}
+    if args.record:
+        args.record.write_text(json.dumps(got, indent=1))
+        print(f"recorded {len(got)} cases to {args.record}")
+        return 0
+    want = json.loads(args.check.read_text())
+    bad = [n for n in names if json.loads(json.dumps(got[n])) != want[n]]
+    for n in bad:
+        print(f"DIFFERS: {n}\n  want {want[n]}\n  got  {got[n]}")
+    print(f"{len(names) - len(bad)}/{len(names)} cases identical")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
