@@ -550,18 +550,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
                 images = _sample(policy, chunk, rows, cfg, use_reference=spec is True)
                 scored = _score(rewards, images, [rows[p]["prompt"] for p, _ in chunk], [rows[p] for p, _ in chunk])
                 for i, (p, s) in enumerate(chunk):
-                    stem = f"images/{slugs[label]}/p{p:05d}_s{s}"
-                    record = {"variant": label, "prompt": rows[p]["prompt"], "seed": s, "image_seed": image_seed(s, p),
-                              "prompt_index": p, "tag": rows[p].get("tag"), "image": f"{stem}.png"}
-                    if images.ndim == 5:  # a video (F, C, H, W): the file, and its first frame for the grids
-                        record["video"] = str(save_video(images[i], out_dir / f"{stem}.{cfg.video_format}")
-                                              .relative_to(out_dir))
-                        save_png(images[i, 0], out_dir / record["image"])
-                    else:
-                        save_png(images[i], out_dir / record["image"])
-                    record.update({n: e["scores"][i] for n, e in scored.items()})
-                    record.update({f"{n}/correct": e["correct"][i] for n, e in scored.items() if "correct" in e})
-                    buffer[p].append(record)
+                    buffer[p].append(_save_sample(images, scored, i, label, slugs[label], rows, p, s, cfg, out_dir))
                     if len(buffer[p]) == len(seeds):
                         f.write("".join(json.dumps(r) + "\n" for r in buffer[p]))
                         f.flush()
@@ -570,10 +559,35 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
     bar.close()
 
     # statistics, grids and tables from the samples (finished in this run or an earlier one)
+    return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context)
+
+
+def _save_sample(images: torch.Tensor, scored: dict, i: int, label: str, slug: str, rows: list[dict], p: int, s: int,
+                 cfg: EvalConfig, out_dir: Path) -> dict:
+    """Saves image (or video) `i` of a batch, prompt `p` with seed `s`, under ``images/<slug>/``; returns its
+    ``samples.jsonl`` record with every reward's score and correctness."""
+    stem = f"images/{slug}/p{p:05d}_s{s}"
+    record = {"variant": label, "prompt": rows[p]["prompt"], "seed": s, "image_seed": image_seed(s, p),
+              "prompt_index": p, "tag": rows[p].get("tag"), "image": f"{stem}.png"}
+    if images.ndim == 5:  # a video (F, C, H, W): the file, and its first frame for the grids
+        record["video"] = str(save_video(images[i], out_dir / f"{stem}.{cfg.video_format}").relative_to(out_dir))
+        save_png(images[i, 0], out_dir / record["image"])
+    else:
+        save_png(images[i], out_dir / record["image"])
+    record.update({n: e["scores"][i] for n, e in scored.items()})
+    record.update({f"{n}/correct": e["correct"][i] for n, e in scored.items() if "correct" in e})
+    return record
+
+
+def _write_metrics(samples: list[dict], rows: list[dict], variants: dict, rewards: dict, cfg: EvalConfig,
+                   out_dir: Path, slugs: dict[str, str], log, context: dict | None) -> dict:
+    """`evaluate_policy`'s last stage: the sorted ``samples.jsonl``, the statistics of each variant and its comparison
+    with the first, the overview and per-prompt grids, ``metrics.json`` and ``metrics.csv``; returns the metrics."""
+    labels, seeds = list(variants), list(cfg.seeds)
     order = {label: k for k, label in enumerate(labels)}
     samples = sorted((s for s in samples if s["variant"] in order),
                      key=lambda s: (order[s["variant"]], s["seed"], s["prompt_index"]))
-    _write_samples(samples_path, samples)
+    _write_samples(out_dir / "samples.jsonl", samples)
     by_variant = {label: [s for s in samples if s["variant"] == label] for label in labels}
     boot = {"num_resamples": cfg.bootstrap_resamples, "confidence": cfg.confidence, "seed": cfg.bootstrap_seed}
     scored_all = {}

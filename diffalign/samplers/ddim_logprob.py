@@ -92,6 +92,32 @@ def ddim_variance(scheduler: DDIMScheduler, timestep: torch.Tensor | int) -> tor
     return (beta_prod_t_prev / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
 
 
+def _check_step_args(scheduler, model_output, sample, prev_sample, generator, prediction_type, reduction, eta
+                     ) -> None:
+    """`ddim_step`'s argument checks (the ValueErrors its docstring lists)."""
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"`prediction_type` must be one of {PREDICTION_TYPES}, got {prediction_type!r}.")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}.")
+    if eta < 0:
+        raise ValueError(f"`eta` must be >= 0, got {eta}.")
+    if scheduler.config.thresholding:
+        raise ValueError("`scheduler.config.thresholding=True` is not supported by `ddim_step`; set it to False.")
+    if model_output.shape != sample.shape:
+        raise ValueError(
+            f"`model_output` shape {tuple(model_output.shape)} must equal `sample` shape {tuple(sample.shape)}."
+        )
+    if prev_sample is not None and prev_sample.shape != sample.shape:
+        raise ValueError(
+            f"`prev_sample` shape {tuple(prev_sample.shape)} must equal `sample` shape {tuple(sample.shape)}."
+        )
+    if isinstance(generator, list) and len(generator) != sample.shape[0]:
+        raise ValueError(
+            f"Got a list of {len(generator)} generators for a batch of {sample.shape[0]} samples; pass one generator"
+            " per sample."
+        )
+
+
 def ddim_step(
     scheduler: DDIMScheduler,
     model_output: torch.Tensor,
@@ -146,27 +172,7 @@ def ddim_step(
     """
     # 1. validate
     prediction_type = prediction_type or scheduler.config.prediction_type
-    if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"`prediction_type` must be one of {PREDICTION_TYPES}, got {prediction_type!r}.")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}.")
-    if eta < 0:
-        raise ValueError(f"`eta` must be >= 0, got {eta}.")
-    if scheduler.config.thresholding:
-        raise ValueError("`scheduler.config.thresholding=True` is not supported by `ddim_step`; set it to False.")
-    if model_output.shape != sample.shape:
-        raise ValueError(
-            f"`model_output` shape {tuple(model_output.shape)} must equal `sample` shape {tuple(sample.shape)}."
-        )
-    if prev_sample is not None and prev_sample.shape != sample.shape:
-        raise ValueError(
-            f"`prev_sample` shape {tuple(prev_sample.shape)} must equal `sample` shape {tuple(sample.shape)}."
-        )
-    if isinstance(generator, list) and len(generator) != sample.shape[0]:
-        raise ValueError(
-            f"Got a list of {len(generator)} generators for a batch of {sample.shape[0]} samples; pass one generator"
-            " per sample."
-        )
+    _check_step_args(scheduler, model_output, sample, prev_sample, generator, prediction_type, reduction, eta)
 
     # 2. alphas (float32, broadcastable to the sample)
     alpha_prod_t, alpha_prod_t_prev = _alphas(scheduler, timestep, sample.device, sample.ndim)

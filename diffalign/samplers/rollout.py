@@ -26,6 +26,37 @@ from diffalign.types import PromptEmbeds, Trajectory
 STOCHASTIC_SAMPLERS = ("ddim", "flow_sde", "dance_sde")  # trajectories with per-step log-probs (when eta > 0)
 
 
+def _check_rollout_args(policy, prompts, num_inference_steps, generator, prompt_embeds, latents, sde_type):
+    """`rollout`'s argument checks (the errors its docstring lists); returns (the policy's scheduler, whether it is a
+    flow-matching one, the latents' shape `(B, C, h, w)`)."""
+    batch_size = len(prompts)
+    if num_inference_steps < 1:
+        raise ValueError(f"`num_inference_steps` must be >= 1, got {num_inference_steps}.")
+    if isinstance(generator, list) and len(generator) != batch_size:
+        raise ValueError(
+            f"Got a list of {len(generator)} generators for {batch_size} prompts; pass one generator per image"
+            f" ({batch_size}) or a single generator."
+        )
+    if prompt_embeds is not None and len(prompt_embeds) != batch_size:
+        raise ValueError(
+            f"`prompt_embeds` has {len(prompt_embeds)} rows for {batch_size} prompts; pass one per prompt."
+        )
+    scheduler = policy.scheduler
+    is_flow = isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
+    if not (is_flow or isinstance(scheduler, DDIMScheduler)):
+        raise TypeError(f"`rollout` steps with DDIM or the flow SDE/ODE; the policy's scheduler is a "
+                        f"{type(scheduler).__name__}.")
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sampler.sde_type={sde_type!r} must be one of {SDE_TYPES}")
+    if sde_type != "flow_grpo" and not is_flow:
+        raise ValueError(f"sampler.sde_type={sde_type!r} is a flow-matching SDE; this policy's scheduler is "
+                         f"{type(scheduler).__name__}: use sampler=ddim (DDIM-η) for ε/v models")
+    shape = (batch_size, *policy.latent_shape)
+    if latents is not None and tuple(latents.shape) != shape:
+        raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
+    return scheduler, is_flow, shape
+
+
 def rollout(
     policy: DiffusionPolicy,
     prompts: list[str],
@@ -92,31 +123,8 @@ def rollout(
         TypeError: if the policy's scheduler is neither a `DDIMScheduler` nor a `FlowMatchEulerDiscreteScheduler`.
     """
     # 1. check the arguments
-    batch_size = len(prompts)
-    if num_inference_steps < 1:
-        raise ValueError(f"`num_inference_steps` must be >= 1, got {num_inference_steps}.")
-    if isinstance(generator, list) and len(generator) != batch_size:
-        raise ValueError(
-            f"Got a list of {len(generator)} generators for {batch_size} prompts; pass one generator per image"
-            f" ({batch_size}) or a single generator."
-        )
-    if prompt_embeds is not None and len(prompt_embeds) != batch_size:
-        raise ValueError(
-            f"`prompt_embeds` has {len(prompt_embeds)} rows for {batch_size} prompts; pass one per prompt."
-        )
-    scheduler = policy.scheduler
-    is_flow = isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
-    if not (is_flow or isinstance(scheduler, DDIMScheduler)):
-        raise TypeError(f"`rollout` steps with DDIM or the flow SDE/ODE; the policy's scheduler is a "
-                        f"{type(scheduler).__name__}.")
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sampler.sde_type={sde_type!r} must be one of {SDE_TYPES}")
-    if sde_type != "flow_grpo" and not is_flow:
-        raise ValueError(f"sampler.sde_type={sde_type!r} is a flow-matching SDE; this policy's scheduler is "
-                         f"{type(scheduler).__name__}: use sampler=ddim (DDIM-η) for ε/v models")
-    shape = (batch_size, *policy.latent_shape)
-    if latents is not None and tuple(latents.shape) != shape:
-        raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
+    scheduler, is_flow, shape = _check_rollout_args(policy, prompts, num_inference_steps, generator, prompt_embeds,
+                                                    latents, sde_type)
 
     denoiser = getattr(policy, "denoiser", None)
     lora_context = (inference_lora(denoiser, fuse=fuse_lora) if denoiser is not None and not enable_grad
@@ -124,9 +132,8 @@ def rollout(
     with torch.set_grad_enabled(enable_grad), lora_context:
         # 2. encode the prompts (negatives only with guidance)
         if prompt_embeds is None:
-            prompt_embeds = policy.encode_prompts(
-                prompts, negative_prompts, do_classifier_free_guidance=guidance_scale > 1
-            )
+            prompt_embeds = policy.encode_prompts(prompts, negative_prompts,
+                                                  do_classifier_free_guidance=guidance_scale > 1)
 
         # 3. timesteps, e.g. [981, 961, ..., 1] for 50 SD steps
         device = policy.device
@@ -150,18 +157,8 @@ def rollout(
                 step = ddim_step(scheduler, model_output, t, latents, eta=eta, generator=generator,
                                  reduction=reduction)
             if callback is not None:
-                callback(
-                    {
-                        "i": i,
-                        "t": t,
-                        "x": latents,
-                        "x_next": step.prev_sample,
-                        "model_output": model_output,
-                        "mean": step.mean,
-                        "std": step.std,
-                        "log_prob": step.log_prob,
-                    }
-                )
+                callback({"i": i, "t": t, "x": latents, "x_next": step.prev_sample, "model_output": model_output,
+                          "mean": step.mean, "std": step.std, "log_prob": step.log_prob})
             latents = step.prev_sample
             all_latents.append(latents)
             log_probs.append(step.log_prob)
@@ -171,16 +168,9 @@ def rollout(
         images = policy.decode(latents) if decode else None
 
     return Trajectory(
-        latents=torch.stack(all_latents, dim=1),
-        timesteps=timesteps.clone(),
-        log_probs=torch.stack(log_probs, dim=1),
-        trainable=torch.stack(stds) > 0,
-        prompt_embeds=prompt_embeds,
-        images=images,
-        prompts=list(prompts),
-        guidance_scale=guidance_scale,
-        eta=eta,
-        sigmas=None if sigmas is None else sigmas.cpu(),
+        latents=torch.stack(all_latents, dim=1), timesteps=timesteps.clone(), log_probs=torch.stack(log_probs, dim=1),
+        trainable=torch.stack(stds) > 0, prompt_embeds=prompt_embeds, images=images, prompts=list(prompts),
+        guidance_scale=guidance_scale, eta=eta, sigmas=None if sigmas is None else sigmas.cpu(),
         sampler=("flow_sde" if sde_type == "flow_grpo" else "dance_sde") if is_flow else "ddim",
     )
 

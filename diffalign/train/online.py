@@ -46,6 +46,7 @@ from diffalign.methods import (
     ONLINE_MEMBERS,
     PROMPTS,
     OnlineEpoch,
+    OnlineMethod,
     check_method,
     epoch_generator,
 )
@@ -95,7 +96,7 @@ class _Run:
 
     cfg: DictConfig
     accelerator: Accelerator
-    objective: object
+    objective: OnlineMethod
     policy: object
     reference: object
     rewards: object

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from diffalign.data.preference import ResumableSampler
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
-from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
+from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
@@ -137,7 +137,7 @@ class _Run:
 
     cfg: DictConfig
     accelerator: Accelerator
-    objective: object
+    objective: PreferenceMethod
     policy: object
     reference: object
     dataset: object
