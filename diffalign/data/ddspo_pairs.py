@@ -233,19 +233,19 @@ class DDSPOPairsConfig:
 
     _target_: str = "diffalign.data.ddspo_pairs.DDSPOPairs"
     pairs_dir: str = MISSING
-    generate: bool = False
-    prompts: str = "train"
-    degradation: str = "random_removal"
-    num_variants: int = 5
+    generate: bool = False  # make the missing shards first; the settings below are the generation's
+    prompts: str = "train"  # shipped split or a jsonl/txt prompt file
+    degradation: str = "random_removal"  # random_removal (paper, 40-70% of words) | attributes | external
+    num_variants: int = 5  # degraded variants per prompt, one per pair [CODE random_removal.py]
     samples_per_prompt: int = 1
-    num_inference_steps: int = 25
-    guidance_scale: float = 7.5
-    scheduler: str = "default"
+    num_inference_steps: int = 25  # [CODE prepare_latents.py default]
+    guidance_scale: float = 7.5  # [CODE scripts/prepare_latents.sh]
+    scheduler: str = "default"  # default (the policy's) | ddim | pndm | euler | euler_ancestral | ...
     seed: int = 0
     shard_size: int = 256
     batch_size: int = 16
-    rewriter: str | None = None
-    source: str = ""
+    rewriter: str | None = None  # 'package.module:factory' returning a PromptRewriter
+    source: str = ""  # recorded in the manifest
     max_pairs: int | None = None
 
 

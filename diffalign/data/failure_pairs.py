@@ -31,7 +31,7 @@ class FailurePairsConfig:
 
     _target_: str = "diffalign.data.failure_pairs.FailurePairs"
     prompts: str = "train"
-    num_prompts: int | None = None
+    num_prompts: int | None = None  # null: every prompt of the file (594 train prompts)
     samples_per_prompt: int = 4
     reward: str = "geneval_shapes"
     num_inference_steps: int = 20
@@ -39,7 +39,7 @@ class FailurePairsConfig:
     eta: float = 0.0
     batch_size: int = 128
     seed: int = 0
-    losers: str = "failures"
+    losers: str = "failures"  # failures | all (every sample a loser: the filter's ablation)
 
 
 class FailurePairs(PreparedPairs):

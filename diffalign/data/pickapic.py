@@ -33,12 +33,12 @@ class PickAPicPairsConfig:
 
     _target_: str = "diffalign.data.pickapic.PickAPicPairs"
     path: str = "???"
-    resolution: int | None = None
+    resolution: int | None = None  # null: the model's pixel size; shorter side + center crop
     caption_field: str = "caption"
     image_fields: list[str] = field(default_factory=lambda: ["jpg_0", "jpg_1"])
-    image_root: str | None = None
+    image_root: str | None = None  # relative image paths' folder; default the jsonl's
     keep_ties: bool = False
-    winners_only: bool = False
+    winners_only: bool = False  # read only the winners (SePPO)
     max_rows: int | None = None
 
 

@@ -25,8 +25,8 @@ class WinnerFolderConfig:
 
     _target_: str = "diffalign.data.winners.WinnerFolder"
     captions: str = "???"
-    image_root: str | None = None
-    resolution: int | None = None
+    image_root: str | None = None  # default: the jsonl's folder
+    resolution: int | None = None  # null: the model's pixel size
     file_field: str = "file_name"
     caption_field: str = "caption"
 

@@ -4,7 +4,21 @@ training forward is guided with gradients through both branches."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+
+
+@dataclass
+class DDPOConfig:
+    """Config of `DDPO` (``method=ddpo`` extends it); the fields mirror its `__init__` arguments."""
+
+    _target_: str = "diffalign.objectives.ddpo.DDPO"
+    clip_range: float = 1.0e-4
+    beta_kl: float = 0.0
+    timestep_fraction: float = 1.0
+    timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch (ddpo-pytorch: one per
+                                        # sample); first: in order
 
 
 class DDPO(ClippedPolicyGradient):

@@ -32,6 +32,7 @@ With the frozen-base strategy the two coincide and one reference forward serves 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -99,6 +100,24 @@ def select_train_timesteps(schedule: torch.Tensor, num: int, max_index: int, gen
         raise ValueError(f"method.num_train_timesteps={num} must be in [1, timestep_max_index + 1 = {max_index + 1}].")
     perm = torch.randperm(max_index + 1, generator=generator)[:num]
     return schedule[perm.sort().values]
+
+
+@dataclass
+class DGPOConfig:
+    """Config of `DGPO` (``method=dgpo`` extends it); the fields mirror its `__init__` arguments. [PAPER] =
+    arXiv:2510.08425, [CODE] = the released code."""
+
+    _target_: str = "diffalign.objectives.dgpo.DGPO"
+    beta: float = 100.0                     # paper default; 10 PickScore; 2000 with an EMA reference [CODE config/dgpo.py]
+    beta_kl: float = 0.0                    # velocity L2 to the KL reference; method=dgpo: 0.02 (GenEval/OCR) [CODE]
+    clip_range: float | None = None         # PPO-style clip of the DSM loss vs theta^-; method=dgpo: 0.01 [CODE]
+    reference_guidance_scale: float = 1.0   # mode 1; the CFG-free mode 2 uses 4.5 with sampler.guidance_scale=1
+    num_train_timesteps: int = 4            # M timesteps per epoch, shared by all samples [CODE]
+    timestep_max_index: int = 4             # timestep clip: rollout-schedule indices 0..4 of 10 (GenEval) [CODE]
+    old_policy_switch_step: int = 200       # theta^- = theta for the first 200 updates (500 GenEval) [PAPER+CODE]
+    old_policy_decay: float = 0.3
+    old_policy_ramp: float = 0.001
+    kl_reference: str = "base"              # KL to the adapter-disabled base even with reference=ema [CODE] | reference
 
 
 class DGPO:

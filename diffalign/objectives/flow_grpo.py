@@ -4,7 +4,23 @@ guided with the unconditional branch detached. On ε-models it is DDPO + KL with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+
+
+@dataclass
+class FlowGRPOConfig:
+    """Config of `FlowGRPO` (``method=flow_grpo`` extends it); the fields mirror its `__init__` arguments, the defaults
+    the released GenEval config ([CODE] = yifan123/flow_grpo)."""
+
+    _target_: str = "diffalign.objectives.flow_grpo.FlowGRPO"
+    clip_range: float = 1.0e-4
+    beta_kl: float = 0.04               # GenEval/OCR; 0.01 PickScore [CODE]
+    kl_form: str = "code"               # code: mean||mu - mu_ref||^2 / (2 sigma_t^2) without |dt| [CODE]; exact: / (2 s^2)
+    detach_unconditional: bool = True
+    timestep_fraction: float = 0.99     # int(10 * 0.99) = 9 of 10 transitions [CODE]
+    timestep_selection: str = "first"   # first: transitions 0..8 in order [CODE scripts/train_sd3.py]; random: a random 9
 
 
 class FlowGRPO(ClippedPolicyGradient):

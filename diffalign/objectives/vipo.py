@@ -23,6 +23,7 @@ decodes nothing twice: the maps are computed from `trajectory.images`), then `lo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,30 @@ from diffalign.vipo.psm import PADDINGS, PerceptualStructuring, advantage_maps
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
+
+
+@dataclass
+class ViPOConfig:
+    """Config of `ViPO` (``method=vipo`` extends it); the fields mirror its `__init__` arguments. [CODE] = the released
+    scripts (train_vipo_flux.py / train_vipo_wan_fsdp.py), [PAPER] = arXiv:2511.18719."""
+
+    _target_: str = "diffalign.objectives.vipo.ViPO"
+    clip_range: float = 1.0e-4          # [CODE]
+    reduction: str = "per_position"     # per_position (paper, Wan script) | scalar_weighted (released FLUX script)
+    timestep_fraction: float = 0.6      # 60% of the transitions [CODE]
+    detach_unconditional: bool = True   # unconditional CFG branch under no-grad (Wan script)
+    advantage_clip: float | None = 5.0  # A^p clipped to +-5 [CODE]
+    map: str = "psm"                    # psm | ones (all-ones map: the ablation; with scalar_weighted it is GRPO exactly)
+    backbone: str = "tiny_clip"         # tiny_clip | dinov2:<local folder> (paper: DINOv2-large) | python:<module>:<factory>
+    num_components: int = 3             # K [PAPER: K = 3 best balance]
+    aggregation: str = "weighted"       # weighted (released code) | average | first
+    orientation: str = "reverse"        # reverse (released code: (max - z)/(max - min)) | forward
+    spatial_sigma: float = 1.0          # Gaussian on the patch grid [PAPER: sigma = 1]
+    temporal_sigma: float = 0.3         # video: Gaussian along latent frames [CODE]
+    advantage_per_reward: bool = False  # true: one advantage (and map) per selected reward, sum_r weight_r L_r (Wan)
+    timestep_selection: str = "random"  # random: one random 60% for the batch (released: one per sample) | first
+    smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
+    smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
 
 
 class ViPO:

@@ -1,0 +1,83 @@
+"""The structured configs (`diffalign.plugins.SCHEMAS`) are the source of truth of their groups' types and defaults:
+each mirrors its component's `__init__`, each YAML option extends its schema and sets only what differs from it, and
+Hydra type-checks overrides against it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from hydra.utils import get_class
+
+from diffalign.cli import CONFIG_DIR
+from diffalign.plugins import SCHEMAS
+from tests.test_cli import compose_cfg
+
+OPTIONS = [(group, name) for group, options in SCHEMAS.items() for name in options]
+
+
+def schema(group: str, name: str) -> type:
+    module, attr = SCHEMAS[group][name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def defaults(config: type) -> dict:
+    """Each field's default (``default_factory`` called)."""
+    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(config)}
+
+
+@pytest.mark.parametrize("group,name", OPTIONS)
+def test_schema_fields_mirror_the_components_init(group, name):
+    config = schema(group, name)
+    fields = {k: v for k, v in defaults(config).items() if k != "_target_"}
+    params = {k: p for k, p in inspect.signature(get_class(config._target_).__init__).parameters.items()
+              if k != "self"}
+    assert list(fields) == list(params), (group, name)
+    for key, param in params.items():
+        default = fields[key]
+        if param.default is inspect.Parameter.empty:
+            assert default == "???", (group, name, key)  # required: Hydra's MISSING
+        else:
+            expected = list(param.default) if isinstance(param.default, tuple) else param.default  # (YAML: lists)
+            assert default == expected, (group, name, key)
+
+
+@pytest.mark.parametrize("group,name", OPTIONS)
+def test_yaml_options_extend_their_schema_and_set_only_what_differs(group, name):
+    raw = yaml.safe_load((Path(CONFIG_DIR) / group / f"{name}.yaml").read_text())
+    assert raw["defaults"] == [f"/schema/{group}/{name}@_here_", "_self_"]
+    schema_defaults = defaults(schema(group, name))
+    for key, value in raw.items():
+        if key != "defaults":
+            assert key in schema_defaults and value != schema_defaults[key], (group, name, key)
+
+
+def test_yaml_options_are_exactly_the_schemas():
+    for group, options in SCHEMAS.items():
+        yaml_options = {p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml")}
+        derived = {o for o in yaml_options if o not in options}  # options that extend another option (e.g. *_tiny)
+        for option in derived:
+            assert yaml.safe_load((Path(CONFIG_DIR) / group / f"{option}.yaml").read_text())["defaults"][0] in options
+        assert set(options) <= yaml_options, group
+
+
+@pytest.mark.parametrize("override", ["method.beta=abc", "method.num_train_timesteps=1.5", "reference.decay=fast"])
+def test_overrides_are_type_checked_by_hydra(override):
+    group = override.split(".")[0]
+    extra = ["method=dgpo"] if override.startswith("method.num") else []
+    extra += ["reference=ema"] if group == "reference" else []
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(extra + [override])
+
+
+def test_a_default_comes_from_the_schema_and_an_option_overrides_it():
+    dgpo = compose_cfg(["method=dgpo"]).method
+    assert dgpo.old_policy_switch_step == 200 and dgpo.beta_kl == 0.02  # schema default; the YAML's override
+    assert compose_cfg(["method=diffusion_dpo_tiny"]).method.beta == 1000.0
+    assert compose_cfg(["reference=pool", "seed=7"]).reference.seed == 7
