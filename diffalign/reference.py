@@ -297,6 +297,22 @@ class CheckpointReference:
 
     strategy = "checkpoint"
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): ``reference.path`` is given and
+        holds LoRA weights.
+
+        Raises:
+            ValueError: when it is unset; FileNotFoundError: when it holds no ``pytorch_lora_weights.safetensors``.
+        """
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_missing(cfg.reference, "path"):
+            raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder>")
+        if not os.path.isfile(os.path.join(cfg.reference.path, "pytorch_lora_weights.safetensors")):
+            raise FileNotFoundError(f"reference.path={cfg.reference.path!r} holds no pytorch_lora_weights.safetensors; "
+                                    "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
+
     def __init__(self, path: str):
         self.path = str(path)
         self.version = 0

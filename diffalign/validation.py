@@ -9,7 +9,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
-from diffalign.world.verifier import parse_caption
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -21,9 +20,10 @@ def _positive(cfg: DictConfig, key: str, value, strict: bool = True) -> None:
 
 def validate_train_config(cfg: DictConfig) -> None:
     """Raises ValueError / FileNotFoundError for a bad training config. Checks: method.beta > 0,
-    num_inference_steps >= 1 (sampler and eval), trainer sizes and learning rate, mixed precision, the data and eval
-    prompt files (exist, non-empty), data files/folders (``data.path``, ``data.captions``), a named reference
-    checkpoint (``reference.path``), at least one reward, and the resume target."""
+    num_inference_steps >= 1 (sampler and eval), trainer sizes and learning rate, mixed precision, at least one reward,
+    the monitor, the data set's and the reference strategy's own checks (their ``check_config``: prompt and data files,
+    a named reference checkpoint, ...; the data's only for methods that read it), reward modalities, the online
+    settings with the method's own checks, the evaluation and the resume target."""
     method = cfg.get("method") or {}
     if "beta" in method:
         _positive(cfg, "method.beta", method.beta)
@@ -56,35 +56,10 @@ def validate_train_config(cfg: DictConfig) -> None:
             raise ValueError(f"monitor.seeds={list(monitor.get('seeds') or [])}: diversity needs >= 2 seeds per prompt; "
                              "pass e.g. monitor.seeds=[0,1,2,3] or monitor.diversity=false")
         load_prompts(monitor.get("prompts", "heldout"), field="monitor.prompts")
-    if "prompts" in cfg.data:
-        load_prompts(cfg.data.prompts, field="data.prompts")
-    if "num_pairs" in cfg.data and cfg.data.num_pairs is not None and t.batch_size > cfg.data.num_pairs:
-        raise ValueError(f"trainer.batch_size={t.batch_size} is larger than data.num_pairs={cfg.data.num_pairs}; lower "
-                         "trainer.batch_size or raise data.num_pairs")
-    for key in ("path", "captions"):  # Pick-a-Pic files / folders, winner-folder captions
-        if OmegaConf.is_missing(cfg.data, key):  # (`key in cfg.data` is False for a missing ??? value)
-            raise ValueError(f"data.{key} is required for data={cfg.data._target_.rsplit('.', 1)[-1]}; pass "
-                             f"data.{key}=<file or folder>")
-        if key in cfg.data and not Path(cfg.data[key]).exists():
-            raise FileNotFoundError(f"data.{key}={cfg.data[key]!r} does not exist")
-    if OmegaConf.is_missing(cfg.data, "pairs_dir"):
-        raise ValueError("data.pairs_dir is required for data=ddspo_pairs; pass data.pairs_dir=<folder> (made by "
-                         "diffalign-ddspo-pairs, or set data.generate=true to make it)")
-    if "pairs_dir" in cfg.data and not cfg.data.generate and not (Path(cfg.data.pairs_dir) / "manifest.json").is_file():
-        raise FileNotFoundError(f"data.pairs_dir={cfg.data.pairs_dir!r} holds no DDSPO pairs (manifest.json); make "
-                                "them with diffalign-ddspo-pairs --out <folder>, or set data.generate=true")
-    reference = cfg.get("reference") or OmegaConf.create({})
-    if OmegaConf.is_missing(reference, "path"):
-        raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder>")
-    if "path" in reference and not (Path(reference.path) / "pytorch_lora_weights.safetensors").is_file():
-        raise FileNotFoundError(f"reference.path={reference.path!r} holds no pytorch_lora_weights.safetensors; "
-                                "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
     validate_reward_modality(cfg)
-    if ("reward" in cfg.data and isinstance(cfg.data.reward, str) and cfg.data.reward not in (cfg.reward or {})
-            and _method_flow(cfg) not in ONLINE_FLOWS):  # (online methods make their own samples; `data` is unused)
-        raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not among "
-                         f"the selected rewards {sorted(cfg.reward or {})}; add it with reward=[{cfg.data.reward}] or "
-                         "set data.reward to one of them")
+    if _method_flow(cfg) not in ONLINE_FLOWS:  # (online methods make their own samples; `data` is unused)
+        check_component(cfg, "data")
+    check_component(cfg, "reference")
     if "_target_" in method:
         validate_online_config(cfg)
     if cfg.eval.enabled:
@@ -97,6 +72,14 @@ def validate_train_config(cfg: DictConfig) -> None:
     if cfg.get("resume") is None and output_dir.is_dir() and any(output_dir.glob("checkpoint-*")):
         raise ValueError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
                          "that run, or choose a new output_dir")
+
+
+def check_component(cfg: DictConfig, group: str) -> None:
+    """Runs the ``check_config(cfg)`` classmethod of what ``cfg.<group>._target_`` builds, when it has one: a
+    component checks its own fields (e.g. a data set's files, `diffalign.reference.CheckpointReference`'s folder)."""
+    check = target_attribute((cfg.get(group) or {}).get("_target_"), "check_config")
+    if check is not None:
+        check(cfg)
 
 
 def target_modality(target: str | None) -> str | None:
@@ -173,7 +156,7 @@ def validate_reward_modality(cfg: DictConfig) -> None:
 
 def validate_eval_config(cfg: DictConfig) -> None:
     """Checks the ``eval`` node: steps >= 1, a non-empty prompt file, at least one seed, batch size >= 1, bootstrap
-    settings, video format."""
+    settings, video format, and prompts every evaluation reward can score (a reward's ``check_prompts``)."""
     e = cfg.eval
     if e.num_inference_steps is None or e.num_inference_steps < 1:
         raise ValueError(f"eval.num_inference_steps must be >= 1, got {e.num_inference_steps}")
@@ -187,15 +170,10 @@ def validate_eval_config(cfg: DictConfig) -> None:
     if e.get("video_format", "gif") not in ("gif", "mp4"):
         raise ValueError(f"eval.video_format must be gif or mp4, got {e.video_format!r}")
     rows = load_prompts(e.prompts, field="eval.prompts")
-    if "geneval_shapes" in (cfg.get("eval_reward") or cfg.get("reward") or {}):  # the evaluation reward set
-        for row in rows:
-            if "include" not in row:
-                try:
-                    parse_caption(row["prompt"])
-                except ValueError as err:
-                    raise ValueError(f"eval.prompts={e.prompts!r}: {err}. reward=[geneval_shapes] scores shapes-world "
-                                     "prompts only (or rows with GenEval 'include' metadata); drop that reward or "
-                                     "use such a prompt file") from None
+    for node in (cfg.get("eval_reward") or cfg.get("reward") or {}).values():  # the evaluation reward set
+        check = target_attribute((node or {}).get("_target_"), "check_prompts")  # a reward that scores some prompts only
+        if check is not None:
+            check(rows, f"eval.prompts={e.prompts!r}")
 
 
 SAMPLER_NAMES = ("sde", "dpm_solver", "euler", "ddim")

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -273,6 +273,23 @@ class DDSPOPairs:
         FileNotFoundError: (without `generate`) if the folder or a shard is missing, naming ``data.pairs_dir``.
         ValueError: if `max_pairs` < 1.
     """
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a pairs folder
+        that is given and holds pairs unless ``data.generate`` makes them.
+
+        Raises:
+            ValueError, FileNotFoundError: naming ``data.prompts`` or ``data.pairs_dir`` and the fix.
+        """
+        load_prompts(cfg.data.prompts, field="data.prompts")
+        if OmegaConf.is_missing(cfg.data, "pairs_dir"):
+            raise ValueError("data.pairs_dir is required for data=ddspo_pairs; pass data.pairs_dir=<folder> (made by "
+                             "diffalign-ddspo-pairs, or set data.generate=true to make it)")
+        if not cfg.data.generate and not (Path(cfg.data.pairs_dir) / "manifest.json").is_file():
+            raise FileNotFoundError(f"data.pairs_dir={cfg.data.pairs_dir!r} holds no DDSPO pairs (manifest.json); make "
+                                    "them with diffalign-ddspo-pairs --out <folder>, or set data.generate=true")
+
 
     def __init__(self, pairs_dir: str, generate: bool = False, prompts: str = "train",
                  degradation: str = "random_removal", num_variants: int = 5, samples_per_prompt: int = 1,

@@ -104,3 +104,19 @@ def load_image(value: Any, where: str, resolution: int | None, root: str | os.Pa
         return prepare_image(image, resolution)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def require_path(data_cfg, key: str) -> None:
+    """Refuses a data config (``cfg.data``) whose file or folder field `key` is unset (``???``) or does not exist.
+
+    Raises:
+        ValueError: when it is unset, naming ``data.<key>`` and the data set.
+        FileNotFoundError: when the path does not exist.
+    """
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(data_cfg, key):
+        raise ValueError(f"data.{key} is required for data={data_cfg._target_.rsplit('.', 1)[-1]}; pass "
+                         f"data.{key}=<file or folder>")
+    if not Path(data_cfg[key]).exists():
+        raise FileNotFoundError(f"data.{key}={data_cfg[key]!r} does not exist")

@@ -9,6 +9,7 @@ import torch
 
 from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import rollout
+from diffalign.world.prompts import load_prompts
 
 _DATA_STREAM = 0xDA7A  # stream tag of on-policy data samples (`stream_seed`'s last field)
 
@@ -71,6 +72,20 @@ class PreparedPairs:
     ``self.pairs`` (dicts with ``id``, ``prompt``, ``image_w``, ``image_l`` and optionally ``metadata``) in `prepare`."""
 
     pairs: list[dict] | None = None
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a judging
+        reward (``data.reward``) that is among the selected training rewards.
+
+        Raises:
+            ValueError, FileNotFoundError: naming the field and the fix.
+        """
+        load_prompts(cfg.data.prompts, field="data.prompts")
+        if isinstance(cfg.data.reward, str) and cfg.data.reward not in (cfg.reward or {}):
+            raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not "
+                             f"among the selected rewards {sorted(cfg.reward or {})}; add it with "
+                             f"reward=[{cfg.data.reward}] or set data.reward to one of them")
 
     def __len__(self) -> int:
         if self.pairs is None:

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from diffalign.data.images import load_image
+from diffalign.data.images import load_image, require_path
 from diffalign.data.preference import PreferencePairs
 
 
 @dataclass
 class PickAPicPairsConfig:
     """Config of `PickAPicPairs`; the fields mirror its `__init__`."""
+
 
     _target_: str = "diffalign.data.pickapic.PickAPicPairs"
     path: str = "???"
@@ -86,6 +87,16 @@ class PickAPicPairs:
             inconsistent with ``label_0``; for a missing `path`, no parquet shard, or `max_rows` < 1.
         ImportError: for parquet input without pyarrow (the message says what to install).
     """
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): ``data.path`` is given and exists.
+
+        Raises:
+            ValueError, FileNotFoundError: naming ``data.path``.
+        """
+        require_path(cfg.data, "path")
+
 
     def __init__(
         self,
@@ -184,6 +195,14 @@ class PickAPicPairs:
     @property
     def num_ties_dropped(self) -> int:
         return self.pairs.num_ties_dropped
+
+    @property
+    def stats(self) -> dict:
+        """What `prepare` made: nothing (the preference loop's data contract)."""
+        return {}
+
+    def prepare(self, policy, rewards) -> None:
+        """Nothing to make before training: the data is static (the preference loop's data contract)."""
 
     def __len__(self) -> int:
         return len(self.pairs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import numbers
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,26 @@ from PIL import Image
 logger = logging.getLogger(__name__)
 
 _REQUIRED_KEYS = ("prompt", "image_0", "image_1", "label_0")
+
+
+class PreferenceData(Protocol):
+    """What the preference loop (`diffalign.train.preference`) asks of a data set built from ``cfg.data``.
+
+    ``prepare(policy, rewards)`` runs once before training (on-policy data such as `RankedPairs` samples and judges
+    here; static data does nothing), then ``stats`` (a dict, empty for static data) is logged and ``len`` fixes the
+    sampler; ``collate(indices)`` returns ``{"ids" (B,), "prompts", "images_w" (B, 3, H, W) in [0, 1] or "latents_w"
+    (B, C, h, w)}`` plus the losers' ``images_l`` / ``latents_l`` for pairs and optionally ``degraded_prompts``. A data
+    class may also define the classmethod ``check_config(cfg)``, which `diffalign.validation` runs before any model
+    loads.
+    """
+
+    stats: dict
+
+    def prepare(self, policy, rewards: dict) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def collate(self, indices: list[int]) -> dict[str, Any]: ...
 
 
 def to_image_tensor(image: Any, where: str) -> torch.Tensor:

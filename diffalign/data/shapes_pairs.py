@@ -37,6 +37,20 @@ class ShapesPairs:
         FileNotFoundError: if `prompts` is neither a shipped split nor an existing file.
     """
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a batch no
+        larger than the data.
+
+        Raises:
+            ValueError, FileNotFoundError: naming the field and the fix.
+        """
+        load_prompts(cfg.data.prompts, field="data.prompts")
+        if cfg.data.num_pairs is not None and cfg.trainer.batch_size > cfg.data.num_pairs:
+            raise ValueError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than data.num_pairs="
+                             f"{cfg.data.num_pairs}; lower trainer.batch_size or raise data.num_pairs")
+
+
     def __init__(self, prompts: str = "train", num_pairs: int = 4096, seed: int = 0):
         if num_pairs < 1:
             raise ValueError(f"data.num_pairs must be >= 1, got {num_pairs}")
@@ -45,6 +59,14 @@ class ShapesPairs:
             raise ValueError(f"data.prompts={prompts!r}: ShapesPairs needs GenEval-style rows with 'include' metadata")
         self.rows, self.num_pairs, self.seed = rows, num_pairs, seed
         self.specs = sample_train_specs(num_pairs, seed=seed, rows=rows)
+
+    @property
+    def stats(self) -> dict:
+        """What `prepare` made: nothing (the preference loop's data contract)."""
+        return {}
+
+    def prepare(self, policy, rewards) -> None:
+        """Nothing to make before training: the data is static (the preference loop's data contract)."""
 
     def __len__(self) -> int:
         return self.num_pairs

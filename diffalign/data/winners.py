@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffalign.data.images import load_image
+from diffalign.data.images import load_image, require_path
 from diffalign.world.prompts import load_prompts, sample_train_specs
 from diffalign.world.render import render_spec, to_tensor
 
@@ -47,6 +47,17 @@ class WinnerFolder:
             read, naming the image, if it is missing or corrupt.
     """
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): ``data.captions`` is given and
+        exists.
+
+        Raises:
+            ValueError, FileNotFoundError: naming ``data.captions``.
+        """
+        require_path(cfg.data, "captions")
+
+
     def __init__(
         self,
         captions: str,
@@ -76,6 +87,14 @@ class WinnerFolder:
             self.rows.append((where, row[file_field], row[caption_field]))
         if not self.rows:
             raise ValueError(f"data.captions={captions!r} holds no rows.")
+
+    @property
+    def stats(self) -> dict:
+        """What `prepare` made: nothing (the preference loop's data contract)."""
+        return {}
+
+    def prepare(self, policy, rewards) -> None:
+        """Nothing to make before training: the data is static (the preference loop's data contract)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -121,6 +140,16 @@ class ShapesWinners:
         FileNotFoundError: if `prompts` is neither a shipped split nor an existing file.
     """
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file.
+
+        Raises:
+            ValueError, FileNotFoundError: naming ``data.prompts``.
+        """
+        load_prompts(cfg.data.prompts, field="data.prompts")
+
+
     def __init__(self, prompts: str = "train", num_samples: int = 4096, seed: int = 0):
         if num_samples < 1:
             raise ValueError(f"data.num_samples must be >= 1, got {num_samples}")
@@ -129,6 +158,14 @@ class ShapesWinners:
             raise ValueError(f"data.prompts={prompts!r}: ShapesWinners needs GenEval-style rows with 'include' metadata")
         self.num_samples, self.seed = num_samples, seed
         self.specs = sample_train_specs(num_samples, seed=seed, rows=rows)
+
+    @property
+    def stats(self) -> dict:
+        """What `prepare` made: nothing (the preference loop's data contract)."""
+        return {}
+
+    def prepare(self, policy, rewards) -> None:
+        """Nothing to make before training: the data is static (the preference loop's data contract)."""
 
     def __len__(self) -> int:
         return self.num_samples

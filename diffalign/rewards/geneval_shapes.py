@@ -48,6 +48,27 @@ class GenevalShapes:
     name = "geneval_shapes"
     differentiable = False
 
+    @classmethod
+    def check_prompts(cls, rows: list[dict], where: str) -> None:
+        """Refuses prompt rows it cannot score (before any model loads; `diffalign.validation`): a row needs GenEval
+        ``include`` metadata or a shapes-world caption.
+
+        Args:
+            rows (`list[dict]`): prompt rows (``prompt`` and optional metadata).
+            where (`str`): the prompt setting named in the error, e.g. ``eval.prompts='heldout'``.
+
+        Raises:
+            ValueError: naming `where`, the caption's problem and the fix.
+        """
+        for row in rows:
+            if "include" not in row:
+                try:
+                    parse_caption(row["prompt"])
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}. reward=[geneval_shapes] scores shapes-world prompts only (or "
+                                     "rows with GenEval 'include' metadata); drop that reward or use such a prompt "
+                                     "file") from None
+
     def __init__(self, score: str = "dense"):
         if score not in ("dense", "binary"):
             raise ValueError(f"reward.geneval_shapes.score must be 'dense' or 'binary', got {score!r}")

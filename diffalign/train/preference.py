@@ -42,7 +42,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from diffalign.data.preference import ResumableSampler
+from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
@@ -140,7 +140,7 @@ class _Run:
     objective: PreferenceMethod
     policy: object
     reference: object
-    dataset: object
+    dataset: PreferenceData
     rewards: dict
     eval_rewards: dict
     monitor: object
@@ -199,15 +199,16 @@ def _setup(cfg: DictConfig) -> _Run:
 
 
 def _prepare_data(run: _Run) -> None:
-    """On-policy data (e.g. RankedPairs) is made by the policy itself first; then the data sampler and latent cache."""
+    """The data set's `prepare` (on-policy data, e.g. RankedPairs, is made by the policy itself here; static data
+    has nothing to make), then the data sampler and latent cache."""
     accelerator, tr, dataset = run.accelerator, run.cfg.trainer, run.dataset
-    if callable(getattr(dataset, "prepare", None)):  # (static data sets have no `prepare`)
-        t_data = time.time()
-        set_reward_step(run.rewards, 0)
-        with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
-            dataset.prepare(run.policy, run.rewards)
-        run.data_seconds = time.time() - t_data
-        accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {getattr(dataset, 'stats', {})}")
+    t_data = time.time()
+    set_reward_step(run.rewards, 0)
+    with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
+        dataset.prepare(run.policy, run.rewards)  # (nothing for static data)
+    run.data_seconds = time.time() - t_data
+    if dataset.stats:
+        accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {dataset.stats}")
     # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
     num_proc = accelerator.num_processes
     if len(dataset) < tr.batch_size * num_proc:  # on-policy data only knows its size now (static data: validation)
@@ -329,7 +330,7 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     if accelerator.is_main_process:
         run.policy.save_lora_weights(final_dir)
     results = {"global_step": step, "train_seconds": train_seconds, "data_seconds": run.data_seconds,
-               "data_stats": getattr(run.dataset, "stats", {}), "final_lora": str(final_dir),
+               "data_stats": run.dataset.stats, "final_lora": str(final_dir),
                "history_tail": history[-5:]}
     results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, step,
                                     lambda: run.checkpoint_before_stop(step)))
