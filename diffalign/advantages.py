@@ -170,8 +170,12 @@ def best_of_n_rows(rewards: torch.Tensor, group_ids: torch.Tensor, n: int) -> to
     return torch.cat(keep).sort().values
 
 
+ADVANTAGE_KINDS = ("group", "per_prompt", "per_reward")
+"""The advantages an online method may ask for (its ``advantage``; `EpochAdvantages`)."""
+
+
 class EpochAdvantages:
-    """The advantages of an online epoch, of the kind the method asks for (`diffalign.methods.ADVANTAGE_KINDS`).
+    """The advantages of an online epoch, of the kind the method asks for (`ADVANTAGE_KINDS`).
 
     - "group": `group_advantages` of the weighted reward sum;
     - "per_prompt": DDPO's `PerPromptStatTracker` (its state is this object's `state_dict`);
@@ -188,8 +192,8 @@ class EpochAdvantages:
 
     def __init__(self, kind: str, *, std: str = "group", clip: float | None = 5.0, correction: int = 0,
                  eps: float = 1e-4, tracker_buffer_size: int = 16, tracker_min_count: int = 16):
-        if kind not in ("group", "per_prompt", "per_reward"):
-            raise ValueError(f"the method's advantage={kind!r} must be 'group', 'per_prompt' or 'per_reward'")
+        if kind not in ADVANTAGE_KINDS:
+            raise ValueError(f"the method's advantage={kind!r} must be one of {ADVANTAGE_KINDS}")
         self.kind = kind
         self.options = {"std": std, "clip": clip, "correction": correction, "eps": eps}
         self.tracker = (PerPromptStatTracker(tracker_buffer_size, tracker_min_count, clip=clip)

@@ -39,13 +39,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from diffalign.advantages import ADVANTAGE_KINDS  # noqa: F401 (what `OnlineMethod.advantage` may be)
 from diffalign.samplers.groups import stream_seed
 from diffalign.types import PreferenceBatch, Trajectory, WinnerBatch
 
 ONLINE_FLOWS = ("online_groups", "online_trajectories")
 PREFERENCE_FLOWS = ("pairs", "winners")
 BATCH_TYPES = {"pairs": PreferenceBatch, "winners": WinnerBatch}  # what a preference method is called with
-ADVANTAGE_KINDS = ("group", "per_prompt", "per_reward")
 # stream tags of an online epoch's draws (diffalign.samplers.groups uses 0 and 1, the preference loop 20)
 PROMPTS, TIMESTEPS, NOISE, SHUFFLE = 10, 11, 12, 13
 
@@ -102,10 +102,7 @@ class OnlineEpoch:
 
 
 class CurrentPolicy:
-    """The rollout policy of an on-policy method: θ itself (nothing to set up, step or save)."""
-
-    def setup(self, policy) -> None:
-        pass
+    """The rollout policy of an on-policy method: θ itself (nothing to step or save)."""
 
     def use(self, policy) -> contextlib.AbstractContextManager:
         """Runs the block with θ unchanged."""

@@ -162,8 +162,8 @@ def test_sigterm_mid_run_saves_a_checkpoint_exits_143_and_resumes_exactly(tmp_pa
 SLOW_SAVE = """
 import os, time
 from pathlib import Path
-import diffalign.train.preference as preference
-_save = preference.save_checkpoint
+import diffalign.train.common as common  # (the loops write checkpoints through diffalign.train.common)
+_save = common.save_checkpoint
 def save_checkpoint(output_dir, step, *, lora_dir_writer, **kwargs):
     def writer(directory):
         lora_dir_writer(directory)
@@ -171,7 +171,7 @@ def save_checkpoint(output_dir, step, *, lora_dir_writer, **kwargs):
             (Path(output_dir) / "saving-2").touch()
             time.sleep(600)
     return _save(output_dir, step, lora_dir_writer=writer, **kwargs)
-preference.save_checkpoint = save_checkpoint
+common.save_checkpoint = save_checkpoint
 """
 
 
