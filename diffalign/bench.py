@@ -21,7 +21,9 @@ to ``<out>/curves.png``, and each run's sample grids stay in its ``eval/`` folde
     diffalign-bench --list                               # the methods, rewards and their overrides
 
 Rewards: ``brightness`` (the toy reward with large headroom, `diffalign.rewards.brightness`; offline methods get
-on-policy pairs ranked by it, ``data=ranked_pairs``) and ``verifier`` (``geneval_shapes`` on the train prompts).
+on-policy pairs ranked by it, ``data=ranked_pairs``), ``verifier`` (``geneval_shapes`` on the train prompts), and, on
+request, ``control`` (`diffalign.rewards.random_control`, random scores with no signal: the same runs show what the
+updates alone do to the held-out verifier and diversity, to hold a brightness row's monitors against).
 DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only.
 """
 
@@ -47,7 +49,7 @@ class Method:
     online: bool
     overrides: list[str] = field(default_factory=list)
     quick: list[str] = field(default_factory=list)  # what --quick adds
-    rewards: tuple[str, ...] = ("brightness", "verifier")
+    rewards: tuple[str, ...] = ("brightness", "verifier", "control")
 
 
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
@@ -72,8 +74,13 @@ REWARDS = {
     "brightness": {"train": ["reward=[brightness]"], "eval": "[brightness,geneval_shapes]",
                    "offline_data": ["data=ranked_pairs", "data.reward=brightness", "data.num_prompts=64"]},
     "verifier": {"train": ["reward=[geneval_shapes]"], "eval": "[geneval_shapes]", "offline_data": []},
+    # the no-signal control (`random_control`): the same run with random scores; its verifier change is what the
+    # updates alone do to the base, to hold a brightness row's verifier change against
+    "control": {"train": ["reward=[random_control]"], "eval": "[brightness,geneval_shapes]",
+                "offline_data": ["data=ranked_pairs", "data.reward=random_control", "data.num_prompts=64"]},
 }
-REWARD_KEY = {"brightness": "brightness/mean", "verifier": "geneval_shapes/accuracy"}  # base/fine-tuned summary key
+REWARD_KEY = {"brightness": "brightness/mean", "verifier": "geneval_shapes/accuracy",  # base/fine-tuned summary key
+              "control": "brightness/mean"}
 
 # held-out evaluation of every run: up to 8 prompts per tag (33; some tags have fewer), 2 seeds
 EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "trainer.log_with=none"]
@@ -225,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="diffalign-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--rewards", nargs="+", default=list(REWARDS), choices=list(REWARDS))
+    p.add_argument("--rewards", nargs="+", default=["brightness", "verifier"], choices=list(REWARDS),
+                   help="brightness | verifier | control (random scores: what the updates alone do; default: the first two)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (0 with --quick)")
     p.add_argument("--quick", action="store_true", help="a few epochs/steps per run (a smoke test, not a result)")
     p.add_argument("--out", default="runs/bench", help="output folder (runs, table, plots); reruns resume in it")

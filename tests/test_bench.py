@@ -24,6 +24,9 @@ def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
     sft = run_overrides(METHODS["sft"], "verifier", 2, quick=False)
     assert sft[:2] == ["recipe=tiny_dpo", "method=sft"] and "data.seed=2" in sft  # the recipe's data, reseeded
     assert METHODS["ddspo"].rewards == ("verifier",)  # reward-free pairs: no easy-reward row
+    control = run_overrides(METHODS["diffusion_dpo"], "control", 0, quick=False)  # the same run, random scores
+    assert "data.reward=random_control" in control and "eval_reward=[brightness,geneval_shapes]" in control
+    assert "reward=[random_control]" in run_overrides(METHODS["ddpo"], "control", 0, quick=False)
 
 
 def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(0, 1)):
@@ -83,6 +86,9 @@ def test_list_prints_the_runs_without_running_them(capsys):
     assert main(["--list", "--methods", "ddpo", "ddspo", "--rewards", "brightness", "--seeds", "0", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["ddpo-brightness-s0", "ddpo-brightness-s1"]  # no DDSPO row
+    assert main(["--list", "--methods", "ddpo", "--seeds", "0"]) == 0  # the control runs only when asked for
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [
+        "ddpo-brightness-s0", "ddpo-verifier-s0"]
     # a Hydra override may follow any option (it is not taken as one of --seeds' values); duplicate seeds run once
     assert main(["--list", "--methods", "ddpo", "--rewards", "brightness", "--seeds", "0", "0",
                  "trainer.learning_rate=5e-3"]) == 0
