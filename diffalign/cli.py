@@ -89,9 +89,12 @@ def _train_main(cfg: DictConfig) -> None:
     else:
         from diffalign.train.preference import train as run
     from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.runlock import RunLockedError
 
     try:
         run(cfg)
+    except RunLockedError as err:  # (the Hydra callback refuses first; this covers hydra.callbacks overridden away)
+        raise SystemExit(f"diffalign: error: {err}") from None
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
