@@ -218,3 +218,17 @@ def test_resume_latest_prunes_the_resumed_lineage_and_leaves_a_foreign_checkpoin
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-3", "checkpoint-4"]
     assert checkpoint_lineage(run / "checkpoint-4") == lineage
     assert not (run / LOCK_NAME).exists() and not runlock._HELD
+
+
+def test_diffalign_eval_into_a_locked_folder_is_refused(tmp_path):
+    run = tmp_path / "eval"
+    assert acquire(run, "diffalign-train")
+    try:
+        code = "import sys; from diffalign.cli import evaluate; sys.argv = ['diffalign-eval'] + sys.argv[1:]; evaluate()"
+        done = subprocess.run([sys.executable, "-c", code, f"output_dir={run}", "model=tiny_random"], cwd=REPO,
+                              env=ENV, capture_output=True, text=True, timeout=120)
+    finally:
+        release(run)
+    assert done.returncode == 1, done.stderr
+    assert f"in use by another run: pid {os.getpid()} on host {HOST}" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in run.iterdir()) == []  # (the lock file went with the release)

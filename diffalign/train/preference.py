@@ -51,6 +51,7 @@ from diffalign.checkpoint import (
     write_state,
 )
 from diffalign.data.preference import ResumableSampler
+from diffalign.data.resumable import prepare_dataset
 from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
@@ -244,7 +245,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         t_data = time.time()
         set_reward_step(rewards, 0)
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
-            dataset.prepare(policy, rewards)
+            prepare_dataset(dataset, policy, rewards, cfg=cfg, accelerator=accelerator, stop=stop)
         data_seconds = time.time() - t_data
         accelerator.print(f"[diffalign] data prepared in {data_seconds:.0f}s: {getattr(dataset, 'stats', {})}")
     # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
