@@ -81,7 +81,13 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         correct.append(stored.get("correct"))
         bar.update(len(chunk))
         if preparation is not None:
-            preparation.after_chunk(k + 1, len(starts), store)
+            if k + 1 == len(starts):
+                bar.close()
+            try:
+                preparation.after_chunk(k + 1, len(starts), store)
+            except BaseException:
+                bar.close()
+                raise
     bar.close()
     has_correct = all(c is not None for c in correct)
     return JudgedSamples(torch.cat(images), jobs, torch.cat(scores), torch.cat(correct) if has_correct else None)

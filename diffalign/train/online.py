@@ -147,7 +147,9 @@ def train(cfg: DictConfig) -> dict:
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
-        return _train(cfg, stop)
+        results = _train(cfg, stop)
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 def _train(cfg: DictConfig, stop: StopSignals) -> dict:

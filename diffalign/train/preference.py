@@ -156,7 +156,9 @@ def train(cfg: DictConfig) -> dict:
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
-        return _train(cfg, stop)
+        results = _train(cfg, stop)
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 def _train(cfg: DictConfig, stop: StopSignals) -> dict:
