@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -103,7 +104,7 @@ class StopSignals:
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    _active: list[StopSignals] = []  # entered instances, innermost last
+    _active: ClassVar[list[StopSignals]] = []  # entered instances, innermost last
 
     def __init__(self, hint: str = "continue with resume=latest"):
         self.signum: int | None = None

@@ -34,6 +34,11 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+try:
+    import fcntl
+except ImportError:  # (Windows: the pid check alone)
+    fcntl = None
+
 from diffalign.launch import process_start_time
 
 LOCK_NAME = ".diffalign.lock"
@@ -123,13 +128,20 @@ class _Held:
 _HELD: dict[Path, _Held] = {}
 
 
+def _live_here(holder: dict) -> bool:
+    """Whether a record names a live process of this host."""
+    pid = holder.get("pid")
+    return (holder.get("host") == socket.gethostname() and isinstance(pid, int)
+            and process_alive(pid, holder.get("process_start")))
+
+
 def _check_holder(output_dir: Path, holder: dict | None, log) -> None:
     """Refuses a live (or unknowable) holder; reports the takeover of a dead one on this host."""
-    if not holder or holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+    if not holder or (holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()):
         return
     if holder.get("host") != socket.gethostname():
         raise _refusal(output_dir, holder, other_host=True)
-    if process_alive(int(holder["pid"]), holder.get("process_start")):
+    if _live_here(holder):
         raise _refusal(output_dir, holder)
     log(f"diffalign: taking over the stale lock of {output_dir} left by {describe(holder)}, which is no longer "
         "running")
@@ -160,8 +172,7 @@ def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=No
     path = output_dir / LOCK_NAME
     if _world_size() > 1 and _rank() != 0:
         holder = read_holder(path)
-        if (holder and holder.get("host") == socket.gethostname() and holder.get("launcher_pid") != os.getppid()
-                and process_alive(int(holder["pid"]), holder.get("process_start"))):
+        if holder and holder.get("launcher_pid") != os.getppid() and _live_here(holder):
             raise _refusal(output_dir, holder)
         return False
     try:
@@ -173,9 +184,8 @@ def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=No
     try:
         for _ in range(50):
             try:
-                import fcntl
-
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = read_holder(path)
                 for _ in range(10):  # the holder may not have written its record yet
@@ -184,9 +194,8 @@ def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=No
                     time.sleep(0.02)
                     holder = read_holder(path)
                 raise _refusal(output_dir, holder) from None
-            except (ImportError, OSError) as err:  # no flock here (Windows, some network mounts): pid check only
-                if isinstance(err, OSError) and err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS,
-                                                                  errno.EINVAL):
+            except OSError as err:  # no flock on this file system (some network mounts): the pid check alone
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
             # a run that released the lock removed the file: if that happened after our open, lock the new file
             try:

@@ -72,7 +72,7 @@ def test_ctrl_c_in_diffalign_eval_stops_before_the_next_batch_and_a_rerun_contin
     proc = _start("diffalign-eval", [f"output_dir={out_dir}", *EVAL], prelude=SLOW_EVAL)
     _wait(lambda: _lines(out_dir / "samples.jsonl") >= 2, proc)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     last = err.strip().splitlines()[-1]
@@ -96,7 +96,7 @@ def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tmp_path):
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     # (tqdm redraws its bar once more as the interpreter exits, after the message)
     assert "diffalign: interrupted" in err.splitlines() and "Traceback" not in err
@@ -125,7 +125,7 @@ def test_sigint_during_the_data_preparation_stops_after_the_chunk_and_resume_fin
     proc = _start("diffalign-train", [f"output_dir={run}", *TRAIN, *PREP], prelude=SLOW_PREP)
     _wait(lambda: len(list(run.glob("prepared/*/chunk-*"))) >= 2, proc)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("diffalign: stopped by SIGINT during the data preparation after ") and \
@@ -147,7 +147,7 @@ def test_sigterm_during_the_training_runs_evaluation_stops_it_and_resume_finishe
     proc = _start("diffalign-train", args, prelude=SLOW_EVAL)
     _wait(lambda: _lines(run / "eval" / "samples.jsonl") >= 2, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("diffalign: stopped by SIGTERM during the evaluation (") and \
