@@ -84,7 +84,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
             if k + 1 == len(starts):
                 bar.close()
             try:
-                preparation.after_chunk(k + 1, len(starts), store)
+                preparation.after_chunk(k + 1, len(starts), store.folder)
             except BaseException:
                 bar.close()
                 raise

@@ -153,13 +153,18 @@ class Preparation:
         should_stop (*optional*): called after every chunk on every process; True stops the preparation.
         stop_error (*optional*): builds the exception raised then, from a message.
         search (`list[Path]`): other ``prepared`` folders whose finished preparations may be reused.
+        single_process (`bool`, defaults to True): one process (a data set that makes only the missing parts of
+            its data may then call `after_chunk` for those alone; with several processes `should_stop` is a
+            collective and every process must call it equally often).
     """
 
     def __init__(self, root: str | os.PathLike, context: dict | None = None, *, write: bool = True,
-                 progress: bool = True, log=print, should_stop=None, stop_error=None, search: list[Path] = ()):
+                 progress: bool = True, log=print, should_stop=None, stop_error=None, search: list[Path] = (),
+                 single_process: bool = True):
         self.root, self.context = Path(root), dict(context or {})
         self.write, self.progress, self.log = write, progress, log
         self.should_stop, self.stop_error, self.search = should_stop, stop_error, list(search)
+        self.single_process = single_process
 
     def store(self, name: str, settings: dict, num_chunks: int) -> ChunkStore:
         """The `ChunkStore` of a preparation `name` with these `settings` in `num_chunks` chunks; says how much of it
@@ -177,14 +182,13 @@ class Preparation:
                      "chunks")
         return store
 
-    def after_chunk(self, done: int, total: int, store: ChunkStore) -> None:
+    def after_chunk(self, done: int, total: int, folder: Path) -> None:
         """Stops the preparation (raises ``stop_error(done, total, folder)``) when `should_stop` says so; call on
-        every process after every chunk."""
+        every process after every chunk (`folder` holds the chunks)."""
         if self.should_stop is not None and self.should_stop() and done < total:
             if self.stop_error is not None:
-                raise self.stop_error(done, total, store.folder)
-            raise KeyboardInterrupt(f"data preparation stopped after {done} of {total} chunks (kept in "
-                                    f"{store.folder})")
+                raise self.stop_error(done, total, folder)
+            raise KeyboardInterrupt(f"data preparation stopped after {done} of {total} chunks (kept in {folder})")
 
 
 def run_context(cfg, policy) -> dict:
@@ -229,6 +233,6 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
     preparation = Preparation(output_dir / "prepared", run_context(cfg, policy), write=accelerator.is_main_process,
                               progress=accelerator.is_main_process, log=accelerator.print,
                               should_stop=(lambda: stop.requested(accelerator)) if stop is not None else None,
-                              stop_error=stop_error, search=search)
+                              stop_error=stop_error, search=search, single_process=accelerator.num_processes == 1)
     dataset.prepare(policy, rewards, preparation=preparation)
 
