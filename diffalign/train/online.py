@@ -48,6 +48,7 @@ from diffalign.advantages import PerPromptStatTracker, best_of_n_rows, group_adv
 from diffalign.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    new_lineage,
     read_state,
     remove_temporaries,
     save_checkpoint,
@@ -63,6 +64,7 @@ from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.plugins import build_rewards, build_selected_rewards
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.combine import reward_metrics
+from diffalign.runlock import run_lock
 from diffalign.samplers.groups import group_rollout, stream_seed
 from diffalign.train.preference import _flat_hparams, build_lr_scheduler
 from diffalign.types import GroupBatch
@@ -144,8 +146,10 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
-    with StopSignals() as stop:
-        return _train(cfg, stop)
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
+        results = _train(cfg, stop)
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 def _train(cfg: DictConfig, stop: StopSignals) -> dict:
@@ -237,6 +241,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
 
     # ---------------------------------------------------------------------------------------------------- resume
     epoch, global_step = 0, 0
+    lineage = new_lineage()  # keep_last prunes only this lineage's checkpoints; a resumed run carries its lineage on
     resumed_history: list[dict] = []
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     if accelerator.is_main_process:  # half-written checkpoints of a killed run (never picked by resume)
@@ -249,6 +254,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
             policy.load_lora_weights(ckpt)
             epoch, global_step = state["epoch"], state["global_step"]
+            lineage = state.get("lineage") or lineage
             reference.load_state_dict(read_state(ckpt, "reference_state"))
             if old_policy is not None:
                 old_policy.load_state_dict(read_state(ckpt, "old_policy_state"))
@@ -269,7 +275,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
 
     def write_checkpoint(at_epoch: int) -> Path:
         return save_checkpoint(output_dir, global_step, lora_dir_writer=write_dir, optimizer=optimizer,
-                               lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
+                               lr_scheduler=lr_scheduler, keep_last=tr.keep_last, lineage=lineage,
                                state={"epoch": at_epoch, "global_step": global_step,
                                       "tracker": tracker.state_dict() if tracker is not None else {},
                                       "nonfinite": guard.state_dict()})

@@ -44,12 +44,14 @@ from tqdm.auto import tqdm
 from diffalign.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    new_lineage,
     read_state,
     remove_temporaries,
     save_checkpoint,
     write_state,
 )
 from diffalign.data.preference import ResumableSampler
+from diffalign.data.resumable import prepare_dataset
 from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
@@ -57,6 +59,7 @@ from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.report import write_report
 from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
+from diffalign.runlock import run_lock
 from diffalign.samplers.groups import stream_seed
 from diffalign.types import PreferenceBatch, WinnerBatch
 from diffalign.world.prompts import load_prompts
@@ -152,8 +155,10 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
-    with StopSignals() as stop:
-        return _train(cfg, stop)
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
+        results = _train(cfg, stop)
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 def _train(cfg: DictConfig, stop: StopSignals) -> dict:
@@ -216,7 +221,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
     def write_checkpoint(step: int) -> Path:
         return save_checkpoint(
             output_dir, step, lora_dir_writer=write_lora_and_reference, optimizer=optimizer,
-            lr_scheduler=lr_scheduler, keep_last=tr.keep_last,
+            lr_scheduler=lr_scheduler, keep_last=tr.keep_last, lineage=lineage,
             state={"global_step": step, "epoch": sampler.state_dict()["epoch"] if sampler is not None else 0,
                    "sampler": sampler.state_dict() if sampler is not None else None,  # None: stopped while preparing
                    "nonfinite": guard.state_dict()},
@@ -236,12 +241,13 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
         return ckpt if ckpt is not None else output_dir / f"checkpoint-{step}"
 
     sampler = None
+    lineage = new_lineage()  # keep_last prunes only this lineage's checkpoints; a resumed run carries its lineage on
     data_seconds = 0.0
     if callable(getattr(dataset, "prepare", None)):  # on-policy data (e.g. RankedPairs) is made by the policy itself
         t_data = time.time()
         set_reward_step(rewards, 0)
         with stop_on_reward_error(lambda: checkpoint_before_stop(0), log=accelerator.print):
-            dataset.prepare(policy, rewards)
+            prepare_dataset(dataset, policy, rewards, cfg=cfg, accelerator=accelerator, stop=stop)
         data_seconds = time.time() - t_data
         accelerator.print(f"[diffalign] data prepared in {data_seconds:.0f}s: {getattr(dataset, 'stats', {})}")
     # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
@@ -277,6 +283,7 @@ def _train(cfg: DictConfig, stop: StopSignals) -> dict:
             state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=lr_scheduler)
             policy.load_lora_weights(ckpt)
             global_step = state["global_step"]
+            lineage = state.get("lineage") or lineage
             if state["sampler"] is not None:  # (None: a run stopped by a reward failure while preparing data)
                 sampler.load_state_dict(state["sampler"])
             reference.load_state_dict(read_state(ckpt, "reference_state"))
