@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,20 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def new_lineage() -> str:
+    """A fresh lineage id for a run started from scratch (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def checkpoint_lineage(path: str | os.PathLike) -> str | None:
+    """The lineage id in a checkpoint's ``trainer_state.json``; None when it has none (or cannot be read)."""
+    try:
+        lineage = json.loads((Path(path) / "trainer_state.json").read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lineage if isinstance(lineage, str) else None
+
+
 def remove_temporaries(output_dir: str | os.PathLike) -> list[Path]:
     """Removes the ``.tmp-checkpoint-*`` / ``.tmp-delete-*`` folders that a run killed while saving or pruning left in
     `output_dir` (they are never picked by `latest_checkpoint`). Call it from the main process when a run starts in
@@ -177,6 +192,7 @@ def save_checkpoint(
     lr_scheduler: Any | None,
     state: dict[str, Any],
     keep_last: int = -1,
+    lineage: str | None = None,
 ) -> Path:
     """Atomically writes ``<output_dir>/checkpoint-<step>/`` and prunes old checkpoints.
 
@@ -192,7 +208,11 @@ def save_checkpoint(
             ``state_dict()``, reference-pool state, ...). Resume logic must read the epoch from here, not from the
             directory name.
         keep_last (`int`, defaults to -1): after saving, keep only the `keep_last` highest-step checkpoints (the one
-            just written is always kept); -1 keeps all.
+            just written is always kept); -1 keeps all. With `lineage`, only checkpoints of that lineage count and are
+            deleted: others in `output_dir` (another run's, copied in, or written before lineages existed) are left
+            alone.
+        lineage (`str`, *optional*): the run's lineage id (`new_lineage`; a resumed run carries on the lineage of the
+            checkpoint it resumed from, `checkpoint_lineage`), stored as ``trainer_state.json["lineage"]``.
 
     Returns:
         `Path`: the final checkpoint directory.
@@ -235,7 +255,7 @@ def save_checkpoint(
         }
         (tmp / "rng_state.json").write_text(json.dumps(rng_json))
         try:
-            trainer_state = json.dumps(state, indent=1)
+            trainer_state = json.dumps(state if lineage is None else {**state, "lineage": lineage}, indent=1)
         except (TypeError, ValueError) as err:
             raise TypeError(
                 f"trainer state is not JSON-serialisable ({err}); store plain numbers/strings/lists."
@@ -250,7 +270,9 @@ def save_checkpoint(
     logger.info("saved checkpoint %s", final)
 
     if keep_last > 0:
-        for _, old in _numbered_checkpoints(output_dir)[:-keep_last]:
+        ours = [(step, path) for step, path in _numbered_checkpoints(output_dir)
+                if lineage is None or checkpoint_lineage(path) == lineage]
+        for _, old in ours[:-keep_last]:
             if old == final:
                 continue
             doomed = output_dir / f".tmp-delete-{old.name}-{os.getpid()}"

@@ -89,9 +89,12 @@ def _train_main(cfg: DictConfig) -> None:
     else:
         from diffalign.train.preference import train as run
     from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.runlock import RunLockedError
 
     try:
         run(cfg)
+    except RunLockedError as err:  # (the Hydra callback refuses first; this covers hydra.callbacks overridden away)
+        raise SystemExit(f"diffalign: error: {err}") from None
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
@@ -160,6 +163,19 @@ def _eval_main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
+    from diffalign.faults import StopSignals, TrainingInterrupted
+
+    # SIGTERM / SIGINT: the evaluation stops before its next batch (what is finished is kept; a rerun continues it)
+    with StopSignals(hint="run the same command again to continue") as stop:
+        try:
+            _evaluate(cfg, variants)
+            stop.raise_if_received("at the end", f"the evaluation finished; its results are in {cfg.output_dir}")
+        except TrainingInterrupted as err:
+            print(f"diffalign: {err}", file=sys.stderr)
+            raise SystemExit(err.exit_code) from None
+
+
+def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
     from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
@@ -185,6 +201,12 @@ def _eval_main(cfg: DictConfig) -> None:
         print(f"[diffalign] report: {write_report(output_dir, run_dir=run_dir)}")
 
 
+def _say_interrupted() -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write("diffalign: interrupted", file=sys.stderr)  # (on its own line, also under an open progress bar)
+
+
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
     _setup()
@@ -192,7 +214,11 @@ def train() -> None:
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
-    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
+    except KeyboardInterrupt:  # Ctrl-C before the run started, or a second one (the first stops at a safe point)
+        _say_interrupted()
+        sys.exit(130)
 
 
 def evaluate() -> None:
@@ -202,4 +228,8 @@ def evaluate() -> None:
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
-    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()
+    except KeyboardInterrupt:  # Ctrl-C before the evaluation started, or a second one
+        _say_interrupted()
+        sys.exit(130)

@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid, save_image
 from tqdm.auto import tqdm
 
+from diffalign.faults import stop_received
 from diffalign.media import VIDEO_FORMATS, save_png, save_video
 from diffalign.samplers.rollout import rollout
 from diffalign.stats import bootstrap_ci, paired_wins
@@ -546,6 +547,12 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         buffer: dict[int, list[dict]] = defaultdict(list)
         with samples_path.open("a") as f:
             for start in range(0, len(jobs), cfg.batch_size):
+                stop = stop_received()  # SIGTERM / SIGINT: stop here; the finished prompts are in samples.jsonl
+                if stop is not None:
+                    bar.close()
+                    finished = sum(1 for s in samples if s["variant"] in labels) // len(seeds)
+                    raise stop.interrupted(f"during the evaluation ({finished} of {len(labels) * len(rows)} "
+                                           f"(variant, prompt) evaluations finished, kept in {out_dir})")
                 chunk = jobs[start:start + cfg.batch_size]
                 images = _sample(policy, chunk, rows, cfg, use_reference=spec is True)
                 scored = _score(rewards, images, [rows[p]["prompt"] for p, _ in chunk], [rows[p] for p, _ in chunk])

@@ -6,7 +6,9 @@
   checkpoint and raises `NonFiniteError`.
 - `StopSignals` turns SIGTERM / SIGINT into a flag that the loops read between updates (agreed over processes); the
   loop then writes a checkpoint and raises `TrainingInterrupted`, which the CLI turns into exit code 128 + signal
-  (143 for SIGTERM, 130 for SIGINT). A second SIGINT interrupts at once (KeyboardInterrupt).
+  (143 for SIGTERM, 130 for SIGINT). A second SIGINT interrupts at once (KeyboardInterrupt). The data preparation
+  (`diffalign.data.resumable`) checks the flag after every chunk, the evaluation (`stop_received`) before every batch,
+  and the loops once more after the report, so a signal at any point stops the run at the next safe point.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -92,13 +95,20 @@ class StopSignals:
     """A context manager that records SIGTERM / SIGINT instead of dying, so the loop can checkpoint and exit.
 
     Handlers are installed only in the main thread (elsewhere this does nothing) and restored on exit. After the first
-    SIGINT the default SIGINT handler is back, so a second Ctrl-C interrupts at once.
+    SIGINT the default SIGINT handler is back, so a second Ctrl-C interrupts at once. Code that runs inside (the
+    evaluation, `diffalign.evaluate.evaluate_policy`) asks `stop_received` at its own safe points; a signal received by
+    a nested instance is handed to the enclosing one on exit.
+
+    Args:
+        hint (`str`, defaults to "continue with resume=latest"): how to continue, ending the stop messages.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _active: ClassVar[list[StopSignals]] = []  # entered instances, innermost last
 
-    def __init__(self):
+    def __init__(self, hint: str = "continue with resume=latest"):
         self.signum: int | None = None
+        self.hint = hint
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
@@ -112,13 +122,27 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            StopSignals._active.append(self)
         return self
 
     def __exit__(self, *exc) -> bool:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self in StopSignals._active:
+            StopSignals._active.remove(self)
+            if self.signum is not None and StopSignals._active and StopSignals._active[-1].signum is None:
+                StopSignals._active[-1].signum = self.signum
         return False
+
+    def interrupted(self, where: str, hint: str | None = None) -> TrainingInterrupted:
+        """The `TrainingInterrupted` to raise at a safe point: ``stopped by SIGINT <where>; <hint>``."""
+        return TrainingInterrupted(f"stopped by {self.name} {where}; {hint or self.hint}", self.signum or signal.SIGTERM)
+
+    def raise_if_received(self, where: str, hint: str | None = None) -> None:
+        """Raises `interrupted(where, hint)` when this process received a signal (a local check, no collective)."""
+        if self.signum is not None:
+            raise self.interrupted(where, hint)
 
     def requested(self, accelerator) -> bool:
         """Whether any process received a stop signal (every process must call this at the same point)."""
@@ -130,3 +154,9 @@ class StopSignals:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else "signal"
+
+
+def stop_received() -> StopSignals | None:
+    """The innermost active `StopSignals` of this process when it has received a signal, else None."""
+    active = StopSignals._active
+    return active[-1] if active and active[-1].signum is not None else None

@@ -24,6 +24,9 @@ def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
     sft = run_overrides(METHODS["sft"], "verifier", 2, quick=False)
     assert sft[:2] == ["recipe=tiny_dpo", "method=sft"] and "data.seed=2" in sft  # the recipe's data, reseeded
     assert METHODS["ddspo"].rewards == ("verifier",)  # reward-free pairs: no easy-reward row
+    control = run_overrides(METHODS["diffusion_dpo"], "control", 0, quick=False)  # the same run, random scores
+    assert "data.reward=random_control" in control and "eval_reward=[brightness,geneval_shapes]" in control
+    assert "reward=[random_control]" in run_overrides(METHODS["ddpo"], "control", 0, quick=False)
 
 
 def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(0, 1)):
@@ -43,7 +46,8 @@ def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(
                "finetuned": {"brightness/mean": finetuned, "geneval_shapes/accuracy": 0.25}}
     results = {"total_seconds": 60.0, "train_seconds": 50.0, "rollouts": 640,
                "eval": {"variants": summary, "finetuned_vs_base": {
-                   "brightness/mean_gain": {"gain": finetuned - base, "se": 0.01}}}}
+                   "brightness/mean_gain": {"gain": finetuned - base, "se": 0.01},
+                   "geneval_shapes/accuracy_gain": {"gain": -0.25, "se": 0.06}}}}
     (folder / "results.json").write_text(json.dumps(results))
     (folder / "history.jsonl").write_text("".join(json.dumps({"epoch": i + 1, "reward/mean": r}) + "\n"
                                                   for i, r in enumerate(curve)))
@@ -63,6 +67,7 @@ def test_a_run_is_read_back_and_seeds_are_summarised_by_hand(tmp_path):
     assert a["start"] == 0.1 and a["end"] == 0.3 and a["gain"] == pytest.approx(0.2)
     assert a["train_rise"] == pytest.approx(0.3 - 0.1)  # mean(0.2, 0.3, 0.4) - mean(0.1, 0.1)
     assert a["verifier_start"] == 0.5 and a["verifier_end"] == 0.25
+    assert a["verifier_change"] == -0.25 and a["verifier_change_se"] == 0.06  # the evaluation's paired figure
     assert a["diversity_start"] == a["diversity_end"] > 0  # the same fake images for both variants
     b = read_run(tmp_path / "b", "brightness", MeanEmbedder())
     (row,) = summarize({("vipo", "brightness"): [a, b]})
@@ -71,12 +76,19 @@ def test_a_run_is_read_back_and_seeds_are_summarised_by_hand(tmp_path):
     assert row["gain_over_se"] == pytest.approx(0.15 / 0.05)
     table = markdown([row], "diffalign-bench --x")
     assert "| vipo | brightness | 2 | 0.100 → 0.250 | 0.150 ± 0.050 (3.0) |" in table
+    assert row["verifier_change"] == -0.25 and row["verifier_change_se"] == 0.0  # equal over the two seeds
+    (one,) = summarize({("vipo", "brightness"): [a]})  # one seed: the paired s.e. over its images
+    assert one["verifier_change_se"] == 0.06 and one["gain_se"] == 0.01
+    assert "| 0.500 → 0.250 | -0.250 ± 0.060 |" in markdown([one], "diffalign-bench --x")
 
 
 def test_list_prints_the_runs_without_running_them(capsys):
     assert main(["--list", "--methods", "ddpo", "ddspo", "--rewards", "brightness", "--seeds", "0", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["ddpo-brightness-s0", "ddpo-brightness-s1"]  # no DDSPO row
+    assert main(["--list", "--methods", "ddpo", "--seeds", "0"]) == 0  # the control runs only when asked for
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [
+        "ddpo-brightness-s0", "ddpo-verifier-s0"]
     # a Hydra override may follow any option (it is not taken as one of --seeds' values); duplicate seeds run once
     assert main(["--list", "--methods", "ddpo", "--rewards", "brightness", "--seeds", "0", "0",
                  "trainer.learning_rate=5e-3"]) == 0

@@ -192,6 +192,21 @@ def test_generation_resumes_and_refuses_other_settings(tmp_path, pipeline):
     assert generate(pipeline, tmp_path, source="/moved/checkout/tiny_sd")["generated_shards"] == 0  # a path only warns
 
 
+def test_a_stop_signal_ends_the_generation_after_a_shard_and_it_resumes(tmp_path, pipeline):
+    def stop_after_first(done, total, folder):
+        if done == 1:
+            raise KeyboardInterrupt(f"{done}/{total} in {folder}")
+
+    with pytest.raises(KeyboardInterrupt, match=f"^1/2 in {tmp_path}$"):
+        generate(pipeline, tmp_path, after_shard=stop_after_first)
+    assert (tmp_path / "shard-00000.jsonl").is_file() and not (tmp_path / "shard-00001.jsonl").exists()
+    assert generate(pipeline, tmp_path, after_shard=stop_after_first)["generated_shards"] == 1
+    generate(pipeline, tmp_path / "ref")
+    for k in range(2):
+        a, b = load_file(tmp_path / f"shard-0000{k}.safetensors"), load_file(tmp_path / "ref" / f"shard-0000{k}.safetensors")
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+
 def test_data_set_collates_latents_and_degraded_prompts(tmp_path, pipeline):
     generate(pipeline, tmp_path)
     data = DDSPOPairs(str(tmp_path))

@@ -143,6 +143,7 @@ def generate_pairs(
     rewriter: str | None = None,
     source: str = "",
     progress: bool = True,
+    after_shard=None,
 ) -> dict:
     """Generates (or finishes) a DDSPO pairs folder with a frozen diffusers text-to-image pipeline (module docstring).
 
@@ -163,6 +164,8 @@ def generate_pairs(
         batch_size (`int`, defaults to 16): prompts per pipeline call, ≥ 1.
         source (`str`): a description of the model (path or hub id), recorded in the manifest.
         progress (`bool`, defaults to True): show a tqdm bar over pairs.
+        after_shard (*optional*): called as ``after_shard(done, total, out_dir)`` after every shard generated here
+            (the training loop's stop check: it may raise to stop between two shards).
 
     Returns:
         `dict`: ``{"num_pairs", "num_shards", "generated_shards", "skipped_prompts"}``.
@@ -219,6 +222,12 @@ def generate_pairs(
         rows = "".join(json.dumps(job) + "\n" for job in shard)
         _atomic_write(out / f"{shard_name(k)}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
         _atomic_write(out / f"{shard_name(k)}.jsonl", lambda p, r=rows: p.write_text(r))
+        if after_shard is not None:
+            try:
+                after_shard(num_shards - len(todo) + todo.index(k) + 1, num_shards, out)
+            except BaseException:
+                bar.close()
+                raise
     bar.close()
     return {"num_pairs": len(jobs), "num_shards": num_shards, "generated_shards": len(todo),
             "skipped_prompts": len(skipped)}
@@ -309,12 +318,15 @@ class DDSPOPairs:
         if not generate:
             self._load_index()
 
-    def prepare(self, policy, rewards: dict) -> None:
-        """Generates the missing shards (``generate=True``) with the policy's frozen reference; then reads the index."""
+    def prepare(self, policy, rewards: dict, preparation=None) -> None:
+        """Generates the missing shards (``generate=True``) with the policy's frozen reference; then reads the index.
+        With the training loop's `preparation` a stop signal ends the generation after the current shard (one
+        process; with several, at the first training step)."""
         if self.generate:
+            after_shard = preparation.after_chunk if preparation is not None and preparation.single_process else None
             with policy.reference():
                 self.stats = generate_pairs(policy.to_pipeline(), load_prompts(self.prompts), self.pairs_dir,
-                                            **self.settings)
+                                            **self.settings, after_shard=after_shard)
         self._load_index()
 
     def _load_index(self) -> None:

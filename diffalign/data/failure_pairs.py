@@ -98,14 +98,16 @@ class FailurePairs(PreparedPairs):
         self.stats: dict = {}
 
     @torch.no_grad()
-    def prepare(self, policy, rewards: dict) -> None:
-        """Samples, judges and pairs; the policy's current weights are the sampling policy."""
+    def prepare(self, policy, rewards: dict, preparation=None) -> None:
+        """Samples, judges and pairs; the policy's current weights are the sampling policy. With a `preparation`
+        (the training loop's) the samples are made in chunks in the run folder and a killed run continues them
+        (`diffalign.data.onpolicy.sample_and_judge`)."""
         if self.reward not in rewards:
             raise ValueError(f"data.reward={self.reward!r} is not among the selected rewards {sorted(rewards)}; "
                              f"add it with reward=[{self.reward}]")
         judged = sample_and_judge(
             policy, self.rows, self.samples_per_prompt, rewards[self.reward], sampler=self.sampler,
-            batch_size=self.batch_size, seed=self.seed,
+            batch_size=self.batch_size, seed=self.seed, preparation=preparation, reward_name=self.reward,
             require_correct=f"data.reward={self.reward!r} does not report per-sample correctness (info['correct']); "
                             "data=failure_pairs needs a verifier such as geneval_shapes")
         losers = [(i, j, image) for (i, j), image, ok in zip(judged.jobs, judged.images, judged.correct.tolist())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import rollout
@@ -36,28 +37,59 @@ class JudgedSamples:
 
 @torch.no_grad()
 def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, *, sampler: dict, batch_size: int,
-                     seed: int, require_correct: str | None = None) -> JudgedSamples:
+                     seed: int, require_correct: str | None = None, preparation=None,
+                     reward_name: str | None = None) -> JudgedSamples:
     """Samples ``samples_per_prompt`` images per row of `rows` (sample ``j`` of prompt ``i`` from a generator seeded
     with ``sample_seed(seed, i, j)``; `sampler` holds `rollout`'s ``num_inference_steps``, ``guidance_scale``,
     ``eta``), in batches of `batch_size`, and scores each batch with `reward` ``(images, prompts, rows)``.
+
+    With a `preparation` (`diffalign.data.resumable.Preparation`, given by the training loop) every batch is a chunk
+    written to the run folder as it is made, a chunk already there is read back instead of sampled again (a killed run
+    continues where it stopped, with exactly the data of an uninterrupted run), a tqdm bar shows the progress, and a
+    stop signal ends the preparation after the current chunk.
 
     Raises:
         ValueError: with the message `require_correct`, when it is given and a batch's reward output reports no
             per-sample correctness (checked on every batch, so it stops after the first one).
     """
     jobs = [(i, j) for i in range(len(rows)) for j in range(samples_per_prompt)]
+    starts = list(range(0, len(jobs), batch_size))
+    store = None
+    if preparation is not None:
+        store = preparation.store("onpolicy-samples", {
+            "rows": rows, "samples_per_prompt": samples_per_prompt, "sampler": sampler, "batch_size": batch_size,
+            "seed": seed, "reward": reward_name, "data_stream": _DATA_STREAM}, len(starts))
+    bar = tqdm(total=len(jobs), desc="on-policy data", unit="image",
+               disable=preparation is None or not preparation.progress)
     images, scores, correct = [], [], []
-    for start in range(0, len(jobs), batch_size):
+    for k, start in enumerate(starts):
         chunk = jobs[start:start + batch_size]
-        prompts = [rows[i]["prompt"] for i, _ in chunk]
-        gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
-        batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
-        out = reward(batch, prompts, [rows[i] for i, _ in chunk])
-        if require_correct is not None and "correct" not in out.info:
+        stored = store.load(k) if store is not None else None
+        if stored is None:
+            prompts = [rows[i]["prompt"] for i, _ in chunk]
+            gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
+            batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
+            out = reward(batch, prompts, [rows[i] for i, _ in chunk])
+            stored = {"images": batch, "scores": out.scores.float().cpu()}
+            if "correct" in out.info:
+                stored["correct"] = torch.as_tensor(out.info["correct"]).bool().cpu()
+            if store is not None:
+                store.save(k, stored)
+        if require_correct is not None and "correct" not in stored:
             raise ValueError(require_correct)
-        images.append(batch)
-        scores.append(out.scores.float().cpu())
-        correct.append(None if "correct" not in out.info else torch.as_tensor(out.info["correct"]).bool().cpu())
+        images.append(stored["images"])
+        scores.append(stored["scores"])
+        correct.append(stored.get("correct"))
+        bar.update(len(chunk))
+        if preparation is not None:
+            if k + 1 == len(starts):
+                bar.close()
+            try:
+                preparation.after_chunk(k + 1, len(starts), store.folder)
+            except BaseException:
+                bar.close()
+                raise
+    bar.close()
     has_correct = all(c is not None for c in correct)
     return JudgedSamples(torch.cat(images), jobs, torch.cat(scores), torch.cat(correct) if has_correct else None)
 

@@ -72,14 +72,17 @@ class RankedPairs(PreparedPairs):
         self.stats: dict = {}
 
     @torch.no_grad()
-    def prepare(self, policy, rewards: dict) -> None:
-        """Samples, scores and pairs (the policy's current weights are the sampling policy)."""
+    def prepare(self, policy, rewards: dict, preparation=None) -> None:
+        """Samples, scores and pairs (the policy's current weights are the sampling policy). With a `preparation`
+        (the training loop's) the samples are made in chunks in the run folder and a killed run continues them
+        (`diffalign.data.onpolicy.sample_and_judge`)."""
         if self.reward not in rewards:
             raise ValueError(f"data.reward={self.reward!r} is not among the selected rewards {sorted(rewards)}; "
                              f"add it with reward=[{self.reward}]")
         g = self.samples_per_prompt
         judged = sample_and_judge(policy, self.rows, g, rewards[self.reward], sampler=self.sampler,
-                                  batch_size=self.batch_size, seed=self.seed)
+                                  batch_size=self.batch_size, seed=self.seed, preparation=preparation,
+                                  reward_name=self.reward)
         images, scores = judged.images, judged.scores
         pairs = []
         for i, row in enumerate(self.rows):

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from diffalign.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    new_lineage,
     read_state,
     remove_temporaries,
     save_checkpoint,
@@ -122,7 +123,8 @@ def apply_update(accelerator: Accelerator, guard: NonFiniteGuard, optimizer, lr_
 class Checkpoints:
     """A run's checkpoints: ``checkpoint-<step>`` folders (`diffalign.checkpoint.save_checkpoint`) holding the LoRA,
     the optimizer and LR scheduler, every object of `states` as ``<name>.{json,safetensors}`` and the loop's own
-    trainer state.
+    trainer state with the run's lineage (``keep_last`` prunes only this lineage's checkpoints; a resume carries the
+    checkpoint's lineage on).
 
     Args:
         accelerator (`Accelerator`): only its main process writes.
@@ -138,6 +140,7 @@ class Checkpoints:
                  states: dict[str, Any]):
         self.accelerator, self.output_dir, self.policy = accelerator, output_dir, policy
         self.optimizer, self.lr_scheduler, self.keep_last, self.states = optimizer, lr_scheduler, keep_last, states
+        self.lineage = new_lineage()  # keep_last prunes only this lineage's checkpoints; a resumed run carries it on
 
     def _write_dir(self, directory: Path) -> None:
         self.policy.save_lora_weights(directory)
@@ -147,7 +150,8 @@ class Checkpoints:
     def write(self, step: int, trainer_state: dict) -> Path:
         """Writes ``checkpoint-<step>`` with `trainer_state` as its ``trainer_state.json`` (call on the main process)."""
         return save_checkpoint(self.output_dir, step, lora_dir_writer=self._write_dir, optimizer=self.optimizer,
-                               lr_scheduler=self.lr_scheduler, keep_last=self.keep_last, state=trainer_state)
+                               lr_scheduler=self.lr_scheduler, keep_last=self.keep_last, lineage=self.lineage,
+                               state=trainer_state)
 
     def before_stop(self, step: int, trainer_state: Callable[[], dict]) -> Path | None:
         """The checkpoint of `step`, written now unless it exists; None on the other processes (no barrier)."""
@@ -176,6 +180,7 @@ class Checkpoints:
             return None
         state = load_checkpoint(ckpt, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
         self.policy.load_lora_weights(ckpt)
+        self.lineage = state.get("lineage") or self.lineage
         for name, part in self.states.items():
             part.load_state_dict(read_state(ckpt, name))
         state["checkpoint"] = ckpt

@@ -56,6 +56,7 @@ from diffalign.plugins import build_rewards, build_selected_rewards
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.combine import reward_metrics
 from diffalign.rewards.guard import checked_rewards
+from diffalign.runlock import run_lock
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
@@ -81,13 +82,15 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
-    with StopSignals() as stop:
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)
         history = _resume(run)
         t_train = time.time()
         history = _train_epochs(run, stop, history)
-        return _finish(run, history, train_seconds=time.time() - t_train, t_start=t_start)
+        results = _finish(run, history, train_seconds=time.time() - t_train, t_start=t_start)
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 @dataclass

@@ -43,12 +43,14 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.data.preference import PreferenceData, ResumableSampler
+from diffalign.data.resumable import prepare_dataset
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.plugins import build_selected_rewards
 from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
+from diffalign.runlock import run_lock
 from diffalign.samplers.groups import stream_seed
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
@@ -121,14 +123,16 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
-    with StopSignals() as stop:
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
-        _prepare_data(run)
+        _prepare_data(run, stop)
         _resume(run)  # 2. resume
         t_train = time.time()
         history = _train_steps(run, stop)  # 3. train
-        return _finish(run, history, train_seconds=time.time() - t_train, t_start=t_start)  # 4. evaluate
+        results = _finish(run, history, train_seconds=time.time() - t_train, t_start=t_start)  # 4. evaluate
+        stop.raise_if_received("at the end", f"the run finished; its results are in {cfg.output_dir}")
+        return results
 
 
 @dataclass
@@ -198,14 +202,15 @@ def _setup(cfg: DictConfig) -> _Run:
                 optimizer, lr_scheduler, guard, checkpoints, pixel_size)
 
 
-def _prepare_data(run: _Run) -> None:
+def _prepare_data(run: _Run, stop: StopSignals) -> None:
     """The data set's `prepare` (on-policy data, e.g. RankedPairs, is made by the policy itself here; static data
     has nothing to make), then the data sampler and latent cache."""
     accelerator, tr, dataset = run.accelerator, run.cfg.trainer, run.dataset
     t_data = time.time()
     set_reward_step(run.rewards, 0)
     with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
-        dataset.prepare(run.policy, run.rewards)  # (nothing for static data)
+        # (nothing for static data; on-policy data resumable in <output_dir>/prepared, diffalign.data.resumable)
+        prepare_dataset(dataset, run.policy, run.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
     run.data_seconds = time.time() - t_data
     if dataset.stats:
         accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {dataset.stats}")
