@@ -172,7 +172,7 @@ def test_nested_state_roundtrip(tmp_path):
 # ------------------------------------------------------------------------------------------------------ C26
 
 
-def test_c26_latest_is_numeric_and_ignores_non_numeric(tmp_path):
+def test_latest_checkpoint_sorts_numerically_and_ignores_non_numeric(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
     for name in ["checkpoint-95", "checkpoint-900", "checkpoint-1000", "checkpoint-tmp", ".tmp-checkpoint-2000-1"]:
@@ -182,7 +182,7 @@ def test_c26_latest_is_numeric_and_ignores_non_numeric(tmp_path):
 
 
 @pytest.mark.parametrize(("keep_last", "expected"), [(2, [1000, 1100]), (-1, [95, 900, 1000, 1100])])
-def test_c26_keep_last(tmp_path, keep_last, expected):
+def test_keep_last_keeps_the_newest_and_minus_one_keeps_all(tmp_path, keep_last, expected):
     for name in ["checkpoint-95", "checkpoint-900", "checkpoint-1000", "checkpoint-tmp"]:
         (tmp_path / name).mkdir()
     model, optimizer, scheduler = build()
@@ -200,7 +200,7 @@ def test_keep_last_never_deletes_the_checkpoint_just_saved(tmp_path):
     assert path.is_dir() and (tmp_path / "checkpoint-5000").is_dir()
 
 
-def test_c26_resume_epoch_comes_from_metadata(tmp_path):
+def test_resume_epoch_comes_from_checkpoint_metadata(tmp_path):
     """Save every 3 epochs (after epochs 3 and 6, 4 steps per epoch); resuming the latest starts at epoch 7."""
     model, optimizer, scheduler = build()
     step = 0

@@ -52,7 +52,7 @@ def write_table(tmp_path: Path, labels, as_paths: bool = True) -> Path:
 
 
 @pytest.mark.parametrize("as_paths", [True, False])
-def test_c03_pickapic_ties_and_winner_order(tmp_path, as_paths):
+def test_pickapic_drops_ties_and_puts_the_winner_first(tmp_path, as_paths):
     data = PickAPicPairs(str(write_table(tmp_path, [1, 0, 0.5, 1], as_paths)), resolution=8)
     assert len(data) == 3 and data.num_ties == 1 and data.num_ties_dropped == 1
     prompt, image_w, image_l, row = data[1]  # the second row, label_0 = 0: image 1 wins
@@ -66,7 +66,7 @@ def test_c03_pickapic_ties_and_winner_order(tmp_path, as_paths):
 
 
 @pytest.mark.parametrize("label", [0.3, 2])
-def test_c03_bad_label_raises_naming_the_row(tmp_path, label):
+def test_pickapic_bad_label_raises_naming_the_row(tmp_path, label):
     with pytest.raises(ValueError, match=r"row 1 .*label_0="):
         PickAPicPairs(str(write_table(tmp_path, [1, label, 0.5, 1])))
 

@@ -219,7 +219,7 @@ def test_per_sample_mse_fp16_is_fp32_mean():
 
 
 @pytest.mark.parametrize("reference", ["deep_copy", "lora_disabled"])
-def test_c02_loss_is_ln2_at_init_with_shared_noise(reference):
+def test_loss_is_ln2_at_init_and_winner_and_loser_share_noise(reference):
     unet = tiny_unet()
     if reference == "lora_disabled":
         unet.requires_grad_(False)
@@ -295,7 +295,7 @@ def test_generator_reproducible_and_timestep_range():
 # ------------------------------------------------------------------------------------------ C04: no aliasing
 
 
-def test_c04_reference_never_aliases_policy():
+def test_reference_never_aliases_the_policy():
     checkpoint = tiny_unet()
     initial = {k: v.clone() for k, v in checkpoint.state_dict().items()}
     policy_unet = copy.deepcopy(checkpoint).train()

@@ -31,7 +31,7 @@ def colour_of(image: torch.Tensor) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------------ C03
 
 
-def test_c03_ties_dropped_and_winner_order(caplog):
+def test_ties_are_dropped_and_the_winner_comes_first(caplog):
     with caplog.at_level(logging.INFO, logger="diffalign.data.preference"):
         data = PreferencePairs(rows([1, 0, 0.5, 1]))
     assert len(data) == 3 and data.num_ties_dropped == 1 and data.ties == []
@@ -47,12 +47,12 @@ def test_c03_ties_dropped_and_winner_order(caplog):
 
 
 @pytest.mark.parametrize("bad", [0.3, 2, -1, float("nan"), "1", None, True])
-def test_c03_invalid_label_names_the_row(bad):
+def test_invalid_label_raises_naming_the_row(bad):
     with pytest.raises(ValueError, match=r"row 2 has label_0="):
         PreferencePairs(rows([1, 0, bad, 1]))
 
 
-def test_c03_keep_ties_never_makes_a_tie_a_win():
+def test_keep_ties_never_makes_a_tie_a_win():
     data = PreferencePairs(rows([np.float32(1), np.int64(0), np.float64(0.5), 1]), keep_ties=True)
     assert len(data) == 3 and [data[i][3] for i in range(3)] == [0, 1, 3]
     assert data.num_ties == 1 and data.num_ties_dropped == 0
@@ -105,7 +105,7 @@ def run(sampler: ResumableSampler, data: PreferencePairs, num_epochs: int, stop_
     return steps
 
 
-def test_c25_resume_replays_the_same_batches():
+def test_resumed_sampler_replays_the_same_batches():
     data = PreferencePairs(rows([1, 0] * 5))  # 10 pairs, ids 0..9
     run_a = run(ResumableSampler(10, batch_size=2, seed=7), data, num_epochs=2)
     assert len(run_a) == 10
@@ -127,7 +127,7 @@ def test_c25_resume_replays_the_same_batches():
     assert run_a[:5] != run_a[5:]  # epoch 1 uses seed + 1
 
 
-def test_c25_resume_at_epoch_boundary():
+def test_sampler_resumes_at_an_epoch_boundary():
     data = PreferencePairs(rows([1] * 10))
     run_a = run(ResumableSampler(10, 2, seed=7), data, num_epochs=2)
     first = ResumableSampler(10, 2, seed=7)
@@ -138,7 +138,7 @@ def test_c25_resume_at_epoch_boundary():
     assert run_b + run(resumed, data, num_epochs=2) == run_a
 
 
-def test_c25_next_batch_resume_matches_iteration():
+def test_next_batch_after_resume_matches_iteration():
     reference = ResumableSampler(10, 2, seed=7)
     expected = [batch for _ in range(3) for batch in reference]  # 3 epochs by iteration
     first = ResumableSampler(10, 2, seed=7)

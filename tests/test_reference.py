@@ -258,7 +258,7 @@ def test_pool_state_round_trip(tmp_path, perturb_lora):
 # --------------------------------------------------------------------------------- C04: no aliasing, 3 steps
 
 
-def test_c04_reference_unchanged_and_disjoint_after_three_steps(perturb_lora):
+def test_reference_unchanged_and_disjoint_from_the_policy_after_three_steps(perturb_lora):
     policy = build_tiny_random_policy(seed=0)
     perturb_lora(policy, seed=1)
     initial = {n: p.detach().clone() for n, p in lora_tensors(policy).items()}

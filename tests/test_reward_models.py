@@ -129,7 +129,7 @@ REWARD_NAMES = ["clip_score", "tiny_world_clip", "aesthetic", "pickscore", "hpsv
 
 
 @pytest.mark.parametrize("name", REWARD_NAMES)
-def test_c21_batch_scores_equal_single_scores_and_follow_permutations(rewards, name):
+def test_batch_scores_equal_single_scores_and_follow_permutations(rewards, name):
     reward = rewards[name]
     images = as_unit(images_uint8())
     batch = reward(images, PROMPTS).scores
@@ -146,7 +146,7 @@ def test_c21_batch_scores_equal_single_scores_and_follow_permutations(rewards, n
 
 
 @pytest.mark.parametrize("name", REWARD_NAMES)
-def test_c20_minus_one_one_tensor_unit_tensor_and_pil_give_the_same_score(rewards, tiny_open_clip_dir, aesthetic_head_file,
+def test_minus_one_one_tensor_unit_tensor_and_pil_give_the_same_score(rewards, tiny_open_clip_dir, aesthetic_head_file,
                                                                           tiny_pickscore_dir, name):
     reward = rewards[name]
     arrays = images_uint8()
@@ -166,7 +166,7 @@ def test_c20_minus_one_one_tensor_unit_tensor_and_pil_give_the_same_score(reward
     torch.testing.assert_close(symmetric(as_unit(arrays) * 2 - 1, PROMPTS).scores, unit, rtol=0, atol=1e-4)
 
 
-def test_c20_tensor_transform_matches_open_clip_pil_transform():
+def test_tensor_transform_matches_open_clip_pil_transform():
     """512 (W) × 768 (H): left half red, right half blue, top 10% green. The tensor path (shorter side → 224, i.e.
     224×336, centre crop) equals open_clip's own PIL transform for ViT-H-14 within 2/255, and the green band is cropped
     away (no squashing)."""
@@ -188,7 +188,7 @@ def test_c20_tensor_transform_matches_open_clip_pil_transform():
     assert unnormalise(ours)[1, 0].max() < 0.5  # first row is not green
 
 
-def test_c20_pickscore_transform_matches_clip_image_processor(rewards, tiny_pickscore_dir):
+def test_pickscore_transform_matches_clip_image_processor(rewards, tiny_pickscore_dir):
     from transformers import CLIPImageProcessor
 
     arrays = images_uint8(2, h=61, w=45)
@@ -203,7 +203,7 @@ def test_c20_pickscore_transform_matches_clip_image_processor(rewards, tiny_pick
 # ------------------------------------------------------------------------------------------------- C18
 
 
-def test_c18_aesthetic_score_is_unchanged_when_the_raw_embedding_is_scaled(rewards, monkeypatch):
+def test_aesthetic_score_is_unchanged_when_the_raw_embedding_is_scaled(rewards, monkeypatch):
     reward = rewards["aesthetic"]
     images = as_unit(images_uint8())
     before = reward(images, PROMPTS).scores

@@ -193,7 +193,7 @@ def test_weighted_sum_validates_weights():
     ],
     ids=["jpeg_compressibility", "jpeg_incompressibility", "weighted_sum"],
 )
-def test_c21_scores_do_not_depend_on_batch_composition(make_reward):
+def test_scores_do_not_depend_on_batch_composition(make_reward):
     reward = make_reward()
     images = to_tensor(uint8_images())
     batch_scores = reward(images, PROMPTS).scores

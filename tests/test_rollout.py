@@ -14,7 +14,7 @@ def generators(seeds):
     return [torch.Generator().manual_seed(s) for s in seeds]
 
 
-def test_c11_trajectory_bookkeeping(tiny_policy):
+def test_trajectory_stores_every_step_with_its_timestep_and_next_latent(tiny_policy):
     trajectory = rollout(
         tiny_policy, PROMPTS[:2], num_inference_steps=50, guidance_scale=4.0, eta=1.0, generator=generators([0, 1])
     )
@@ -70,7 +70,7 @@ def test_matches_diffusers_pipeline(tiny_policy, eta):
     assert (base.images - expected).abs().max() > 1e-3
 
 
-def test_c15_per_image_generators_reproduce_one_image(tiny_policy):
+def test_per_image_generators_reproduce_one_image_alone(tiny_policy):
     prompts = ["a red square"] * 4
     batch = rollout(
         tiny_policy,
@@ -92,7 +92,7 @@ def test_c15_per_image_generators_reproduce_one_image(tiny_policy):
     assert (batch.images[1] - alone.images[0]).abs().max() > 1e-3  # other seeds give other images
 
 
-def test_c15_per_image_step_noise_is_batch_independent(sd15_ddim_config):
+def test_per_image_step_noise_does_not_depend_on_the_batch(sd15_ddim_config):
     """With a model-free step (fixed model output), the whole chain of image k is bitwise that of a lone run."""
     from diffalign.samplers.ddim_logprob import ddim_step
 
@@ -132,7 +132,7 @@ def test_eta0_trajectory_is_deterministic_and_not_trainable(tiny_policy):
         recompute_log_probs(tiny_policy, trajectory, [0])
 
 
-def test_c08_final_alpha_one_last_step_is_excluded_and_finite(tiny_policy, sd15_ddim_config):
+def test_final_alpha_one_last_step_is_excluded_and_finite(tiny_policy, sd15_ddim_config):
     tiny_policy.scheduler = DDIMScheduler.from_config({**sd15_ddim_config, "set_alpha_to_one": True})
     trajectory = rollout(tiny_policy, PROMPTS[:2], num_inference_steps=5, eta=1.0, generator=generators([0, 1]))
     assert trajectory.trainable.tolist() == [True, True, True, True, False]

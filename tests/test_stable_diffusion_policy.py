@@ -61,7 +61,7 @@ def test_tiny_build_is_deterministic_and_keeps_global_rng():
 
 
 @pytest.mark.parametrize("lora_rank", [4, None])
-def test_c10_trainable_params_fp32_with_half_frozen_parts(lora_rank):
+def test_trainable_params_are_fp32_when_frozen_parts_are_half(lora_rank):
     pipe = build_tiny_random_pipeline()
     pipe.to(torch.float16)
     policy = StableDiffusionPolicy.from_pipeline(pipe, lora_rank=lora_rank)
@@ -101,7 +101,7 @@ def test_unsupported_prediction_type_and_rank_raise(sd15_ddim_config):
 # ---------------------------------------------------------------- prompts and CFG (C16, C17)
 
 
-def test_c16_cfg_batch_is_negative_then_positive():
+def test_cfg_batch_is_negative_then_positive_for_tokens_and_pooled():
     embeds = PromptEmbeds(
         prompt_embeds=torch.ones(2, 77, 32),
         negative_prompt_embeds=torch.zeros(2, 77, 32),
@@ -140,7 +140,7 @@ def test_per_sample_timesteps_in_predict(tiny_policy):
     torch.testing.assert_close(both[:1], first, rtol=0, atol=1e-5)
 
 
-def test_c17_encode_prompts_expands_rows_per_prompt(tiny_policy):
+def test_encode_prompts_expands_rows_per_prompt_and_negatives_alike(tiny_policy):
     negatives = ["a green triangle", "a yellow square"]
     embeds = tiny_policy.encode_prompts(PROMPTS, negatives, num_images_per_prompt=3)
     assert embeds.prompt_embeds.shape == (6, 12, 32) and embeds.negative_prompt_embeds.shape == (6, 12, 32)
