@@ -143,7 +143,8 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The ``checkpoint-<step>`` directory with the largest integer step, or `None` if there is none.
 
     Steps compare as integers (``checkpoint-1000`` is newer than ``checkpoint-900``); names whose suffix is not an
-    integer (``checkpoint-tmp``) and temporary ``.tmp-checkpoint-*`` directories are ignored (FIELD_CASES C26).
+    integer (``checkpoint-tmp``) and temporary ``.tmp-checkpoint-*`` directories are ignored (a string sort once
+    picked step 9000 over 10000 in open-instruct: docs/field_cases.md#picking-the-latest-checkpoint).
     """
     found = _numbered_checkpoints(Path(output_dir))
     return found[-1][1] if found else None

@@ -36,7 +36,8 @@ def asset_path(name: str) -> str:
 def _setup() -> None:
     if not OmegaConf.has_resolver("diffalign_asset"):
         OmegaConf.register_new_resolver("diffalign_asset", asset_path)
-    if not OmegaConf.has_resolver("launch_time"):  # default run folders: one per launch, not per process (C27)
+    # default run folders: one per launch, not per process (docs/field_cases.md#one-run-folder-for-all-processes)
+    if not OmegaConf.has_resolver("launch_time"):
         from diffalign.launch import launch_time
 
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)

@@ -368,7 +368,8 @@ class EmaReferenceConfig:
 class EmaReference:
     r"""An exponential moving average of the policy's LoRA as the reference:
     $\theta_r \leftarrow \text{decay}\cdot\theta_r + (1-\text{decay})\cdot\theta$ every `update_every` updates, starting
-    from the policy's initial adapter (an EMA reference as DGPO's θ⁻, arXiv:2510.08425; ALGORITHMS.md §5(c)).
+    from the policy's initial adapter (an EMA reference as DGPO's θ⁻, arXiv:2510.08425;
+    docs/algorithms.md#dgpo-rollout-policy).
 
     Args:
         decay (`float`, defaults to 0.999): in [0, 1); 0 makes the reference the policy as of the last update.
@@ -466,7 +467,7 @@ class PoolReferenceConfig:
 
 class PoolReference:
     r"""A pool of the policy's previous LoRA checkpoints; the reference θ_r is drawn from it (SePPO,
-    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; ALGORITHMS.md §3(c)).
+    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; docs/algorithms.md#seppo-reference-pool).
 
     Before update ``u`` (0-based; `on_step(policy, u)`): if ``u % save_every == 0`` the policy's current adapter is
     appended to the pool, so the pool starts with θ_0 (the initial adapter) at ``u = 0``; when it then holds more than

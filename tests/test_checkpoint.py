@@ -1,4 +1,5 @@
-"""Atomic checkpoints: bitwise resume of AdamW + LR schedule + RNG, atomicity, and FIELD_CASES C26."""
+"""Atomic checkpoints: bitwise resume of AdamW + LR schedule + RNG, atomicity, and picking the latest checkpoint
+(docs/field_cases.md#picking-the-latest-checkpoint)."""
 
 import json
 import random
@@ -169,7 +170,7 @@ def test_nested_state_roundtrip(tmp_path):
     assert restored.state["nested"] == [{"__tensor__": 1}, float("inf")]
 
 
-# ------------------------------------------------------------------------------------------------------ C26
+# ------------------------------------------------------------------------------------------ the latest checkpoint
 
 
 def test_latest_checkpoint_sorts_numerically_and_ignores_non_numeric(tmp_path):

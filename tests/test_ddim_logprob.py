@@ -1,5 +1,5 @@
 """DDIM step with log-prob: parity with `DDIMScheduler.step`, the Gaussian log-density, the SD schedule's edge cases
-(FIELD_CASES C08, C09, C11)."""
+(docs/field_cases.md: the last denoising step, half precision, the DDIM timestep grid)."""
 
 import math
 
@@ -25,7 +25,7 @@ def sd15_alphas_cumprod_f64():
 
 
 def reference_mean_std(alphas_cumprod, eps, x, t, num_steps, eta, final_alpha):
-    """ALGORITHMS.md §1.3(i) written out in float64 for ε-prediction."""
+    """docs/algorithms.md#ddim-step written out in float64 for ε-prediction."""
     eps, x = eps.double(), x.double()
     prev_t = t - 1000 // num_steps
     a_t = alphas_cumprod[t]
@@ -40,7 +40,7 @@ def randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-# ---------------------------------------------------------------- schedule (C08, C11)
+# ---------------------------------------------------------------- schedule (the last step, the timestep grid)
 
 
 def test_sd_50_step_timesteps(sd15_ddim_config):
@@ -200,7 +200,7 @@ def test_bad_arguments_raise(sd15_ddim_config):
         ddim_step(DDIMScheduler.from_config(sd15_ddim_config), x, 981, x)
 
 
-# ---------------------------------------------------------------- half precision (C09)
+# ---------------------------------------------------------------- half precision
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

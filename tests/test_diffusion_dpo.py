@@ -1,4 +1,5 @@
-"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14): hand-computed losses and FIELD_CASES C02, C04, C09."""
+"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14): hand-computed losses, the loss at initialisation, no
+reference aliasing and fp32 losses from half-precision outputs (docs/field_cases.md)."""
 
 import copy
 import logging
@@ -28,7 +29,7 @@ def one_intra_op_thread():
 
 
 def tiny_unet() -> UNet2DConditionModel:
-    """FIELD_CASES "tiny UNet": real diffusers UNet, seed 0, latents (4, 8, 8), text width 32."""
+    """A "tiny UNet": real diffusers UNet, seed 0, latents (4, 8, 8), text width 32."""
     torch.manual_seed(0)
     return UNet2DConditionModel(
         sample_size=8,
@@ -215,7 +216,7 @@ def test_per_sample_mse_fp16_is_fp32_mean():
         per_sample_mse(pred, target[:2])
 
 
-# --------------------------------------------------------------------------------------- C02: loss at init
+# ------------------------------------------------------------------------------------------------- loss at init
 
 
 @pytest.mark.parametrize("reference", ["deep_copy", "lora_disabled"])
@@ -292,7 +293,7 @@ def test_generator_reproducible_and_timestep_range():
     assert (t1 == 250).all()
 
 
-# ------------------------------------------------------------------------------------------ C04: no aliasing
+# ---------------------------------------------------------------------------------------------------- no aliasing
 
 
 def test_reference_never_aliases_the_policy():

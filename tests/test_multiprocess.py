@@ -69,9 +69,9 @@ def assert_same_lora(one: Path, two: Path, atol: float = 1e-4) -> None:
 
 
 def test_launch_time_is_the_launchers_on_every_process():
-    """FIELD_CASES C27: two processes of one launch resolving the default run folder at 12:00:00 and 12:00:01 get the
-    same folder (the launcher's start time); one process gets its clock; a multi-node launch or an unreadable
-    launcher asks for output_dir."""
+    """docs/field_cases.md#one-run-folder-for-all-processes: two processes of one launch resolving the default run
+    folder at 12:00:00 and 12:00:01 get the same folder (the launcher's start time); one process gets its clock; a
+    multi-node launch or an unreadable launcher asks for output_dir."""
     from datetime import datetime
 
     from diffalign.launch import launch_time
@@ -112,7 +112,7 @@ def test_process_start_time_reads_proc():
 def test_two_process_preference_run_matches_one_process(tmp_path):
     """Diffusion-DPO: 2 processes × batch 2 vs 1 process × batch 4, same global batches (process r takes slice r)
     and the same per-sample (t, ε) (keyed by the sample's global position): same LoRA within 1e-4. The 2-process run
-    leaves its output_dir to the default, run from `tmp_path`: both processes write into one folder (C27)."""
+    leaves its output_dir to the default, run from `tmp_path`: both processes write into one folder."""
     from diffalign.train.preference import train
     from tests.test_cli import compose_cfg
 

@@ -1,4 +1,4 @@
-"""Preference pairs (FIELD_CASES C03) and the resumable sampler (C25)."""
+"""Preference pairs (ties and winner order) and the resumable sampler (mid-epoch resume); docs/field_cases.md."""
 
 import logging
 
@@ -28,7 +28,7 @@ def colour_of(image: torch.Tensor) -> tuple[int, ...]:
     return tuple(round(v * 255) for v in image[:, 0, 0].tolist())
 
 
-# ------------------------------------------------------------------------------------------------------ C03
+# ------------------------------------------------------------------------------------------ ties and winner order
 
 
 def test_ties_are_dropped_and_the_winner_comes_first(caplog):
@@ -91,7 +91,7 @@ def test_tensor_images_and_collate():
     assert colour_of(batch["images_w"][0]) == (0, 0, 255) and colour_of(batch["images_l"][1]) == (255, 0, 0)
 
 
-# ------------------------------------------------------------------------------------------------------ C25
+# ---------------------------------------------------------------------------------------------- mid-epoch resume
 
 
 def run(sampler: ResumableSampler, data: PreferencePairs, num_epochs: int, stop_after: int | None = None):

@@ -1,5 +1,6 @@
 """Reference strategies (diffalign/reference.py): storage, memory, selection, EMA, named checkpoints, state round trip,
-and FIELD_CASES C04 (the reference never aliases the policy)."""
+and the reference never aliasing the policy
+(docs/field_cases.md#reference-aliasing-the-policy)."""
 
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ def test_pool_state_round_trip(tmp_path, perturb_lora):
         mismatched.load_state_dict(read_state(tmp_path, "reference_state"))
 
 
-# --------------------------------------------------------------------------------- C04: no aliasing, 3 steps
+# -------------------------------------------------------------------------------------- no aliasing, 3 steps
 
 
 def test_reference_unchanged_and_disjoint_from_the_policy_after_three_steps(perturb_lora):

@@ -2,8 +2,8 @@
 versions of the real architectures, built in-process, saved to a temporary folder and loaded back through the same
 local-folder code a user's real weights take. No downloads (conftest sets HF_HUB_OFFLINE=1).
 
-FIELD_CASES C18 (aesthetic needs normalised embeddings), C20 (preprocessing matches the reference transform; range
-conversion before mean/std), C21 (no batch-composition effect)."""
+docs/field_cases.md: the aesthetic predictor needs normalised embeddings; preprocessing matches the reference transform
+(range conversion before mean/std); no batch-composition effect."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def rewards(tiny_open_clip_dir, aesthetic_head_file, tiny_pickscore_dir):
 REWARD_NAMES = ["clip_score", "tiny_world_clip", "aesthetic", "pickscore", "hpsv2"]
 
 
-# ------------------------------------------------------------------------------------------------- C21
+# ------------------------------------------------------------------------------------ no batch-composition effect
 
 
 @pytest.mark.parametrize("name", REWARD_NAMES)
@@ -142,7 +142,7 @@ def test_batch_scores_equal_single_scores_and_follow_permutations(rewards, name)
     assert len(set(batch.tolist())) > 1  # the tiny models are not constant
 
 
-# ------------------------------------------------------------------------------------------------- C20
+# ------------------------------------------------------------------------------------ the reference transform
 
 
 @pytest.mark.parametrize("name", REWARD_NAMES)
@@ -200,7 +200,7 @@ def test_pickscore_transform_matches_clip_image_processor(rewards, tiny_pickscor
     assert ((ours - reference) * std).abs().max() <= 3 / 255
 
 
-# ------------------------------------------------------------------------------------------------- C18
+# ------------------------------------------------------------------------------------ normalised embeddings
 
 
 def test_aesthetic_score_is_unchanged_when_the_raw_embedding_is_scaled(rewards, monkeypatch):

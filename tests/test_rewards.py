@@ -1,4 +1,5 @@
-"""Rewards: DDPO JPEG (in)compressibility (arXiv:2305.13301 §6.1), WeightedSum, and FIELD_CASES C21."""
+"""Rewards: DDPO JPEG (in)compressibility (arXiv:2305.13301 §6.1), WeightedSum, and batch-independent scores
+(docs/field_cases.md#rewards-do-not-depend-on-batch-composition)."""
 
 import io
 import logging
@@ -179,7 +180,7 @@ def test_weighted_sum_validates_weights():
         WeightedSum({}, {})
 
 
-# --------------------------------------------------------------------------- C21: no batch-composition effect
+# -------------------------------------------------------------------------------- no batch-composition effect
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""The rollout loop: trajectory bookkeeping (C11), the on-policy ratio, parity with `StableDiffusionPipeline`, per-image
-generators (C15) and deterministic last steps (C08)."""
+"""The rollout loop: trajectory bookkeeping, the on-policy ratio, parity with `StableDiffusionPipeline`, per-image
+generators and deterministic last steps (docs/field_cases.md)."""
 
 import pytest
 import torch

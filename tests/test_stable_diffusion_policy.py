@@ -1,5 +1,6 @@
-"""StableDiffusionPolicy on the tiny random SD pipeline: trainable parameters (C10), CFG order (C16), prompt expansion
-(C17), the adapter-disabled reference, LoRA save/load through diffusers, loading from a folder."""
+"""StableDiffusionPolicy on the tiny random SD pipeline: trainable parameters in fp32, CFG batch order, prompt
+expansion (docs/field_cases.md), the adapter-disabled reference, LoRA save/load through diffusers, loading from a
+folder."""
 
 import dataclasses
 import inspect
@@ -98,7 +99,7 @@ def test_unsupported_prediction_type_and_rank_raise(sd15_ddim_config):
         build_tiny_random_policy(lora_rank=0)
 
 
-# ---------------------------------------------------------------- prompts and CFG (C16, C17)
+# ---------------------------------------------------------------- prompts and CFG
 
 
 def test_cfg_batch_is_negative_then_positive_for_tokens_and_pooled():

@@ -131,7 +131,7 @@ def test_online_methods_run_on_video_models(case, tmp_path):
 
 @pytest.mark.parametrize("family", ["t2v", "wan"])
 def test_seppo_accepts_video_latents(family):
-    """SePPO (§3(g)): the winner is a video latent, the reference sample a video rollout; the loss starts at ln 2."""
+    """SePPO on video: the winner is a video latent, the reference sample a video rollout; the loss starts at ln 2."""
     import math
 
     from diffalign.objectives.seppo import SePPO

@@ -1,5 +1,5 @@
-"""ViPO (ALGORITHMS.md §6): per-position log-probs, the Perceptual Structuring Module, advantage maps, the objective
-(per-position and scalar-weighted) and the online loop."""
+"""ViPO (docs/algorithms.md#vipo): per-position log-probs, the Perceptual Structuring Module, advantage maps, the
+objective (per-position and scalar-weighted) and the online loop."""
 
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def test_vipo_recipes_compose(recipe, tmp_path):
 
 @pytest.mark.parametrize("reduction", ["per_position", "scalar_weighted"])
 def test_per_reward_advantages_give_the_weighted_sum_of_single_reward_losses(reduction):
-    """ViPO-Wan's two-reward loss (§6(b)): with advantages (B, 2) and coefficients c, the loss and its gradient are
+    """ViPO-Wan's two-reward loss: with advantages (B, 2) and coefficients c, the loss and its gradient are
     c_1 𝓛(A_1·M) + c_2 𝓛(A_2·M), each 𝓛 computed by a single-reward ViPO on its own column."""
     policy, eta = policy_for("flow")
     perturb(policy)

@@ -130,7 +130,9 @@ def add_trainable_lora(denoiser: nn.Module, lora_rank: int | None, lora_alpha: f
                        target_modules, lora_seed: int) -> None:
     """Makes `denoiser` trainable: the whole module when `lora_rank` is None, else a peft LoRA adapter "default"
     (rank `lora_rank`, alpha `lora_alpha`, Gaussian init drawn under `lora_seed` without touching the global RNG) on
-    `target_modules`; trainable parameters are cast to float32 (FIELD_CASES C10)."""
+    `target_modules`; trainable parameters are cast to float32 (fp16 trainable
+    weights broke the grad scaler in diffusers and d3po:
+    docs/field_cases.md#trainable-parameters-left-in-half-precision)."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 

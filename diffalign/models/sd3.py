@@ -2,10 +2,11 @@
 
 Latents are `(B, C, H/f, W/f)` (C = 16 for SD3, 4 for the tiny world's model; f = `vae_scale_factor`, 8 for SD3),
 in the pipeline's normalised space ``(z − shift_factor) · scaling_factor``. The forward process is rectified flow
-(ALGORITHMS.md §1.1): x_σ = (1 − σ) x_0 + σ ε with σ ∈ [0, 1] (σ = 1 is pure noise), the model predicts the velocity
-v̂ ≈ ε − x_0, and the transformer is fed the timestep ``1000 σ`` — the values `FlowMatchEulerDiscreteScheduler.timesteps`
-holds, so a timestep t in this file always means σ = t / 1000. The schedule's shift s (σ' = sσ / (1 + (s − 1)σ), the
-scheduler's `shift`, 3.0 for SD3) is applied by the scheduler when it builds inference timesteps.
+(docs/algorithms.md#forward-processes): x_σ = (1 − σ) x_0 + σ ε with σ ∈ [0, 1] (σ = 1 is pure noise), the model
+predicts the velocity v̂ ≈ ε − x_0, and the transformer is fed the timestep ``1000 σ`` — the values
+`FlowMatchEulerDiscreteScheduler.timesteps` holds, so a timestep t in this file always means σ = t / 1000. The
+schedule's shift s (σ' = sσ / (1 + (s − 1)σ), the scheduler's `shift`, 3.0 for SD3) is applied by the scheduler when it
+builds inference timesteps.
 
 Text conditioning is `StableDiffusion3Pipeline.encode_prompt` itself (two CLIP encoders, the optional T5 encoder, the
 zero T5 block of length `max_sequence_length` when T5 is absent), so embeddings match the pipeline's exactly.
@@ -37,7 +38,8 @@ from diffalign.models.stable_diffusion import (
 )
 from diffalign.types import PromptEmbeds
 
-# Flow-GRPO / DGPO adapt the joint-attention projections of both streams (ALGORITHMS.md §2.3(d), §5(d)).
+# Flow-GRPO / DGPO adapt the joint-attention projections of both streams (docs/algorithms.md#flow-grpo,
+# docs/algorithms.md#dgpo).
 DEFAULT_SD3_LORA_TARGET_MODULES = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -248,7 +250,8 @@ class FlowMatchingPolicy(ForwardModuleMixin, nn.Module):
             prompt_embeds (`PromptEmbeds`): `B` rows with pooled embeddings (and negatives for CFG).
             guidance_scale (`float`, defaults to 1.0): w ≥ 1.
             detach_unconditional (`bool`, defaults to False): with w > 1, stop gradients through the unconditional
-                branch (Flow-GRPO/ViPO training forwards, ALGORITHMS.md §1.4); the value is unchanged.
+                branch (Flow-GRPO/ViPO training forwards, docs/algorithms.md#classifier-free-guidance); the value is
+                unchanged.
 
         Returns:
             `torch.Tensor` float32 `(B, C, h, w)`.
@@ -293,7 +296,8 @@ class FlowMatchingPolicy(ForwardModuleMixin, nn.Module):
         return sigma.reshape(-1, *([1] * (like.ndim - 1)))
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | float) -> torch.Tensor:
-        """x_σ = (1 − σ) x_0 + σ ε with σ = t / 1000 (ALGORITHMS.md §1.1; `FlowMatchEulerDiscreteScheduler.scale_noise`).
+        """x_σ = (1 − σ) x_0 + σ ε with σ = t / 1000 (docs/algorithms.md#forward-processes;
+        `FlowMatchEulerDiscreteScheduler.scale_noise`).
 
         Args: `latents` x_0 and `noise` ε `(B, C, h, w)`; `timesteps` scalar or `(B,)` in [0, 1000].
         Returns: `(B, C, h, w)` float32.
@@ -302,7 +306,7 @@ class FlowMatchingPolicy(ForwardModuleMixin, nn.Module):
         return (1 - sigma) * latents.float() + sigma * noise.float()
 
     def training_target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps=None) -> torch.Tensor:
-        """The velocity target u = ε − x_0 (ALGORITHMS.md §1.2), independent of σ; `(B, C, h, w)`."""
+        """The velocity target u = ε − x_0 (docs/algorithms.md#denoising-loss), independent of σ; `(B, C, h, w)`."""
         return noise.float() - latents.float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,9 @@ def cfg_batch(prompt_embeds: PromptEmbeds, *, pooled: bool = False) -> torch.Ten
     """Builds the classifier-free-guidance conditioning batch, always in the order ``[negative, positive]``.
 
     This is the one place the order is decided (diffusers pipelines use the same order); rollouts and the
-    training-time recomputation of log-probs both go through it (FIELD_CASES C16).
+    training-time recomputation of log-probs both go through it (a OneTrainer
+    sampler that ordered token and pooled embeddings differently mixed the conditioning:
+    docs/field_cases.md#cfg-batch-order).
 
     Args:
         prompt_embeds (`PromptEmbeds`): `B` rows with negative embeddings.
@@ -103,8 +105,9 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
     The VAE, text encoder and UNet base weights are frozen (`requires_grad=False`, VAE and text encoder in eval
     mode). With `lora_rank` set, a peft LoRA adapter named "default" is added to the UNet's attention projections and
     is the only trainable part; with `lora_rank=None` the whole UNet is trained. Trainable parameters are float32 even
-    when the frozen parts are fp16/bf16 (FIELD_CASES C10). The scheduler is converted to a `DDIMScheduler` with the same
-    config, which the samplers in `diffalign.samplers` step with.
+    when the frozen parts are fp16/bf16 (docs/field_cases.md#trainable-parameters-left-in-half-precision). The
+    scheduler is converted to a `DDIMScheduler` with the same config, which the samplers in `diffalign.samplers` step
+    with.
 
     The reference model of objectives that need one is this model with the adapter disabled (`reference()`).
 
@@ -332,7 +335,8 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
 
         Returns:
             `PromptEmbeds` with `prompt_embeds` `(P·n, L, D)` in rows ``[p0]*n + [p1]*n + ...`` and, with CFG,
-            `negative_prompt_embeds` `(P·n, L, D)` expanded the same way (FIELD_CASES C17); `L` is
+            `negative_prompt_embeds` `(P·n, L, D)` expanded the same way (diffusers once failed for n > 1 with
+            precomputed embeddings: docs/field_cases.md#several-images-per-prompt); `L` is
             `tokenizer.model_max_length`. Pooled embeddings are `None` (SD1.x/2.x do not use them).
 
         Raises:
@@ -384,7 +388,8 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
             prompt_embeds (`PromptEmbeds`): `B` rows (with negatives when `guidance_scale > 1`).
             guidance_scale (`float`, defaults to 1.0): w ≥ 1.
             detach_unconditional (`bool`, defaults to False): with w > 1, stop gradients through the unconditional
-                branch (Flow-GRPO/ViPO training forwards, ALGORITHMS.md §1.4); the value is unchanged.
+                branch (Flow-GRPO/ViPO training forwards, docs/algorithms.md#classifier-free-guidance); the value is
+                unchanged.
 
         Returns:
             `torch.Tensor` float32 `(B, C, h, w)`.
@@ -433,7 +438,7 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
         return self.predict(latents, timesteps, prompt_embeds, guidance_scale)
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | int) -> torch.Tensor:
-        """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 − ᾱ_t) ε (ALGORITHMS.md §1.1), via `DDIMScheduler.add_noise`.
+        """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 − ᾱ_t) ε (docs/algorithms.md#forward-processes), via `DDIMScheduler.add_noise`.
 
         Args:
             latents (`torch.Tensor`): `(B, C, h, w)` clean scaled latents x_0.
@@ -448,7 +453,8 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
     def training_target(
         self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | int
     ) -> torch.Tensor:
-        """What `predict` should output for x_t = `add_noise(latents, noise, timesteps)` (ALGORITHMS.md §1.2).
+        """What `predict` should output for x_t = `add_noise(latents, noise, timesteps)`
+        (docs/algorithms.md#denoising-loss).
 
         Returns ε for "epsilon" and v = sqrt(ᾱ_t) ε − sqrt(1 − ᾱ_t) x_0 (`DDIMScheduler.get_velocity`) for
         "v_prediction"; shape `(B, C, h, w)`.

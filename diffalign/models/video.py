@@ -4,7 +4,7 @@
 objective run on them unchanged: the steps reduce over every non-batch dim, and ``reduction="per_position"`` keeps
 `(B, F, h, w)`.
 
-Latent layouts (native, ALGORITHMS.md §1.6 — channels first, then time):
+Latent layouts (native, docs/algorithms.md#latent-layouts — channels first, then time):
 
 - UNet3D (ModelScope T2V / Zeroscope format, `TextToVideoSDPipeline`): `(B, 4, F, H/8, W/8)` — one latent frame per
   video frame, each encoded by the image VAE (`AutoencoderKL`) on its own, scaled by `vae.config.scaling_factor`.

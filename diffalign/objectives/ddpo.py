@@ -1,4 +1,4 @@
-"""DDPO_IS (Black et al., arXiv:2305.13301), ALGORITHMS.md §2.2: PPO-clip over stored DDIM(η = 1) transitions with
+"""DDPO_IS (Black et al., arXiv:2305.13301), docs/algorithms.md#ddpo: PPO-clip over stored DDIM(η = 1) transitions with
 advantages from per-prompt running reward statistics (`diffalign.advantages.PerPromptStatTracker`), no KL; the
 training forward is guided with gradients through both branches."""
 

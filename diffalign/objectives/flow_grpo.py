@@ -1,6 +1,6 @@
-"""Flow-GRPO (Liu et al., arXiv:2505.05470), ALGORITHMS.md §2.3: group-normalised advantages, the clipped ratio over
-stored SDE transitions (Flow-GRPO SDE, noise level a = 0.7), and a KL to the frozen base; the training forward is
-guided with the unconditional branch detached. On ε-models it is DDPO + KL with the DDIM-η Gaussian (§2.3(g))."""
+"""Flow-GRPO (Liu et al., arXiv:2505.05470), docs/algorithms.md#flow-grpo: group-normalised advantages, the clipped
+ratio over stored SDE transitions (Flow-GRPO SDE, noise level a = 0.7), and a KL to the frozen base; the training
+forward is guided with the unconditional branch detached. On ε-models it is DDPO + KL with the DDIM-η Gaussian."""
 
 from __future__ import annotations
 

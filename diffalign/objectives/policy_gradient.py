@@ -1,16 +1,16 @@
 r"""The clipped policy-gradient surrogate over stored denoising transitions, shared by DDPO and Flow-GRPO.
 
-Per stored transition k of rollout i (ALGORITHMS.md §2.2(a), §2.3(a)):
+Per stored transition k of rollout i (docs/algorithms.md#ddpo, docs/algorithms.md#flow-grpo):
 
 $$\rho_{ik}=\exp(\log\pi_\theta(x_{k+1}\mid x_k,c)-\log\pi_{old}),\qquad
 \mathcal L=\operatorname{mean}_{i}\max\big(-A_i\rho_{ik},\,-A_i\operatorname{clip}(\rho_{ik},1-\epsilon_c,1+\epsilon_c)\big)
 +\beta_{KL}\,\operatorname{mean}_i D_{KL}\big(\pi_\theta(\cdot\mid x_k)\,\|\,\pi_{ref}(\cdot\mid x_k)\big)$$
 
 (PPO, Schulman et al., arXiv:1707.06347, eq. 7, as DDPO eq. 5 and Flow-GRPO eq. 8 use it), with the Gaussian step
-policies of ALGORITHMS.md §1.3 whose std does not depend on θ. The KL between two Gaussians of the same std s is
-‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO code divides the *mean* squared difference by 2σ_t² where σ_t is the
-SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ absorbed in β); `kl_form="exact"` uses the
-step std s.
+policies of docs/algorithms.md#step-log-probabilities whose std does not depend on θ. The KL between two Gaussians of
+the same std s is ‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO code divides the *mean* squared difference by 2σ_t²
+where σ_t is the SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ absorbed in β);
+`kl_form="exact"` uses the step std s.
 
 Which stored transitions an inner epoch trains is `train_transitions` (``timestep_selection``): the first
 ⌊K · timestep_fraction⌋ in order, as the released Flow-GRPO loop, or a random subset of that size shared by every

@@ -1,4 +1,4 @@
-r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719), ALGORITHMS.md §6.
+r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719), docs/algorithms.md#vipo.
 
 GRPO whose scalar group advantage A_i is redistributed over latent positions p (space, and time for video) by a
 perceptual allocation map M_i ∈ [0, 1] (`diffalign.vipo.psm.PerceptualStructuring`, built once per epoch from the

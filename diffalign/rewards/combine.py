@@ -23,7 +23,8 @@ def zscore(scores: torch.Tensor, eps: float = ZSCORE_EPS) -> torch.Tensor:
     r"""Batch z-score $(s - \bar s) / (\sigma + \epsilon)$ with the population std $\sigma$ of the batch.
 
     A batch of one, or a batch whose scores are all equal, gives zeros (nothing to rank). Note that a z-scored reward
-    depends on the rest of the batch by construction (FIELD_CASES C21 holds only for ``normalize="none"``).
+    depends on the rest of the batch by construction (so batch-independence,
+    docs/field_cases.md#rewards-do-not-depend-on-batch-composition, holds only for ``normalize="none"``).
 
     Args:
         scores (`torch.Tensor`): `(B,)` float scores.

@@ -1,6 +1,6 @@
 """Locating reward weights: a local file or folder, or a Hugging Face hub id, with ``HF_HUB_OFFLINE`` respected.
 
-Weights are read with safetensors only (DESIGN.md §6: no ``torch.load`` of untrusted pickles). Several reward models
+Weights are read with safetensors only (no ``torch.load`` of untrusted pickles). Several reward models
 are published as pickled ``.pt``/``.pth``/``.bin`` files; `missing_weights_error` and `require_safetensors` tell the
 user where the weights go and give the one-line conversion to run once on a file they trust. docs/rewards.md lists
 every built-in reward's weights.

@@ -5,8 +5,9 @@ range the reward is configured for (``value_range``: ``[0, 1]``, diffalign's con
 convention), a uint8 tensor (0..255), or PIL images (one or a list). `to_pixels` maps all of them to float32 in
 [0, 1]; `clip_preprocess` then applies the model's own transform with differentiable tensor ops: resize the shorter
 side to ``size`` (bicubic, antialiased), centre-crop ``size × size``, normalise with the model's mean and std — the
-order of OpenAI CLIP's, open_clip's and transformers' ``CLIPImageProcessor`` (FIELD_CASES C20: never squash to a
-square, never normalise before mapping the range).
+order of OpenAI CLIP's, open_clip's and transformers' ``CLIPImageProcessor`` (never squash to a square, as a
+transformers feature extractor once did; never normalise before mapping the range:
+docs/field_cases.md#reward-preprocessing-matches-the-reference-transform).
 """
 
 from __future__ import annotations

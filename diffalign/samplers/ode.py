@@ -1,7 +1,8 @@
-"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, ALGORITHMS.md §5(b)).
+"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, docs/algorithms.md#dgpo).
 
 DGPO samples its groups with Flow-DPM-Solver (diffusers `DPMSolverMultistepScheduler` with flow sigmas and shift 3,
-10 steps) and no noise; for ε-models the matching choice is DPM-Solver++ 2M (ALGORITHMS.md §5(g)). Solvers:
+10 steps) and no noise; for ε-models the matching choice is DPM-Solver++ 2M
+(docs/algorithms.md#dgpo-on-eps-models-and-video). Solvers:
 
 * ``"dpm_solver"`` — `DPMSolverMultistepScheduler` (flow: ``use_flow_sigmas=True, prediction_type="flow_prediction",
   flow_shift=<the policy scheduler's shift>``; ε/v models: DPM-Solver++ from the policy scheduler's config);

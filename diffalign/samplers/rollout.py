@@ -78,10 +78,10 @@ def rollout(
     """Samples `len(prompts)` images and records the trajectory (DDPO, arXiv:2305.13301, §4.3; Flow-GRPO,
     arXiv:2505.05470, §4.1).
 
-    Each step k draws x_{t'} ~ N(μ_θ(x_t), s_t² I) with `diffalign.samplers.ddim_logprob.ddim_step` (ALGORITHMS.md
-    §1.3(i)) and stores its log-probability; the model output is guided with `guidance_scale` exactly as the
-    policy-gradient objective will recompute it (`recompute_log_probs`). Runs under `torch.no_grad()` unless
-    `enable_grad=True` (backpropagation through the sampler).
+    Each step k draws x_{t'} ~ N(μ_θ(x_t), s_t² I) with `diffalign.samplers.ddim_logprob.ddim_step`
+    (docs/algorithms.md#ddim-step) and stores its log-probability; the model output is guided with `guidance_scale`
+    exactly as the policy-gradient objective will recompute it (`recompute_log_probs`). Runs under `torch.no_grad()`
+    unless `enable_grad=True` (backpropagation through the sampler).
 
     Args:
         policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (`StableDiffusionPolicy`) or a
@@ -92,7 +92,8 @@ def rollout(
         eta (`float`, defaults to 1.0): DDIM noise level η, or the SDE noise level a for flow models (Flow-GRPO uses
             0.7); 0 gives the deterministic sampler, whose log-probs are 0.
         generator (`torch.Generator` or list of `B`, *optional*): noise source for the initial latents and every
-            step; with one generator per image, image k depends only on generator k (FIELD_CASES C15).
+            step; with one generator per image, image k depends only on generator k
+            (docs/field_cases.md#per-image-generators).
         negative_prompts (`list[str]`, *optional*): `B` negative prompts or one for all; default "".
         latents (`torch.Tensor`, *optional*): `(B, C, h, w)` initial noise (multiplied by `init_noise_sigma`, as the
             pipeline does); drawn with `randn_tensor` when not given.
@@ -188,7 +189,7 @@ def recompute_log_probs(
 
     The stored next latent is scored (not resampled), the guidance and η are the rollout's, and each step runs the
     same batch the rollout ran, so before any update the result equals `trajectory.log_probs[:, step_indices]` and
-    the PPO ratio exp(new − old) is 1 (DESIGN.md §6). Gradients flow to the trainable parameters unless called under
+    the PPO ratio exp(new − old) is 1. Gradients flow to the trainable parameters unless called under
     `torch.no_grad()`; call it with one index at a time to backpropagate step by step.
 
     Args:
@@ -198,7 +199,7 @@ def recompute_log_probs(
         guidance_scale (`float`, *optional*): defaults to `trajectory.guidance_scale`.
         reduction (`str`, defaults to "mean"): must be the reduction the rollout used.
         detach_unconditional (`bool`, defaults to False): stop gradients through the unconditional CFG branch
-            (Flow-GRPO, ViPO; ALGORITHMS.md §1.4); the value is unchanged.
+            (Flow-GRPO, ViPO; docs/algorithms.md#classifier-free-guidance); the value is unchanged.
 
     Returns:
         `torch.Tensor` `(B, S)` float32; 0 at steps whose std is 0 (`trajectory.trainable[k]` False).
