@@ -16,7 +16,7 @@ the policy and reference always conditioned on the original prompt c. CPP instan
 =======  ==================================  ============================================================
 ``tf``   f_ref(x^w_t, t, c)                  f_ref(x^l_t, t, c⁻), c⁻ the degraded prompt; no CFG (TF-CPP)
 ``dd``   f_φw(x^w_t, t, c)                   f_φl(x^l_t, t, c); φ^w/φ^l LoRAs fine-tuned on preferred /
-                                             dispreferred images (DD-CPP, ``scripts/train_ddcpp_targets.py``)
+                                             dispreferred images (DD-CPP, ``diffalign-ddcpp-targets``)
 ``off``  the `training_target` (ε, v, u)     the same (Diffusion-DPO exactly)
 =======  ==================================  ============================================================
 
@@ -139,7 +139,7 @@ def _with_rows(embeds: PromptEmbeds, mask: torch.Tensor, new: PromptEmbeds) -> P
 class TargetPolicyAdapters:
     """DD-CPP's frozen target policies φ^w and φ^l: two extra peft LoRA adapters (``"ddcpp_winner"``,
     ``"ddcpp_loser"``) on the policy's UNet, loaded from diffusers LoRA folders (``pytorch_lora_weights.safetensors``,
-    as `StableDiffusionPolicy.save_lora_weights` and ``scripts/train_ddcpp_targets.py`` write them; any rank). They
+    as `StableDiffusionPolicy.save_lora_weights` and ``diffalign-ddcpp-targets`` write them; any rank). They
     never require grad, are not in `policy.trainable_parameters()`, and are active only inside `use`.
 
     Args:
@@ -159,7 +159,7 @@ class TargetPolicyAdapters:
             if not os.path.isfile(os.path.join(path, LORA_WEIGHT_NAME)):
                 field = "method.target_lora_w" if name == TARGET_ADAPTERS[0] else "method.target_lora_l"
                 raise ValueError(f"{field}={path!r} holds no {LORA_WEIGHT_NAME}; train the DD-CPP pair with "
-                                 "scripts/train_ddcpp_targets.py and point the field at its winner/ and loser/ folders")
+                                 "diffalign-ddcpp-targets and point the field at its winner/ and loser/ folders")
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # more adapters is the point
                 unet.load_lora_adapter(path, prefix="unet", adapter_name=name, weight_name=LORA_WEIGHT_NAME)
@@ -290,7 +290,7 @@ class DDSPO(nn.Module):
                 raise ValueError(f"method.{field}={value!r} must be one of {list(allowed)}.")
         if cpp == "dd" and not (target_lora_w and target_lora_l):
             raise ValueError("method.cpp=dd needs method.target_lora_w and method.target_lora_l (the winner/ and loser/"
-                             " folders of scripts/train_ddcpp_targets.py).")
+                             " folders of diffalign-ddcpp-targets).")
         if timestep_min < 0:
             raise ValueError(f"method.timestep_min={timestep_min} must be >= 0.")
         if timestep_max is not None and timestep_max < timestep_min:

@@ -1,4 +1,5 @@
-"""Trains DDSPO's DD-CPP target policies φ^w and φ^l (Kim et al., arXiv:2512.23426; ALGORITHMS.md §4(b) step 4).
+"""``diffalign-ddcpp-targets``: trains DDSPO's DD-CPP target policies φ^w and φ^l (Kim et al., arXiv:2512.23426;
+docs/algorithms.md#ddspo-data, step 4).
 
 Two LoRAs on the frozen base model, each fine-tuned with the plain denoising loss (`diffalign.objectives.sft.
 WinnerSFT`, ε-MSE with its own noise) on one side of a preference data set: φ^w on the preferred images, φ^l on the
@@ -8,8 +9,8 @@ dispreferred ones. They are written as diffusers LoRA folders ``<out>/winner`` a
 Paper defaults (authors' ``scripts/train_ddspo_lora_target.sh``): LoRA rank 4, alpha 4, lr 1e-4, 300 steps, batch 2048
 (1 × accumulation 2048), Pick-a-Pic pairs; DDSPO then runs with β = 8000.
 
-    python scripts/train_ddcpp_targets.py --out runs/ddcpp --steps 300 -- model=tiny_sd data=shapes_pairs
-    python scripts/train_ddcpp_targets.py --out /ckpt/ddcpp_sd15 --batch-size 8 --accumulation 256 -- \\
+    diffalign-ddcpp-targets --out runs/ddcpp --steps 300 -- model=tiny_sd data=shapes_pairs
+    diffalign-ddcpp-targets --out /ckpt/ddcpp_sd15 --batch-size 8 --accumulation 256 -- \\
         model=sd15 data=pickapic data.path=/data/pickapic_v2/data
 
 Everything after ``--`` is a Hydra override of the ``diffalign-train`` config (model, data, reward, seed).
@@ -72,7 +73,10 @@ def train_side(cfg, side: str, args, out: Path) -> float:
     return loss_value
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``diffalign-ddcpp-targets`` (`argv` defaults to ``sys.argv[1:]``)."""
+    if argv is None:
+        argv = sys.argv[1:]
     if "--" in argv:
         split = argv.index("--")
         argv, overrides = argv[:split], argv[split + 1:]
@@ -100,4 +104,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -10,7 +10,7 @@ at the first measurement that reaches it, then the ratio Flow-GRPO / DGPO of the
 
 Usage (about 4 minutes per run on 2 CPU cores)::
 
-    python scripts/bench_dgpo_vs_grpo.py --seeds 0 1 2 --epochs 60 --out runs/bench_dgpo
+    python experiments/bench_dgpo_vs_grpo.py --seeds 0 1 2 --epochs 60 --out runs/bench_dgpo
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Runs, for every seed, with the same number of optimizer updates and winners per 
 then scores the base model and each final LoRA on the held-out prompts with the verifier (GenEval-style accuracy) and
 writes ``results.json`` and ``table.md`` under ``--out``. Each run uses one CPU thread; ``--workers`` run in parallel.
 
-    python scripts/compare_seppo.py --seeds 0 1 2 --steps 40 --learning-rate 1e-3 --ref-steps 10 --workers 2
+    python experiments/compare_seppo.py --seeds 0 1 2 --steps 40 --learning-rate 1e-3 --ref-steps 10 --workers 2
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ the same held-out prompts and per-image seeds, and the script reports per arm th
 
 Usage::
 
-    python scripts/compare_vipo.py --seeds 0 1 2 --epochs 30 --out runs/compare_vipo
-    python scripts/compare_vipo.py --recipe tiny_vipo_video --out runs/compare_vipo_video   # video (motion verifier)
+    python experiments/compare_vipo.py --seeds 0 1 2 --epochs 30 --out runs/compare_vipo
+    python experiments/compare_vipo.py --recipe tiny_vipo_video --out runs/compare_vipo_video  # video, motion verifier
 """
 
 from __future__ import annotations

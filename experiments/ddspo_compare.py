@@ -1,7 +1,7 @@
 """Tables for docs/ddspo.md: the comparison of runs, and how good a tiny-world DDSPO pairs folder is.
 
-    python scripts/ddspo_compare.py runs runs/ddspo_cmp          # held-out accuracy per method over seeds
-    python scripts/ddspo_compare.py pairs runs/ddspo_pairs/tiny_sd-random_removal-seed0   # verifier on x^w and x^l
+    python experiments/ddspo_compare.py runs runs/ddspo_cmp          # held-out accuracy per method over seeds
+    python experiments/ddspo_compare.py pairs runs/ddspo_pairs/tiny_sd-random_removal-seed0   # verifier on x^w and x^l
 
 ``runs``: every ``<method>-s<seed>/results.json`` under the folder; prints base and fine-tuned held-out accuracy
 (mean ± s.e. over seeds of the per-run accuracy) and the paired gain (mean ± s.e. over seeds).
