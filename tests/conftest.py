@@ -1,8 +1,12 @@
-"""Shared pytest fixtures: tiny real diffusers components built in-process (no network, no hub files)."""
+"""Shared pytest fixtures and helpers: tiny real diffusers components built in-process (no network, no hub files), the
+config helpers that compose ``diffalign-train`` configs, and small data helpers. Test modules import the helpers with
+``from conftest import ...``."""
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 
 # No test may reach the network: huggingface_hub / transformers / open_clip read only the local cache (set before
 # huggingface_hub is first imported, which reads it once).
@@ -10,8 +14,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from PIL import Image
 
+from diffalign.cli import CONFIG_DIR, _setup
 from diffalign.models.tiny_random import build_tiny_random_policy
+from diffalign.types import RewardOutput
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root (the folder holding ``diffalign/`` and ``tests/``)."""
+
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+"""Environment of a child ``python`` running this checkout: one thread, offline, the repository importable."""
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP oversubscription makes every op
 # 30-40x slower; one thread keeps the suite fast and its timing stable.
@@ -59,3 +74,77 @@ def tiny_policy():
 def perturb_lora():
     """The `perturb_lora_(policy, std=0.2, seed=1)` helper, for tests that build their own policies."""
     return perturb_lora_
+
+
+# ------------------------------------------------------------------------------------------------- config helpers
+
+
+def compose_cfg(overrides: list[str], name: str = "train"):
+    """The config `name` (``train`` or ``evaluate``) composed with `overrides`, as ``diffalign-train`` would."""
+    _setup()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides, return_hydra_config=False)
+
+
+def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
+    """A `steps`-update preference run of the tiny random model on 16 renderer pairs into `tmp_path`, no evaluation."""
+    return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
+            "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
+            "data=shapes_pairs", "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+
+
+def online_overrides(tmp_path, epochs: int = 2) -> list[str]:
+    """A short online run into `tmp_path`: `epochs` epochs of 2 groups of 4, 4 sampler steps, no evaluation."""
+    return [f"output_dir={tmp_path}", f"online.num_epochs={epochs}", "online.groups_per_epoch=2",
+            "online.group_size=4", "online.checkpointing_epochs=1", "trainer.keep_last=-1", "trainer.batch_size=8",
+            "trainer.log_with=none", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=0", "eval.enabled=false",
+            "sampler.num_inference_steps=4"]
+
+
+ONLINE_CASES = {
+    "dgpo_flow": ["model=tiny_flow_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
+                  "method.num_train_timesteps=2", "method.old_policy_switch_step=1"],
+    "dgpo_sd": ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
+                "method.num_train_timesteps=2"],
+    "flow_grpo_flow": ["model=tiny_flow_random", "method=flow_grpo", "sampler=flow_sde"],
+    "flow_grpo_sd": ["model=tiny_random", "method=flow_grpo", "sampler=ddim"],
+    "ddpo_sd": ["model=tiny_random", "method=ddpo", "sampler=ddim", "online.tracker_min_count=2"],
+}
+"""Every online method on both model families (tiny random models): overrides added to `online_overrides`."""
+
+
+# --------------------------------------------------------------------------------------------------- data helpers
+
+
+def png_bytes(colour, size=(8, 8), mode="RGB") -> bytes:
+    """A solid-colour PNG of `size`, converted to `mode`, as bytes."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).convert(mode).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def colour_of(image: torch.Tensor) -> tuple[int, ...]:
+    """(3, H, W) float in [0, 1] of a solid image -> its uint8 RGB."""
+    return tuple(round(v * 255) for v in image[:, 0, 0].tolist())
+
+
+def sd15_alphas_cumprod_f64() -> torch.Tensor:
+    """ᾱ_t of the SD1.5 scaled_linear schedule, in float64: betas = linspace(sqrt(0.00085), sqrt(0.012), 1000)²."""
+    betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
+    return torch.cumprod(1 - betas, dim=0)
+
+
+class EveryOtherCorrect:
+    """Judges the samples it sees, in call order, correct / wrong / correct / ... (a stand-in verifier)."""
+
+    modality = "image"
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, images, prompts, metadata=None):
+        n = images.shape[0]
+        correct = torch.tensor([(self.seen + k) % 2 == 0 for k in range(n)])
+        self.seen += n
+        return RewardOutput(correct.float(), info={"correct": correct})

@@ -102,7 +102,7 @@ def test_sample_std_and_eps_of_the_released_vipo_code_by_hand():
     ("tiny_vipo_video", 1, 1e-8),
 ])
 def test_recipes_set_the_released_std_and_eps(recipe, correction, eps, tmp_path):
-    from tests.test_cli import compose_cfg
+    from conftest import compose_cfg
 
     cfg = compose_cfg([f"output_dir={tmp_path}"] + ([f"recipe={recipe}"] if recipe else []))
     assert cfg.online.advantage_std_correction == correction and cfg.online.advantage_eps == eps

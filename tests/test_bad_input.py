@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import compose_cfg, png_bytes, smoke_overrides
 from PIL import Image
 
 from diffalign.checkpoint import load_checkpoint, save_checkpoint
@@ -24,8 +25,6 @@ from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.validation import validate_train_config
 from diffalign.world.prompts import load_prompts
-from tests.test_cli import compose_cfg, smoke_overrides
-from tests.test_data_loaders import png_bytes
 
 
 @pytest.mark.parametrize("line", ['{"prompt": ""}', '{"prompt": "   \\t"}', '{"prompt": 3}'])

@@ -10,29 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from conftest import compose_cfg, smoke_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.cli import CONFIG_DIR
 from diffalign.validation import validate_train_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
           for g in ("model", "method", "sampler", "trainer", "data", "eval", "reference", "recipe")}
-
-
-def compose_cfg(overrides: list[str], name: str = "train"):
-    _setup()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name=name, overrides=overrides, return_hydra_config=False)
-
-
-def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
-    return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
-            "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
-            "data=shapes_pairs", "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))

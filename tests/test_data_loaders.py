@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import colour_of, compose_cfg, png_bytes
 from PIL import Image
 
 from diffalign.data.images import load_image
@@ -23,16 +24,6 @@ from diffalign.data.winners import ShapesWinners, WinnerFolder
 # row i: image 0 = colour A_i, image 1 = colour B_i (8x8 solid colours)
 A = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0)]
 B = [(0, 255, 255), (255, 0, 255), (128, 128, 128), (255, 255, 255)]
-
-
-def png_bytes(colour, size=(8, 8), mode="RGB") -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).convert(mode).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def colour_of(image: torch.Tensor) -> tuple[int, ...]:
-    return tuple(round(v * 255) for v in image[:, 0, 0].tolist())
 
 
 def write_table(tmp_path: Path, labels, as_paths: bool = True) -> Path:
@@ -178,7 +169,6 @@ def test_shapes_winners_are_the_shapes_pairs_winners():
 
 
 def test_diffusion_dpo_trains_on_pickapic_rows(tmp_path):
-    from test_cli import compose_cfg
 
     from diffalign.train.preference import train
     from diffalign.validation import validate_train_config

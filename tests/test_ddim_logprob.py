@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import sd15_alphas_cumprod_f64
 from diffusers import DDIMScheduler
 
 from diffalign.samplers.ddim_logprob import ddim_step, ddim_variance
@@ -16,12 +17,6 @@ def make_scheduler(config, num_steps=50, **overrides):
     scheduler = DDIMScheduler.from_config({**config, **overrides})
     scheduler.set_timesteps(num_steps)
     return scheduler
-
-
-def sd15_alphas_cumprod_f64():
-    """ᾱ_t of the SD1.5 scaled_linear schedule, in float64: betas = linspace(sqrt(0.00085), sqrt(0.012), 1000)²."""
-    betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
-    return torch.cumprod(1 - betas, dim=0)
 
 
 def reference_mean_std(alphas_cumprod, eps, x, t, num_steps, eta, final_alpha):

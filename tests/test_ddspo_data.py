@@ -238,7 +238,7 @@ def test_command_writes_a_folder(tmp_path):
 
 
 def test_tiny_ddspo_recipe_runs_and_dpo_trains_on_the_same_pairs(tmp_path):
-    from test_cli import compose_cfg
+    from conftest import compose_cfg
 
     from diffalign.train.preference import train
     from diffalign.validation import validate_train_config

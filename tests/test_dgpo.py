@@ -189,7 +189,7 @@ def test_kl_term_is_taken_against_the_base_while_the_dpo_term_uses_an_ema_refere
     assert DGPO().kl_reference == "base"
     with pytest.raises(ValueError, match="method.kl_reference"):
         DGPO(kl_reference="ema")
-    from tests.test_cli import compose_cfg
+    from conftest import compose_cfg
 
     for overrides in (["method=dgpo"], ["recipe=dgpo_sd35_geneval"], ["recipe=tiny_dgpo", "reference=ema"]):
         assert compose_cfg(overrides).method.kl_reference == "base"

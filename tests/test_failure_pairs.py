@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import EveryOtherCorrect
 
 from diffalign.data.failure_pairs import FailurePairs
 from diffalign.data.onpolicy import sample_seed
@@ -15,21 +16,6 @@ from diffalign.samplers.rollout import rollout
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 from diffalign.world.verifier import verify
-
-
-class EveryOtherCorrect:
-    """Judges the samples it sees, in call order, correct / wrong / correct / ... (a stand-in verifier)."""
-
-    modality = "image"
-
-    def __init__(self):
-        self.seen = 0
-
-    def __call__(self, images, prompts, metadata=None):
-        n = images.shape[0]
-        correct = torch.tensor([(self.seen + k) % 2 == 0 for k in range(n)])
-        self.seen += n
-        return RewardOutput(correct.float(), info={"correct": correct})
 
 
 class NoCorrectness:
@@ -124,8 +110,9 @@ def test_bad_settings_name_the_field(policy, tmp_path):
 
 
 def test_the_training_loop_refuses_fewer_pairs_than_one_batch(tmp_path):
+    from conftest import compose_cfg
+
     from diffalign.train.preference import train
-    from tests.test_cli import compose_cfg
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "data=failure_pairs", "data.num_prompts=2",
                        "data.samples_per_prompt=1", "data.num_inference_steps=1", "data.losers=all", "trainer.batch_size=4",
@@ -146,8 +133,9 @@ def test_training_samples_never_start_from_an_evaluated_images_noise():
 
 
 def test_a_data_reward_that_is_not_selected_is_refused_before_any_model_loads(tmp_path):
+    from conftest import compose_cfg
+
     from diffalign.validation import validate_train_config
-    from tests.test_cli import compose_cfg
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "reward=[jpeg_compressibility]"])  # the default data judges with
     with pytest.raises(ValueError, match=r"data.reward='geneval_shapes'.*reward=\[geneval_shapes\]"):  # the verifier

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ONLINE_CASES as CASES
+from conftest import REPO, compose_cfg, online_overrides, smoke_overrides
 from safetensors.torch import load_file
 
 from diffalign.checkpoint import latest_checkpoint, load_checkpoint
 from diffalign.faults import NonFiniteError, StopSignals
 from diffalign.objectives.dgpo import DGPO
 from diffalign.objectives.diffusion_dpo import DiffusionDPO
-from tests.test_cli import compose_cfg, smoke_overrides
-from tests.test_online import CASES, online_overrides
 
 LORA = "pytorch_lora_weights.safetensors"
-REPO = Path(__file__).resolve().parents[1]
 
 
 class _NaNGrad(torch.autograd.Function):

@@ -13,12 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CHILD_ENV as ENV
+from conftest import REPO, compose_cfg
 
 from diffalign.faults import StopSignals, stop_received
-from tests.test_cli import compose_cfg
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 SLOW_EVAL = """
 import time

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
 
 

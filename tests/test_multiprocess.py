@@ -16,12 +16,12 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.utils import DistributedType
+from conftest import REPO
 
 from diffalign.cli import CONFIG_DIR
 
 pytestmark = pytest.mark.slow  # each test launches two processes (≈ 8 s)
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name,kind", [("ddp", DistributedType.MULTI_GPU), ("deepspeed_zero2", DistributedType.DEEPSPEED),
@@ -113,8 +113,9 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
     """Diffusion-DPO: 2 processes × batch 2 vs 1 process × batch 4, same global batches (process r takes slice r)
     and the same per-sample (t, ε) (keyed by the sample's global position): same LoRA within 1e-4. The 2-process run
     leaves its output_dir to the default, run from `tmp_path`: both processes write into one folder."""
+    from conftest import compose_cfg
+
     from diffalign.train.preference import train
-    from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", "trainer.max_steps=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1",
               "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.learning_rate=1.0"]  # (lr 10: a first DPO step that
@@ -142,8 +143,9 @@ def test_two_process_policy_gradient_matches_one_process(method, extra, tmp_path
     process × 2 groups × batch 4. Rollouts are keyed by global group, advantages computed from the gathered rewards,
     the minibatches stratified by group (each process's minibatch m is its share of the global minibatch m), and DDP
     averages the gradients: same LoRA within 1e-4."""
+    from conftest import compose_cfg
+
     from diffalign.train.online import train
-    from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", f"method={method}", "sampler=ddim", "online.num_epochs=2",
               "online.groups_per_epoch=2", "online.group_size=4", "online.checkpointing_epochs=1",
@@ -165,8 +167,9 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     per-process surrogate gradients, so the final LoRA must agree up to float rounding (stated tolerance 1e-4).
     adam_epsilon=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
     each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
+    from conftest import compose_cfg
+
     from diffalign.train.online import train
-    from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
               "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=2",
@@ -183,8 +186,9 @@ def test_dgpo_groups_spanning_two_processes_match_one_process(tmp_path):
     """online.split=members: one group of 4 spread over 2 processes (members 0-1 and 2-3) vs the whole group on one
     process. Each member's rollout noise depends only on (seed, epoch, group, member), rewards are gathered before
     the advantages, z_g is summed over the processes by group id: same LoRA within 1e-4."""
+    from conftest import compose_cfg
+
     from diffalign.train.online import train
-    from tests.test_cli import compose_cfg
 
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
               "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=1",

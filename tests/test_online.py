@@ -6,29 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import ONLINE_CASES as CASES
+from conftest import compose_cfg, online_overrides
 from safetensors.torch import load_file
 
 from diffalign.train.online import train
 from diffalign.validation import validate_train_config
-from tests.test_cli import compose_cfg
-
-
-def online_overrides(tmp_path, epochs: int = 2) -> list[str]:
-    return [f"output_dir={tmp_path}", f"online.num_epochs={epochs}", "online.groups_per_epoch=2",
-            "online.group_size=4", "online.checkpointing_epochs=1", "trainer.keep_last=-1", "trainer.batch_size=8",
-            "trainer.log_with=none", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=0", "eval.enabled=false",
-            "sampler.num_inference_steps=4"]
-
-
-CASES = {
-    "dgpo_flow": ["model=tiny_flow_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-                  "method.num_train_timesteps=2", "method.old_policy_switch_step=1"],
-    "dgpo_sd": ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-                "method.num_train_timesteps=2"],
-    "flow_grpo_flow": ["model=tiny_flow_random", "method=flow_grpo", "sampler=flow_sde"],
-    "flow_grpo_sd": ["model=tiny_random", "method=flow_grpo", "sampler=ddim"],
-    "ddpo_sd": ["model=tiny_random", "method=ddpo", "sampler=ddim", "online.tracker_min_count=2"],
-}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -5,6 +5,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import colour_of
 
 from diffalign.data.preference import PreferencePairs, ResumableSampler
 
@@ -21,11 +22,6 @@ def rows(labels):
         {"prompt": f"p{i}", "image_0": solid(COLOURS_A[i % 4]), "image_1": solid(COLOURS_B[i % 4]), "label_0": label}
         for i, label in enumerate(labels)
     ]
-
-
-def colour_of(image: torch.Tensor) -> tuple[int, ...]:
-    """(3, H, W) float in [0, 1] of a solid image -> its uint8 RGB."""
-    return tuple(round(v * 255) for v in image[:, 0, 0].tolist())
 
 
 # ------------------------------------------------------------------------------------------ ties and winner order

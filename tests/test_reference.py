@@ -46,7 +46,7 @@ def test_configs_match_init_and_yaml_options_instantiate():
         for f in fields:
             if params[f].default is not inspect.Parameter.empty:
                 assert getattr(config(), f) == params[f].default, (name, f)
-    from test_cli import compose_cfg
+    from conftest import compose_cfg
 
     options = sorted(p.stem for p in (Path(ref_mod.__file__).parent / "configs" / "reference").glob("*.yaml"))
     assert options == ["checkpoint", "ema", "frozen_base", "pool"]
@@ -212,7 +212,7 @@ def test_named_checkpoint_reference(tmp_path, perturb_lora):
 
     with pytest.raises(ValueError, match="reference.path"):
         CheckpointReference(str(tmp_path / "missing")).setup(build_tiny_random_policy(seed=0))
-    from test_cli import compose_cfg
+    from conftest import compose_cfg
 
     from diffalign.validation import validate_train_config
 

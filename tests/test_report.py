@@ -9,9 +9,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import perturb_lora_
+from conftest import compose_cfg, perturb_lora_, smoke_overrides
 from PIL import Image
-from test_cli import compose_cfg, smoke_overrides
 
 from diffalign.evaluate import EvalConfig, evaluate_policy
 from diffalign.models.tiny_random import build_tiny_random_policy

@@ -8,19 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, EveryOtherCorrect
 
 from diffalign.data.failure_pairs import FailurePairs
 from diffalign.data.ranked_pairs import RankedPairs
 from diffalign.data.resumable import Preparation
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.types import RewardOutput
-from tests.test_failure_pairs import EveryOtherCorrect
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Counting:
@@ -155,11 +152,11 @@ onpolicy.rollout = rollout
 
 @pytest.mark.slow
 def test_training_run_killed_during_the_preparation_resumes_it_exactly(tmp_path, capsys):
+    from conftest import compose_cfg
     from safetensors.torch import load_file
 
     from diffalign.checkpoint import latest_checkpoint
     from diffalign.train.preference import train
-    from tests.test_cli import compose_cfg
 
     run, ref = tmp_path / "runs" / "run", tmp_path / "elsewhere" / "ref"  # (not siblings: ref must sample its own)
     code = (SLOW_ROLLOUT + "\nimport sys; from diffalign.cli import train; "

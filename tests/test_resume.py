@@ -14,10 +14,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import ONLINE_CASES as CASES
+from conftest import compose_cfg, online_overrides, smoke_overrides
 from safetensors.torch import load_file
-
-from tests.test_cli import compose_cfg, smoke_overrides
-from tests.test_online import CASES, online_overrides
 
 PREFERENCE = {
     "sft": ["method=sft", "data=shapes_winners", "data.num_samples=16"],

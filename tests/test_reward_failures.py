@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from conftest import compose_cfg
 
 from diffalign import plugins
 from diffalign.checkpoint import latest_checkpoint, load_checkpoint
-from diffalign.cli import CONFIG_DIR, _setup
 from diffalign.monitors import HackingMonitor, build_monitor, pairwise_diversity
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.combine import WeightedSum, reward_metrics, zscore
@@ -48,13 +46,6 @@ class NanReward:
         return RewardOutput(nan_on_second_row(images, prompts))
 
 
-def compose_train(overrides: list[str]):
-    _setup()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
-
-
 def base_overrides(tmp_path) -> list[str]:
     return [f"output_dir={tmp_path}", "model=tiny_random", "trainer.max_steps=2", "trainer.batch_size=2",
             "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
@@ -79,7 +70,7 @@ def test_nan_reward_stops_a_two_step_run_with_a_loadable_checkpoint(tmp_path):
     spec = "python:test_reward_failures:nan_on_second_row"
     plugins.register_configs()
     assert plugins.register_python_reward(spec) == "nan_on_second_row"
-    cfg = compose_train(base_overrides(tmp_path) + [
+    cfg = compose_cfg(base_overrides(tmp_path) + [
         f"reward=[{spec}]", "data=ranked_pairs", "data.num_prompts=2", "data.samples_per_prompt=2",
         "data.num_inference_steps=2", "data.batch_size=4", "data.reward=nan_on_second_row"])
     assert cfg.reward.nan_on_second_row.function == "test_reward_failures:nan_on_second_row"
@@ -102,7 +93,7 @@ def test_nan_gold_reward_stops_mid_run_after_saving_that_step(tmp_path):
     spec = "python:test_reward_failures:nan_from_third_call"
     plugins.register_configs()
     plugins.register_python_reward(spec)
-    cfg = compose_train(base_overrides(tmp_path) + [
+    cfg = compose_cfg(base_overrides(tmp_path) + [
         f"eval_reward=[{spec}]", "data=shapes_pairs", "data.num_pairs=8", "monitor.every=1", "monitor.num_prompts=2",
         "monitor.seeds=[0,1]", "monitor.num_inference_steps=2"])
     validate_train_config(cfg)
@@ -151,11 +142,11 @@ def test_stop_on_reward_error_saves_then_reraises(tmp_path):
 
 
 def test_weights_and_normalisation_from_the_command_line():
-    cfg = compose_train(["reward=[jpeg_compressibility,jpeg_incompressibility]",
+    cfg = compose_cfg(["reward=[jpeg_compressibility,jpeg_incompressibility]",
                          "reward.jpeg_compressibility.weight=0.5", "reward.jpeg_incompressibility.normalize=zscore",
                          "eval_reward=[geneval_shapes]"])
     assert cfg.reward.jpeg_compressibility.weight == 0.5 and cfg.reward.jpeg_incompressibility.weight == 1.0
-    assert list(cfg.eval_reward) == ["geneval_shapes"] and compose_train([]).get("eval_reward") is None
+    assert list(cfg.eval_reward) == ["geneval_shapes"] and compose_cfg([]).get("eval_reward") is None
     combined = plugins.build_rewards(cfg.reward)
     images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     out = combined(images, ["a"] * 4)
@@ -224,6 +215,6 @@ def test_build_monitor_from_config_and_bad_fields():
         build_monitor({"every": 1, "rewards": ["pickscore"]}, {"geneval_shapes": GenevalShapes()})
     with pytest.raises(TypeError):
         build_monitor({"every": 1, "evry": 2}, {})
-    cfg = compose_train(["monitor.every=10", "monitor.seeds=[0]"])
+    cfg = compose_cfg(["monitor.every=10", "monitor.seeds=[0]"])
     with pytest.raises(ValueError, match="monitor.seeds"):
         validate_train_config(cfg)

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CHILD_ENV as ENV
+from conftest import REPO, compose_cfg, smoke_overrides
 
 from diffalign import runlock
 from diffalign.checkpoint import checkpoint_lineage, save_checkpoint
 from diffalign.launch import process_start_time
 from diffalign.runlock import LOCK_NAME, RunLockedError, acquire, release
-from tests.test_cli import compose_cfg, smoke_overrides
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 HOST = socket.gethostname()
 
 

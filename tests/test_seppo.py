@@ -234,7 +234,7 @@ def test_cli_two_step_tiny_seppo_run(tmp_path):
 
 
 def test_resume_continues_exactly_with_the_pool(tmp_path):
-    from test_cli import compose_cfg
+    from conftest import compose_cfg
 
     from diffalign.train.preference import train
 

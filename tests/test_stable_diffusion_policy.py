@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import sd15_alphas_cumprod_f64
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
@@ -22,11 +23,6 @@ from diffalign.samplers.rollout import rollout
 from diffalign.types import PromptEmbeds
 
 PROMPTS = ["a red circle", "two blue squares"]
-
-
-def sd15_alphas_cumprod_f64():
-    betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
-    return torch.cumprod(1 - betas, dim=0)
 
 
 def latents_and_t(batch=2, seed=0):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class
 
 from diffalign.cli import CONFIG_DIR
 from diffalign.plugins import SCHEMAS
-from tests.test_cli import compose_cfg
 
 OPTIONS = [(group, name) for group, options in SCHEMAS.items() for name in options]
 

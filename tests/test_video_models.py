@@ -115,10 +115,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_online_methods_run_on_video_models(case, tmp_path):
+    from conftest import compose_cfg, online_overrides
+
     from diffalign.train.online import train
     from diffalign.validation import validate_train_config
-    from tests.test_cli import compose_cfg
-    from tests.test_online import online_overrides
 
     cfg = compose_cfg(CASES[case] + online_overrides(tmp_path) + [
         "online.prompts=video_train", "reward=[video_motion]", "online.groups_per_epoch=2"])
@@ -197,10 +197,9 @@ def test_training_logs_hold_one_video_of_f_frames_per_monitor_prompt(tmp_path):
     video of each monitor prompt as one GIF of F frames under logs/samples/step-<N>/, with the prompts listed; the
     diversity of a video model embeds its frames (the frame-mean embedding)."""
     import imageio.v3 as iio
+    from conftest import compose_cfg, online_overrides
 
     from diffalign.train.online import train
-    from tests.test_cli import compose_cfg
-    from tests.test_online import online_overrides
 
     cfg = compose_cfg(CASES["dgpo_t2v"] + online_overrides(tmp_path) + [
         "online.prompts=video_train", "reward=[video_motion]", "online.groups_per_epoch=2", "monitor.every=1",

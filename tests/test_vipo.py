@@ -254,10 +254,10 @@ def test_bad_vipo_options_raise():
 
 @pytest.mark.parametrize("case", ["flow", "sd"])
 def test_vipo_runs_in_the_online_loop(case, tmp_path):
+    from conftest import compose_cfg, online_overrides
+
     from diffalign.train.online import train
     from diffalign.validation import validate_train_config
-    from tests.test_cli import compose_cfg
-    from tests.test_online import online_overrides
 
     model = ["model=tiny_flow_random", "sampler=flow_sde"] if case == "flow" else ["model=tiny_random",
                                                                                   "sampler=ddim"]
@@ -272,7 +272,7 @@ def test_vipo_runs_in_the_online_loop(case, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["tiny_vipo_image", "tiny_vipo_video", "vipo_wan"])
 def test_vipo_recipes_compose(recipe, tmp_path):
-    from tests.test_cli import compose_cfg
+    from conftest import compose_cfg
 
     cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}"])
     assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and cfg.sampler.eta > 0
@@ -329,10 +329,10 @@ def test_per_reward_advantages_give_the_weighted_sum_of_single_reward_losses(red
 def test_vipo_wan_options_run_in_the_online_loop(tmp_path):
     """DanceGRPO SDE + two rewards with per-reward advantages + best-of-N 2 of G = 4 on the tiny flow model: runs,
     trains on half of each group, and logs both rewards."""
+    from conftest import compose_cfg, online_overrides
+
     from diffalign.train.online import train
     from diffalign.validation import validate_train_config
-    from tests.test_cli import compose_cfg
-    from tests.test_online import online_overrides
 
     cfg = compose_cfg(["model=tiny_flow_random", "sampler=dance_sde", "sampler.num_inference_steps=4",
                        "method=vipo", "method.advantage_per_reward=true", "online.shared_initial_noise=true",
