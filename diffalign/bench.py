@@ -59,6 +59,7 @@ METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
     "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK),
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
+    "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
     "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.learning_rate=3e-4"], quick=ONLINE_QUICK),
     "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),

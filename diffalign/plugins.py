@@ -38,6 +38,7 @@ SCHEMAS = {
         "ddpo": "diffalign.objectives.ddpo:DDPOConfig",
         "ddspo": "diffalign.objectives.ddspo:DDSPOConfig",
         "dgpo": "diffalign.objectives.dgpo:DGPOConfig",
+        "diffusion_nft": "diffalign.objectives.diffusion_nft:DiffusionNFTConfig",
         "diffusion_dpo": "diffalign.objectives.diffusion_dpo:DiffusionDPOConfig",
         "flow_grpo": "diffalign.objectives.flow_grpo:FlowGRPOConfig",
         "seppo": "diffalign.objectives.seppo:SePPOConfig",
