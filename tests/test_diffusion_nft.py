@@ -356,8 +356,8 @@ def test_tiny_recipe_smoke_run_from_the_command_line(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", ("import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; "
-                                  "from diffalign.cli import train; train()"), "recipe=tiny_diffusion_nft", "online.num_epochs=1",
+    entry = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
+    cmd = [sys.executable, "-c", entry, "recipe=tiny_diffusion_nft", "online.num_epochs=1",
            "online.groups_per_epoch=2", "eval.enabled=false", "trainer.log_with=none", f"output_dir={out}"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]

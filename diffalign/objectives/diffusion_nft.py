@@ -1,4 +1,4 @@
-r"""DiffusionNFT — Diffusion Negative-aware FineTuning (Zheng et al., ICLR 2026; arXiv:2509.16117), docs/diffusion_nft.md.
+r"""DiffusionNFT, negative-aware fine-tuning (Zheng et al., ICLR 2026; arXiv:2509.16117); see docs/diffusion_nft.md.
 
 Online and likelihood-free: the old policy v_old samples a group of G clean images per prompt with *any* solver (an
 ODE here, CFG-free), the rewards become optimality probabilities r ∈ [0, 1], and the training policy v_θ is fitted on
@@ -253,8 +253,8 @@ class DiffusionNFT:
                              f"itself (arXiv:2509.16117 §3.3; released config sample.guidance_scale=1.0), but "
                              f"sampler.guidance_scale={sp.guidance_scale}. Set sampler.guidance_scale=1")
         if on.get("best_of_n") is not None:
-            raise ValueError("online.best_of_n selects samples for the policy-gradient methods; DiffusionNFT trains on "
-                             "every sample of the old policy: set online.best_of_n=null")
+            raise ValueError("online.best_of_n selects samples for the policy-gradient methods; DiffusionNFT trains "
+                             "on every sample of the old policy: set online.best_of_n=null")
         clip = on.get("advantage_clip")
         if clip is not None and clip < m.advantage_max:
             raise ValueError(f"online.advantage_clip={clip} is below method.advantage_max={m.advantage_max}: the "
@@ -392,8 +392,9 @@ def training_schedule(policy, num_steps: int) -> torch.Tensor:
     """`(num_steps,)` float32 CPU training timesteps t = 1000 σ: the model's own inference schedule for the rollout's
     number of steps (a fresh copy of ``policy.scheduler``, for SD3 `FlowMatchEulerDiscreteScheduler` with its shift:
     σ_0 = 1 … σ_{K−1} > 0), whatever solver made the rollouts. The released code trains on
-    ``pipeline.scheduler.timesteps`` (the SD3 Euler schedule) while its DPM-Solver samples on the same sigmas; diffusers'
-    flow DPM-Solver (``sampler=dpm_ode``) uses another spacing, so the rollout's own timesteps are not used."""
+    ``pipeline.scheduler.timesteps`` (the SD3 Euler schedule) while its DPM-Solver samples on the same sigmas;
+    diffusers' flow DPM-Solver (``sampler=dpm_ode``) uses another spacing, so the rollout's own timesteps are not
+    used."""
     scheduler = type(policy.scheduler).from_config(policy.scheduler.config)
     scheduler.set_timesteps(num_steps)
     return scheduler.timesteps.detach().float().cpu()
