@@ -3,7 +3,7 @@ r"""DiffusionNFT, negative-aware fine-tuning (Zheng et al., ICLR 2026; arXiv:250
 Online and likelihood-free: the old policy v_old samples a group of G clean images per prompt with *any* solver (an
 ODE here, CFG-free), the rewards become optimality probabilities r ∈ [0, 1], and the training policy v_θ is fitted on
 the forward process (the clean rollouts noised again, x_t = (1 − σ) x_0 + σ ε, target v = ε − x_0) through two
-implicit policies (docs/diffusion_nft.md (N2), paper Theorem 3.2)
+implicit policies (docs/diffusion_nft.md (N2), the paper's policy-optimisation theorem)
 
 $$v^+_\theta = (1-\beta)\,v_{old} + \beta\,v_\theta,\qquad v^-_\theta = (1+\beta)\,v_{old} - \beta\,v_\theta,$$
 $$\mathcal L(\theta) = \mathbb E\big[\,r\,\|v^+_\theta(x_t) - v\|^2 + (1-r)\,\|v^-_\theta(x_t) - v\|^2\,\big],$$
@@ -46,8 +46,8 @@ WEIGHT_FLOOR = 1e-5  # the released code's clip(min=0.00001) of the adaptive wei
 
 
 def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
-    r"""The optimality probability r = ½ + ½ clip(A / A_max, −1, 1) (docs/diffusion_nft.md (N3); paper §3.3
-    "optimality reward"; code ``clamp(adv, ±adv_clip_max) / adv_clip_max / 2 + 0.5``).
+    r"""The optimality probability r = ½ + ½ clip(A / A_max, −1, 1) (docs/diffusion_nft.md (N3), the paper's
+    "optimality reward" [REVIEW]; code ``clamp(adv, ±adv_clip_max) / adv_clip_max / 2 + 0.5``).
 
     Args:
         advantages (`torch.Tensor`): `(N,)` normalised rewards A = (r_raw − group mean) / Z (the loop's
@@ -61,8 +61,8 @@ def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> to
 
 
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The implicit positive and negative policies (docs/diffusion_nft.md (N2); paper Theorem 3.2):
-    v⁺ = (1 − β) v_old + β v_θ and v⁻ = (1 + β) v_old − β v_θ. `v_old` is detached.
+    r"""The implicit positive and negative policies v⁺ = (1 − β) v_old + β v_θ and v⁻ = (1 + β) v_old − β v_θ
+    (docs/diffusion_nft.md (N2), the paper's policy-optimisation theorem). `v_old` is detached.
 
     Args: `v_theta`, `v_old` `(B, ...)` velocity predictions; `beta` β > 0.
     Returns: `(v_plus, v_minus)`, each `(B, ...)`; their mean is v_old.
@@ -100,8 +100,8 @@ def branch_loss(v_branch: torch.Tensor, target: torch.Tensor, sigma: torch.Tenso
 
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
              r: torch.Tensor, beta: float, weighting: str = "adaptive") -> torch.Tensor:
-    r"""The per-sample DiffusionNFT loss r ℓ(v⁺) + (1 − r) ℓ(v⁻) (docs/diffusion_nft.md (N2); paper Theorem 3.2),
-    unscaled (the method multiplies it by A_max / β, as the released code).
+    r"""The per-sample DiffusionNFT loss r ℓ(v⁺) + (1 − r) ℓ(v⁻) (docs/diffusion_nft.md (N2), the paper's
+    policy-optimisation theorem), unscaled (the method multiplies it by A_max / β, as the released code).
 
     Args:
         v_theta (`torch.Tensor`): `(B, C, h, w)` the training policy's velocity (with gradient).
@@ -183,7 +183,7 @@ class DiffusionNFTConfig:
     beta: float = 1.0                   # config.beta = 1.0 (GenEval, PickScore, HPSv2); 0.1 OCR, multi-reward [CODE]
     beta_kl: float = 1.0e-4             # config.train.beta = 0.0001, velocity L2 to the adapter-disabled base [CODE]
     advantage_max: float = 5.0          # train.adv_clip_max = 5: r = 1/2 + A / (2 * 5) [CODE]
-    loss_weighting: str = "adaptive"    # x0-space self-normalised weighting [PAPER §3.3, CODE] | uniform
+    loss_weighting: str = "adaptive"    # x0-space self-normalised weighting [CODE] | uniform
     timestep_fraction: float = 0.99     # train.timestep_fraction: int(10 * 0.99) = 9 timesteps per sample [CODE]
     old_policy_decay_max: float = 0.5   # decay_type 1 (GenEval): uphold 0.5; decay_type 2 (OCR): 0.999 [CODE]
     old_policy_decay_rate: float = 0.001  # decay_type 1: uprate 0.001; decay_type 2: 0.0075 [CODE]
@@ -250,7 +250,7 @@ class DiffusionNFT:
         on, sp, m = cfg.online, cfg.sampler, cfg.method
         if sp.guidance_scale != 1:
             raise ValueError(f"method=diffusion_nft is CFG-free: its rollouts must come from the old policy v_old "
-                             f"itself (arXiv:2509.16117 §3.3; released config sample.guidance_scale=1.0), but "
+                             f"itself (arXiv:2509.16117; released config sample.guidance_scale=1.0), but "
                              f"sampler.guidance_scale={sp.guidance_scale}. Set sampler.guidance_scale=1")
         if on.get("best_of_n") is not None:
             raise ValueError("online.best_of_n selects samples for the policy-gradient methods; DiffusionNFT trains "
