@@ -150,7 +150,28 @@ def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
     return torch.randperm(num_steps, generator=generator)[:n_train].sort().values.tolist()
 
 
-class ClippedPolicyGradient:
+class StoredTransitionMethod:
+    """The contract members every method that trains on stored stochastic transitions shares (the clipped policy
+    gradients here and ViPO): stochastic rollouts with log-probs, no set-up or extra checkpoint state, and
+    ``num_inner_epochs`` passes of ``updates_per_epoch`` updates per epoch."""
+
+    @classmethod
+    def check_config(cls, cfg, num_processes: int | None = None) -> None:
+        """Raises ValueError unless the rollouts are stochastic with stored log-probs (`check_stochastic_sampler`)."""
+        check_stochastic_sampler(cfg)
+
+    def setup(self, policy) -> None:
+        pass
+
+    def checkpoint_states(self) -> dict:
+        return {}
+
+    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
+        """``online.num_inner_epochs`` passes of ``online.updates_per_epoch`` updates each."""
+        return updates_per_epoch * num_inner_epochs
+
+
+class ClippedPolicyGradient(StoredTransitionMethod):
     """PPO-clip over stored transitions (data flow "online_trajectories").
 
     Args:
@@ -191,21 +212,6 @@ class ClippedPolicyGradient:
         self.clip_range, self.beta_kl, self.kl_form = clip_range, beta_kl, kl_form
         self.detach_unconditional, self.advantage = detach_unconditional, advantage
         self.timestep_fraction, self.timestep_selection = timestep_fraction, timestep_selection
-
-    @classmethod
-    def check_config(cls, cfg, num_processes: int | None = None) -> None:
-        """Raises ValueError unless the rollouts are stochastic with stored log-probs (`check_stochastic_sampler`)."""
-        check_stochastic_sampler(cfg)
-
-    def setup(self, policy) -> None:
-        pass
-
-    def checkpoint_states(self) -> dict:
-        return {}
-
-    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
-        """``online.num_inner_epochs`` passes of ``online.updates_per_epoch`` updates each."""
-        return updates_per_epoch * num_inner_epochs
 
     def prepare(self, policy, epoch: OnlineEpoch) -> dict[str, float]:
         return {}

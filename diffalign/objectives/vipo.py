@@ -30,8 +30,8 @@ import torch
 from diffalign.methods import CurrentPolicy, OnlineEpoch
 from diffalign.objectives.policy_gradient import (
     TIMESTEP_SELECTIONS,
+    StoredTransitionMethod,
     TransitionUnit,
-    check_stochastic_sampler,
     transition_plan,
 )
 from diffalign.samplers.rollout import recompute_step
@@ -66,7 +66,7 @@ class ViPOConfig:
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
 
 
-class ViPO:
+class ViPO(StoredTransitionMethod):
     """ViPO (data flow "online_trajectories": DanceGRPO-style rollouts with stored per-position log-probs).
 
     Args:
@@ -137,21 +137,6 @@ class ViPO:
     def log_prob_reduction(self) -> str:
         """The log-prob reduction the rollouts must store: "per_position" (`(B, K, *grid)`) or "mean"."""
         return "per_position" if self.reduction == "per_position" else "mean"
-
-    @classmethod
-    def check_config(cls, cfg, num_processes: int | None = None) -> None:
-        """Raises ValueError unless the rollouts are stochastic with stored log-probs (`check_stochastic_sampler`)."""
-        check_stochastic_sampler(cfg)
-
-    def setup(self, policy) -> None:
-        pass
-
-    def checkpoint_states(self) -> dict:
-        return {}
-
-    def epoch_updates(self, updates_per_epoch: int, num_inner_epochs: int) -> int:
-        """``online.num_inner_epochs`` passes of ``online.updates_per_epoch`` updates each."""
-        return updates_per_epoch * num_inner_epochs
 
     def prepare(self, policy, epoch: OnlineEpoch) -> dict[str, float]:
         """`prepare_epoch` on the epoch's rollouts and advantages (with ``advantage_per_reward``, the reward weights
