@@ -134,6 +134,17 @@ def test_the_policy_computes_the_file_and_each_reference_starts_where_documented
         policy.denoiser.delete_adapters(reference.adapter.adapter_name)
 
 
+def test_reference_path_of_another_alpha_is_refused(loras):
+    """The reference adapter copies the policy's config: a LoRA of the same rank but another alpha would run at the
+    policy's scale, so it is refused naming both."""
+    from diffalign.reference import CheckpointReference
+
+    policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=4, lora_alpha=4,
+                                                   lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
+    with pytest.raises(ValueError, match=r"reference.path=.* has r=4, alpha=2 but the policy's adapter r=4, alpha=4"):
+        CheckpointReference(str(loras["tiny_sd"]["kohya"])).setup(policy)
+
+
 def test_settings_come_from_the_file_and_an_explicit_conflict_names_both(tmp_path, loras):
     lora = loras["tiny_sd"]["kohya"]
     cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={lora}"])

@@ -126,6 +126,21 @@ def test_exported_kohya_file_loads_in_diffusers_with_the_policys_output(tmp_path
     assert (got - base).abs().max() > 1e-2  # the LoRA changes the output (so the comparison can fail)
 
 
+def test_a_kohya_file_exported_as_diffusers_folder_is_a_checkpoint_diffalign_eval_reads(tmp_path, sd_policy):
+    """diffalign-eval's checkpoint=<folder> path: the folder's metadata gives the adapter settings
+    (`saved_lora_settings`, as `diffalign.cli._adopt_saved_lora_settings` reads them) and the policy loads it."""
+    from diffalign.models.base import saved_lora_settings
+
+    bare = tmp_path / "third-party.safetensors"  # a kohya file without diffalign's metadata
+    safetensors.torch.save_file(kohya_state_dict(policy_lora(sd_policy)), str(bare))
+    export(str(bare), str(tmp_path / "imported"), fmt="diffusers")
+    settings = saved_lora_settings(tmp_path / "imported")
+    assert settings == read_lora(bare).settings
+    policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), **settings)
+    policy.load_lora_weights(tmp_path / "imported")
+    torch.testing.assert_close(unet_output(policy.unet), unet_output(sd_policy.unet), rtol=0, atol=1e-6)
+
+
 def test_half_precision_export(tmp_path, sd_policy):
     full = write_kohya(policy_lora(sd_policy), tmp_path / "f32.safetensors")
     export(str(full), str(tmp_path / "f16.safetensors"), dtype="float16")
