@@ -64,16 +64,25 @@ def _matches(module: str, target: str) -> bool:
     return module == target or module.endswith(f".{target}")
 
 
-def _check_model_takes_lora(cfg: DictConfig) -> None:
+def _lora_settings_taken(cfg: DictConfig) -> tuple[str, ...]:
+    """The LoRA settings the model's ``_target_`` takes (all of them when it takes ``**kwargs`` or cannot be
+    inspected; a builder without ``lora_target_modules``, e.g. the tiny video models, keeps its own targets, which
+    must then be the file's).
+
+    Raises:
+        ValueError: a model without ``lora_rank``.
+    """
     from hydra.utils import get_method
 
     try:
         params = inspect.signature(get_method(cfg.model._target_)).parameters
     except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
-        return
-    missing = [k for k in SETTINGS if k not in params]
-    if missing and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        raise ValueError(f"{FIELD} needs a model with LoRA settings, but {cfg.model._target_} takes no {missing}")
+        return SETTINGS
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return SETTINGS
+    if "lora_rank" not in params:
+        raise ValueError(f"{FIELD} needs a model with a LoRA adapter, but {cfg.model._target_} takes no lora_rank")
+    return tuple(k for k in SETTINGS if k in params)
 
 
 def _check_component(cfg: DictConfig, weights: LoraWeights) -> None:
@@ -123,15 +132,15 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
     init = cfg.model.get("init_lora")
     if init is None:
         return None
-    _check_model_takes_lora(cfg)
+    taken = _lora_settings_taken(cfg)
     explicit = set(explicit)
     ckpt = resume_checkpoint(cfg)
     source = f"the checkpoint {ckpt} (resume={cfg.resume})" if ckpt is not None else f"{FIELD}={init!r}"
     weights = read_lora(ckpt if ckpt is not None else init, field_name="resume" if ckpt is not None else FIELD)
     if ckpt is None:
         _check_component(cfg, weights)
-    settings = weights.settings
-    for key in SETTINGS:
+    settings = {k: v for k, v in weights.settings.items() if k in taken}
+    for key in taken:
         current = cfg.model.get(key)
         if key in explicit and not _same(key, current, settings[key]):
             if key == "lora_target_modules" and current:
@@ -146,7 +155,7 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
             raise ValueError(f"model.{key}={current} (set on the command line) conflicts with {source}, {detail}; "
                              f"drop model.{key}=... (it is taken from the file) or pass a LoRA with that setting")
     with open_dict(cfg):
-        for key in SETTINGS:
+        for key in taken:
             cfg.model[key] = settings[key]
     return settings
 

@@ -134,6 +134,23 @@ def test_the_policy_computes_the_file_and_each_reference_starts_where_documented
         policy.denoiser.delete_adapters(reference.adapter.adapter_name)
 
 
+@pytest.mark.parametrize("model", ["tiny_t2v_random", "tiny_wan_random"])
+def test_video_models_start_from_their_saved_lora(tmp_path, model):
+    """A video UNet and a Wan transformer; their builders take no lora_target_modules, so their own targets stay
+    (and must be the file's)."""
+    from hydra.utils import instantiate
+
+    from diffalign.init_lora import model_config
+
+    saved = instantiate(model_config(compose_cfg([f"output_dir={tmp_path}", f"model={model}"]).model))
+    perturb_lora_(saved)
+    saved.save_lora_weights(tmp_path / "lora")
+    policy = build_policy(compose_cfg([f"output_dir={tmp_path}", f"model={model}", f"model.init_lora={tmp_path / 'lora'}"]),
+                          log=lambda _: None)
+    want, got = policy_lora(saved).state, policy_lora(policy).state
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_reference_path_of_another_alpha_is_refused(loras):
     """The reference adapter copies the policy's config: a LoRA of the same rank but another alpha would run at the
     policy's scale, so it is refused naming both."""
