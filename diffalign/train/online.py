@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.init_lora import build_policy
 from diffalign.methods import (
     ONLINE_FLOWS,
     ONLINE_MEMBERS,
@@ -164,7 +165,7 @@ def _setup(cfg: DictConfig) -> _Run:
     check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     _check_split(on, num_proc)
     objective.check_config(cfg, num_proc)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)
