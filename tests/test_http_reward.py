@@ -23,6 +23,7 @@ import requests
 import torch
 from conftest import CHILD_ENV, compose_cfg, online_overrides
 from PIL import Image
+from test_plugins import add_entry_points, fake_distribution, isolated_config_groups  # noqa: F401 - autouse
 
 from diffalign import plugins
 from diffalign.data.onpolicy import sample_and_judge
@@ -95,9 +96,10 @@ class Counting:
 
     name, differentiable = "counting", False
 
-    def __init__(self, sleep_calls=(), sleep=0.0, nan_rows=(), raise_error=None, gate=None):
+    def __init__(self, sleep_calls=(), sleep=0.0, nan_rows=(), raise_error=None, gate=None, nan_from_call=1):
         self.calls, self.sleep_calls, self.sleep = 0, set(sleep_calls), sleep
         self.nan_rows, self.raise_error, self.gate = list(nan_rows), raise_error, gate
+        self.nan_from_call = nan_from_call
         self.lock = threading.Lock()
 
     def __call__(self, images, prompts, metadata=None):
@@ -111,7 +113,8 @@ class Counting:
         if self.raise_error is not None:
             raise self.raise_error
         out = Brightness()(images, prompts)
-        out.scores[self.nan_rows] = float("nan")
+        if call >= self.nan_from_call:
+            out.scores[self.nan_rows] = float("nan")
         return out
 
 
@@ -370,9 +373,38 @@ def test_http_is_a_registered_reward_with_a_config():
     assert parse_overrides(["score=binary", "value_range=[-1,1]"]) == {"score": "binary", "value_range": [-1, 1]}
 
 
+def test_two_servers_in_one_run_through_two_entry_point_names(serve, tmp_path, monkeypatch):
+    """docs/rewards.md: the same config under two entry-point names selects two servers, each with its own url."""
+    dist = fake_distribution(tmp_path, "my-judges", "[diffalign.rewards]\n"
+                             "ocr = diffalign.rewards.http:HttpRewardConfig\n"
+                             "judge = diffalign.rewards.http:HttpRewardConfig\n")
+    add_entry_points(monkeypatch, dist)
+    bright, jpeg = serve(Brightness(), name="brightness"), serve(JpegCompressibility(), name="jpeg")
+    cfg = compose_cfg(["reward=[ocr,judge]", f"reward.ocr.url={bright.url}", f"reward.judge.url={jpeg.url}",
+                       "reward.judge.weight=0.5", "reward.ocr.image_format=float32"])
+    out = plugins.build_rewards(cfg.reward)(IMAGES, PROMPTS)
+    expected = Brightness()(IMAGES, PROMPTS).scores + 0.5 * JpegCompressibility()(quantized(IMAGES), PROMPTS).scores
+    assert torch.equal(out.scores, expected)
+
+
 def test_server_command_refuses_an_unknown_reward(capsys):
     assert main(["no_such_reward", "--port", "0"]) == 2
     assert "cannot serve 'no_such_reward'" in capsys.readouterr().err
+
+
+def test_nan_from_the_server_stops_an_online_run_with_the_epochs_checkpoint(serve, tmp_path):
+    """NaN in row 2 of both rollout batches of the second epoch (rows 2 and 6 of the epoch): the run stops with the
+    checkpoint written at the end of epoch 1 (reused, not written twice), naming the reward and the non-finite rows."""
+    from diffalign.train.online import train
+
+    served = serve(Counting(nan_rows=[2], nan_from_call=3))
+    cfg = compose_cfg(["model=tiny_random", "method=flow_grpo", "sampler=ddim", "online.rollout_batch_size=4"]
+                      + online_overrides(tmp_path, epochs=3) + ["reward=[http]", f"reward.http.url={served.url}"])
+    with pytest.raises(RewardError, match=r"reward 'http': returned non-finite scores at batch rows \[2, 6\]\. — "
+                                          r"checkpoint saved to .*checkpoint-1; fix the reward") as info:
+        train(cfg)
+    assert info.value.checkpoint == tmp_path / "checkpoint-1" and info.value.step == 1
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
 
 
 # ------------------------------------------------------------------------------------------------ end to end
