@@ -50,6 +50,7 @@ def test_every_policy_member_the_package_uses_is_declared_by_the_protocol():
 
 FAMILIES = {
     "sd": ("diffalign.models.tiny_random", "build_tiny_random_policy", {}),
+    "sdxl": ("diffalign.models.tiny_sdxl", "build_tiny_sdxl_policy", {}),
     "sd3": ("diffalign.models.tiny_flow", "build_tiny_flow_policy", {}),
     "t2v": ("diffalign.models.tiny_video", "build_tiny_t2v_policy", {}),
     "wan": ("diffalign.models.tiny_video", "build_tiny_wan_policy", {}),

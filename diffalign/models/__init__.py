@@ -1,6 +1,7 @@
 """Model adapters: one file per diffusers family, all implementing `diffalign.models.base.DiffusionPolicy`.
 
 - `stable_diffusion`: SD1.x/2.x (`StableDiffusionPolicy`, ε/v);
+- `sdxl`: Stable Diffusion XL (`StableDiffusionXLPolicy`, ε/v; two text encoders, pooled embeddings, time ids);
 - `sd3`: SD3/SD3.5 format (`StableDiffusion3Policy`, rectified flow);
 - `text_to_video`: UNet3D text-to-video (`TextToVideoPolicy`, ε/v);
 - `wan`: Wan 2.1 (`WanPolicy`, rectified flow).
