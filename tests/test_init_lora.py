@@ -18,7 +18,7 @@ from diffusers import StableDiffusionPipeline
 from diffalign.cli import asset_path
 from diffalign.init_lora import adopt_init_lora, build_policy
 from diffalign.lora_io import policy_lora, read_lora, write_kohya
-from diffalign.models.sd3 import FlowMatchingPolicy
+from diffalign.models.sd3 import StableDiffusion3Policy
 from diffalign.models.stable_diffusion import StableDiffusionPolicy
 from diffalign.reference import EmaReference, FrozenBaseReference, PoolReference
 
@@ -32,7 +32,7 @@ def loras(tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     sd = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=4, lora_alpha=2,
                                                lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
-    sd3 = FlowMatchingPolicy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8,
+    sd3 = StableDiffusion3Policy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8,
                                              lora_rank=4, lora_alpha=2)
     out = {}
     for name, policy in (("tiny_sd", sd), ("tiny_sd3", sd3)):

@@ -31,7 +31,7 @@ from diffalign.lora_io import (
     write_kohya,
 )
 from diffalign.models.base import add_trainable_lora
-from diffalign.models.sd3 import FlowMatchingPolicy
+from diffalign.models.sd3 import StableDiffusion3Policy
 from diffalign.models.stable_diffusion import StableDiffusionPolicy
 
 # every kind of UNet layer a LoRA can adapt: attention, feed-forward, projections, ResNet convolutions, time embedding
@@ -54,7 +54,7 @@ def sd_policy():
 
 @pytest.fixture(scope="module")
 def sd3_policy():
-    policy = FlowMatchingPolicy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8,
+    policy = StableDiffusion3Policy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8,
                                                 lora_rank=4, lora_alpha=8)
     perturb_lora_(policy, std=0.3)
     return policy
