@@ -61,7 +61,8 @@ METHODS: dict[str, Method] = {
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
-    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.learning_rate=3e-4"], quick=ONLINE_QUICK),
+    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.learning_rate=3e-4", "online.num_epochs=20"],
+                      quick=ONLINE_QUICK),
     "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),
     "vipo_sd": Method("tiny_vipo_image", True, ["model=tiny_sd", "sampler=ddim", "sampler.eta=1.0"],
                       quick=ONLINE_QUICK),
