@@ -139,6 +139,11 @@ def _numbered_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def numbered_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-<int>`` folder in `output_dir`, in increasing step order."""
+    return _numbered_checkpoints(Path(output_dir))
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The ``checkpoint-<step>`` directory with the largest integer step, or `None` if there is none.
 

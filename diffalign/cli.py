@@ -73,11 +73,21 @@ def check_reward_overrides(argv: list[str]) -> None:
                              "function with reward=[python:<module>:<function>]")
 
 
+def _command_line_overrides() -> list[str]:
+    """The command line's ``key=value`` overrides (Hydra's task overrides); empty outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # (HydraConfig not set: called from Python)
+        return []
+
+
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_train_config
 
     try:
-        validate_train_config(cfg)  # before any model is loaded
+        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
@@ -137,11 +147,21 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
 
 def _eval_main(cfg: DictConfig) -> None:
+    from diffalign.config_checks import boolean
     from diffalign.evaluate import resolve_checkpoints
-    from diffalign.validation import validate_eval_config, validate_reward_modality
+    from diffalign.validation import (
+        check_output_dir,
+        check_reward_nodes,
+        validate_eval_config,
+        validate_reward_modality,
+    )
 
     try:
+        check_output_dir(cfg.output_dir)
+        for key in ("include_base", "report", "resume"):
+            boolean(cfg, key, "")
         validate_eval_config(cfg)
+        check_reward_nodes(cfg)
         validate_reward_modality(cfg)
         if cfg.checkpoints is not None and cfg.checkpoint is not None:
             raise ValueError("pass checkpoints=[...] or checkpoint=<folder>, not both (checkpoints=[base,<folder>] "

@@ -291,6 +291,16 @@ class DDSPOPairs:
         Raises:
             ValueError, FileNotFoundError: naming ``data.prompts`` or ``data.pairs_dir`` and the fix.
         """
+        from diffalign.config_checks import choice, integer, number, seed
+
+        d = cfg.data
+        for key in ("num_variants", "samples_per_prompt", "num_inference_steps", "shard_size", "batch_size"):
+            integer(d, key, "data", ge=1)
+        integer(d, "max_pairs", "data", ge=1, nullable=True)
+        number(d, "guidance_scale", "data", ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+        choice(d, "scheduler", "data", list(SCHEDULERS))
+        choice(d, "degradation", "data", list(DEGRADATIONS))
+        seed(d, "seed", "data")
         load_prompts(cfg.data.prompts, field="data.prompts")
         if OmegaConf.is_missing(cfg.data, "pairs_dir"):
             raise ValueError("data.pairs_dir is required for data=ddspo_pairs; pass data.pairs_dir=<folder> (made by "
