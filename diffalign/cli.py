@@ -99,7 +99,7 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
-    from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.runlock import RunLockedError
 
     try:
@@ -109,7 +109,7 @@ def _train_main(cfg: DictConfig) -> None:
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
-    except NonFiniteError as err:
+    except (NonFiniteError, RolloutMismatchError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
 

@@ -22,7 +22,6 @@ prints it as ``diffalign: error: <message>`` and exits with 1 before anything el
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -58,10 +57,10 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         check_ignored_overrides(overrides, online=online)
     if online:
         check_online_config(cfg)
-    check_method_config(cfg)
-    check_model_config(cfg)
     check_sampler_config(cfg, flow_matching=target_attribute((cfg.get("model") or {}).get("_target_"),
                                                              "flow_matching"), online=online)
+    check_method_config(cfg)
+    check_model_config(cfg)
     if not cfg.get("reward"):
         raise ConfigError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
     check_reward_nodes(cfg)
@@ -122,28 +121,12 @@ def check_resume(cfg: DictConfig) -> None:
         FileNotFoundError: ``resume=<folder>`` is not a checkpoint folder.
         ConfigError: the output folder holds checkpoints the run would collide with (the message names the fix).
     """
-    from diffalign.checkpoint import latest_checkpoint, numbered_checkpoints
+    from diffalign.checkpoint import check_resume_target, latest_checkpoint
 
     resume = cfg.get("resume")
     output_dir = Path(str(cfg.output_dir))
     if resume not in (None, "latest"):
-        state_file = Path(resume) / "trainer_state.json"
-        if not state_file.is_file():
-            raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder (no trainer_state.json); use "
-                                    "resume=latest or a path to a checkpoint-<step> folder")
-        try:
-            step = int(json.loads(state_file.read_text())["global_step"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"resume={resume!r}: {state_file} cannot be read ({err}); resume from another "
-                              "checkpoint") from None
-        later = [path.name for s, path in numbered_checkpoints(output_dir) if s > step]
-        if later:
-            raise ConfigError(
-                f"resume={resume!r} continues from step {step}, but output_dir={str(output_dir)!r} already holds "
-                f"later checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}), which this run would "
-                f"run into (checkpoint folders are never overwritten). To branch from step {step}, pass a new "
-                f"output_dir=<folder> with the same resume=...; to continue the newest, pass resume=latest; or move "
-                f"the later checkpoints out of {output_dir}")
+        check_resume_target(output_dir, resume)
     if resume is None and latest_checkpoint(output_dir) is not None:
         raise ConfigError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
                           "that run, or choose a new output_dir")

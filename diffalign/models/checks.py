@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 
+from omegaconf import OmegaConf
+
 from diffalign.config_checks import ConfigError, boolean, choice, integer, number, seed, text
 
 TORCH_DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -57,7 +59,7 @@ def check_model_config(cfg) -> None:
     number(m, "lora_alpha", p, gt=0, nullable=True, hint="null: alpha = rank")
     if "lora_target_modules" in m:
         modules = m.lora_target_modules
-        if (modules is None or isinstance(modules, str) or not len(modules)
+        if (not (OmegaConf.is_list(modules) or isinstance(modules, (list, tuple))) or not len(modules)
                 or not all(isinstance(x, str) and x for x in modules)):
             raise ConfigError(f"model.lora_target_modules must be a non-empty list of module names, e.g. "
                               f"[to_q,to_k,to_v,to_out.0], got {modules}")

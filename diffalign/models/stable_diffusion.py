@@ -27,6 +27,7 @@ from torch import nn
 from transformers import CLIPTextModel, PreTrainedTokenizerBase
 
 from diffalign.models.base import ForwardModuleMixin, add_trainable_lora, check_prompts, expand_negative_prompts
+from diffalign.text_context import TruncationWarner
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
         self.text_encoder = text_encoder.requires_grad_(False).eval()
         self.unet = unet.requires_grad_(False)
         self.tokenizer = tokenizer
-        self._warned_truncated: set[str] = set()  # prompts already reported as too long
+        self._truncation = TruncationWarner("the text encoder", logger)  # reports each too-long prompt once
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
@@ -351,12 +352,7 @@ class StableDiffusionPolicy(ForwardModuleMixin, nn.Module):
 
     def _encode_text(self, texts: list[str]) -> torch.Tensor:
         # prompts longer than the text encoder's context are truncated, as in diffusers; say so once per prompt
-        max_length = self.tokenizer.model_max_length
-        for text, n in zip(texts, (len(ids) for ids in self.tokenizer(texts).input_ids)):
-            if n > max_length and text not in self._warned_truncated:
-                self._warned_truncated.add(text)
-                logger.warning("prompt %r has %d tokens; the text encoder reads only the first %d, the rest is "
-                               "ignored", text, n, max_length)
+        self._truncation.check(self.tokenizer, texts, self.tokenizer.model_max_length)
         ids = self.tokenizer(
             texts,
             padding="max_length",

@@ -29,6 +29,7 @@ import torch
 
 from diffalign.methods import CurrentPolicy, OnlineEpoch
 from diffalign.objectives.policy_gradient import (
+    LOGPROB_TOLERANCE,
     TIMESTEP_SELECTIONS,
     StoredTransitionMethod,
     TransitionUnit,
@@ -64,6 +65,8 @@ class ViPOConfig:
     timestep_selection: str = "random"  # random: one random 60% for the batch (released: one per sample) | first
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
+    logprob_check: str = "stop"         # train/rollout consistency alarm before each epoch's first update: stop|warn|off
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 
 class ViPO(StoredTransitionMethod):
@@ -88,6 +91,9 @@ class ViPO(StoredTransitionMethod):
             smoothing_truncate: the PSM's options (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3,
             weighted, σ = 1, temporal σ = 0.3; released code: `scipy.ndimage.gaussian_filter`, i.e. padding
             "reflect" and truncate 4).
+        logprob_check (`str`, defaults to "stop"), logprob_tolerance (`float`): the train/rollout consistency alarm
+            (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off", and its
+            tolerance on |Δ log π| (per position here).
 
     Raises:
         ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection, or a fraction
@@ -104,7 +110,9 @@ class ViPO(StoredTransitionMethod):
                  backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
                  orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
                  advantage_per_reward: bool = False, timestep_selection: str = "random",
-                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0):
+                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0, logprob_check: str = "stop",
+                 logprob_tolerance: float = LOGPROB_TOLERANCE):
+        self.init_logprob_check(logprob_check, logprob_tolerance)
         if clip_range <= 0:
             raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
         if reduction not in REDUCTIONS:
@@ -146,8 +154,9 @@ class ViPO(StoredTransitionMethod):
         return {f"vipo/{k}": v for k, v in self.prepare_epoch(policy, epoch.trajectory, epoch.advantages).items()}
 
     def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[TransitionUnit]]:
-        """The epoch's updates, as the other policy-gradient methods (`transition_plan`)."""
-        return transition_plan(epoch, self.timestep_fraction, self.timestep_selection)
+        """The epoch's updates, as the other policy-gradient methods (`transition_plan`), the first one checked for
+        train/rollout consistency (`StoredTransitionMethod.checked_updates`)."""
+        return self.checked_updates(epoch, transition_plan(epoch, self.timestep_fraction, self.timestep_selection))
 
     def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one unit, with the advantage maps `prepare` built for its rows."""
@@ -205,6 +214,7 @@ class ViPO(StoredTransitionMethod):
                               detach_unconditional=self.detach_unconditional)
         device = step.log_prob.device
         old = trajectory.log_probs[:, k].to(device)
+        self.check_logprobs(step.log_prob, old, k)
         # (B, R, *grid) per reward vs (B, *grid); the latents are (B, K + 1, C, *grid)
         per_reward = adv_map.ndim == trajectory.latents.ndim - 1
         columns = [adv_map[:, r] for r in range(adv_map.shape[1])] if per_reward else [adv_map]
