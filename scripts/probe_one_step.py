@@ -38,6 +38,7 @@ def main() -> None:
 
     from diffalign.advantages import group_advantages
     from diffalign.cli import CONFIG_DIR, _setup, check_reward_overrides
+    from diffalign.init_lora import build_policy
     from diffalign.objectives.policy_gradient import train_transitions
     from diffalign.plugins import build_selected_rewards
     from diffalign.samplers.groups import group_rollout
@@ -49,7 +50,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/probe", *args.overrides])
     torch.manual_seed(cfg.seed)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg)
     objective = instantiate(cfg.method)
     reference = instantiate(cfg.reference)  # the KL term's reference (Flow-GRPO), set up as the online loop does
     reference.setup(policy)

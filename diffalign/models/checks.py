@@ -51,7 +51,8 @@ def check_model_config(cfg) -> None:
         return
     accepted = _builder_parameters(m._target_)
     if accepted is not None:
-        unknown = sorted(k for k in m if k != "_target_" and k not in accepted)
+        unknown = sorted(k for k in m if k not in ("_target_", "init_lora") and k not in accepted)  # (init_lora:
+        # diffalign.init_lora reads it and takes it out before the model is built)
         if unknown:
             raise ConfigError(f"model.{unknown[0]} is not a setting of model={m._target_}; it takes "
                               f"{sorted(accepted)}")
@@ -79,7 +80,7 @@ def check_model_config(cfg) -> None:
     if "pretrained_model_name_or_path" in m:
         import os
 
-        from diffalign.models.stable_diffusion import check_pipeline_folder
+        from diffalign.models.pipeline_policy import check_pipeline_folder
 
         text(m, "pretrained_model_name_or_path", p)
         path = str(m.pretrained_model_name_or_path)

@@ -10,6 +10,8 @@ noise and differs only by the float rounding of batched forwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -90,6 +92,7 @@ def group_rollout(
     reduction: str = "mean",
     sde_type: str = "flow_grpo",
     members: list[int] | None = None,
+    on_chunk: Callable[[Trajectory, int, int], None] | None = None,
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -111,6 +114,9 @@ def group_rollout(
         sde_type (`str`): the flow models' SDE for `sampler="sde"`: "flow_grpo" or "dance" (`rollout`).
         members (`list[int]`, *optional*): sample only these member indices of every group (a group spanning several
             processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
+        on_chunk (*optional*): called as ``on_chunk(part, start, stop)`` after each forward batch with its
+            `Trajectory` (rows ``start:stop`` of the result), e.g. to send it to a reward server while the next one is
+            sampled (`diffalign.rewards.futures.ChunkScorer`).
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64
@@ -145,5 +151,7 @@ def group_rollout(
         else:
             parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
                                      guidance_scale=guidance_scale, solver=sampler, latents=noise[start:stop]))
+        if on_chunk is not None:
+            on_chunk(parts[-1], start, stop)
     group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)
     return cat_trajectories(parts), group_ids

@@ -10,7 +10,8 @@ Each epoch:
    samples with an old policy) using ``sampler``, storing step log-probs as the method's ``log_prob_reduction`` asks,
    with initial noise shared inside a group when ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
 3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
-   checkpoint, naming the reward, batch and prompts);
+   checkpoint, naming the reward, batch and prompts); a reward served over HTTP (``reward=[http]``) scores each
+   rollout batch of ``online.rollout_batch_size`` while the next one is sampled (`diffalign.rewards.futures`);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
    or DDPO's per-prompt tracker; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
    every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
@@ -43,6 +44,7 @@ from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.init_lora import build_policy
 from diffalign.methods import (
     ONLINE_FLOWS,
     ONLINE_MEMBERS,
@@ -57,6 +59,7 @@ from diffalign.monitors import build_monitor
 from diffalign.plugins import build_rewards, build_selected_rewards
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.combine import reward_metrics
+from diffalign.rewards.futures import ChunkScorer
 from diffalign.rewards.guard import checked_rewards
 from diffalign.runlock import run_lock
 from diffalign.samplers.groups import group_rollout
@@ -166,7 +169,7 @@ def _setup(cfg: DictConfig) -> _Run:
     check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     _check_split(on, num_proc)
     objective.check_config(cfg, num_proc)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)
@@ -272,7 +275,10 @@ def _epoch(run: _Run) -> dict:
     pick = torch.randint(len(run.rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, PROMPTS))
     mine = list(range(on.groups_per_epoch)) if members_split else list(range(rank * per_proc, (rank + 1) * per_proc))
     epoch_rows = [run.rows[int(pick[j])] for j in mine]
-    # 2. rollouts with the method's rollout policy (θ, or θ⁻)
+    metadata = [r for r in epoch_rows for _ in range(share)]
+    # 2. rollouts with the method's rollout policy (θ, or θ⁻); a reward server scores each rollout batch while the
+    # next one is sampled (other rewards are called on the whole epoch in 3., as before)
+    scorer = ChunkScorer(run.rewards, metadata)
     policy.denoiser.eval()
     with torch.no_grad(), run.objective.rollout_policy.use(policy):
         traj, group_ids = group_rollout(
@@ -282,18 +288,19 @@ def _epoch(run: _Run) -> dict:
             num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
             rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
             sde_type=sp.get("sde_type", "flow_grpo"),
-            members=list(range(rank * share, (rank + 1) * share)) if members_split else None)
+            members=list(range(rank * share, (rank + 1) * share)) if members_split else None,
+            on_chunk=scorer.add)
     policy.denoiser.train()
     # 3. rewards
-    metadata = [r for r in epoch_rows for _ in range(share)]
     try:
-        scored = run.rewards(traj.images, traj.prompts, metadata)
-    except RewardError as err:
-        if accelerator.is_main_process:
-            err.checkpoint = run.write_checkpoint(epoch)
-        raise RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
-                          f"and resume with resume=latest", step=run.global_step, batch_index=epoch,
-                          prompts=sorted(set(traj.prompts))) from err
+        scored = scorer.result(traj.images, traj.prompts)
+    except RewardError as err:  # the checkpoint of this step (the epoch-end one, when it was just written)
+        err.checkpoint = run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch))
+        stop = RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
+                           f"and resume with resume=latest", step=run.global_step, batch_index=epoch,
+                           prompts=sorted(set(traj.prompts)))
+        stop.checkpoint = err.checkpoint
+        raise stop from err
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
     scores = scored.scores.detach().cpu()
