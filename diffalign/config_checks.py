@@ -133,7 +133,8 @@ def text(node, key: str, prefix: str, *, nullable: bool = False, hint: str = "")
     value = node[key]
     if (value is None and nullable) or (isinstance(value, str) and value.strip()):
         return
-    raise ConfigError(f"{_name(prefix, key)} must be a non-empty string{' or null' if nullable else ''}, got {_say(value)}"
+    nullable_text = " or null" if nullable else ""
+    raise ConfigError(f"{_name(prefix, key)} must be a non-empty string{nullable_text}, got {_say(value)}"
                       f"{'; ' + hint if hint else ''}")
 
 

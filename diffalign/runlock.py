@@ -196,17 +196,18 @@ def check_nested(output_dir: str | os.PathLike) -> None:
     for parent in here.parents:
         holder = _held_by_another(parent)
         if holder is not None:
-            raise RunLockedError(f"output_dir={str(output_dir)!r} is inside {str(parent)!r}, which is in use by another "
-                                 f"run: {describe(holder)}. That run writes there (its evaluation goes to "
+            raise RunLockedError(f"output_dir={str(output_dir)!r} is inside {str(parent)!r}, which is in use by "
+                                 f"another run: {describe(holder)}. That run writes there (its evaluation goes to "
                                  f"{parent / 'eval'}); wait for it to finish, or pass an output_dir=<folder> outside "
                                  f"it. (Lock file: {parent / LOCK_NAME}.)")
     if here.is_dir():
         for child in sorted(c for c in here.iterdir() if c.is_dir()):
             holder = _held_by_another(child)
             if holder is not None:
-                raise RunLockedError(f"output_dir={str(output_dir)!r} holds {str(child)!r}, which is in use by another "
-                                     f"run: {describe(holder)}; this run would write into it. Wait for it to finish, "
-                                     f"or pass another output_dir=<folder>. (Lock file: {child / LOCK_NAME}.)")
+                raise RunLockedError(f"output_dir={str(output_dir)!r} holds {str(child)!r}, which is in use by "
+                                     f"another run: {describe(holder)}; this run would write into it. Wait for it "
+                                     f"to finish, or pass another output_dir=<folder>. (Lock file: "
+                                     f"{child / LOCK_NAME}.)")
 
 
 def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=None) -> bool:

@@ -108,7 +108,8 @@ def check_output_dir(output_dir) -> None:
         os.close(fd)
         os.unlink(name)
     except OSError as err:
-        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({err.strerror}: {probe}); {fix}") from None
+        reason = f"{err.strerror}: {probe}"
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({reason}); {fix}") from None
 
 
 def check_resume(cfg: DictConfig) -> None:

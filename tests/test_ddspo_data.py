@@ -304,8 +304,8 @@ def test_processes_writing_the_same_shard_do_not_share_a_temporary_file(tmp_path
     dead.start()
     dead.join()
     host = socket.gethostname()
-    names = [f".tmp-shard-00001.jsonl-{host}-{dead.pid}-0123abcd", f".tmp-shard-00001.jsonl-{host}-{os.getpid()}-"
-             "0123abcd", f".tmp-shard-00001.jsonl-node-17-{dead.pid}-0123abcd"]
+    names = [f".tmp-shard-00001.jsonl-{owner}-0123abcd" for owner in (f"{host}-{dead.pid}", f"{host}-{os.getpid()}",
+                                                                        f"node-17-{dead.pid}")]
     for name in names:
         (tmp_path / name).write_text("partial")
     remove_stale_temporaries(tmp_path)

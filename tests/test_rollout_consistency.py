@@ -44,8 +44,8 @@ def test_a_guidance_scale_that_differs_between_rollout_and_training_stops_the_ru
     with pytest.raises(RolloutMismatchError) as stopped:
         online.train(cfg)
     message = str(stopped.value)
-    assert "before the first update of the epoch 0" in message and f"> method.logprob_tolerance={LOGPROB_TOLERANCE:g}" \
-        in message
+    assert "before the first update of the epoch 0" in message
+    assert f"> method.logprob_tolerance={LOGPROB_TOLERANCE:g}" in message
     for cause in ("guidance scale", "sampler.eta", "trainer.mixed_precision", "order of the latents", "timestep"):
         assert cause in message and cause in CAUSES
     assert "method.logprob_check=warn" in message
@@ -68,7 +68,8 @@ def test_the_normal_run_stays_far_below_the_tolerance(case, tmp_path, monkeypatc
         return original(self, new, old, k)
 
     monkeypatch.setattr(policy_gradient.StoredTransitionMethod, "check_logprobs", recorded)
-    cfg = compose_cfg(CASES[case] + online_overrides(tmp_path) + [f"method.logprob_tolerance={LOGPROB_TOLERANCE / 100}"])
+    tight = f"method.logprob_tolerance={LOGPROB_TOLERANCE / 100}"
+    cfg = compose_cfg(CASES[case] + online_overrides(tmp_path) + [tight])
     online.train(cfg)
     assert seen and max(seen) <= LOGPROB_TOLERANCE / 100
 

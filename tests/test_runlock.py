@@ -244,7 +244,8 @@ def test_a_run_inside_a_live_runs_folder_or_over_a_live_subfolder_is_refused(tmp
         with pytest.raises(RunLockedError, match=rf"output_dir='.*run/eval' is inside '.*run', which is in use by "
                                                  rf"another run: pid {holder.pid} on host {HOST}"):
             acquire(run / "eval", "diffalign-eval")
-        code = "import sys; from diffalign.cli import evaluate; sys.argv = ['diffalign-eval'] + sys.argv[1:]; evaluate()"
+        code = ("import sys; from diffalign.cli import evaluate; sys.argv = ['diffalign-eval'] + sys.argv[1:]; "
+                "evaluate()")
         done = subprocess.run([sys.executable, "-c", code, f"output_dir={run / 'eval'}", "model=tiny_random"],
                               cwd=REPO, env=ENV, check=False, capture_output=True, text=True, timeout=120)
         assert done.returncode == 1 and "is inside" in done.stderr and f"pid {holder.pid}" in done.stderr, done.stderr

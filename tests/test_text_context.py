@@ -60,11 +60,13 @@ def test_pickscore_and_image_reward_warn_with_their_own_contexts(caplog):
 
     tokenizer = build_tokenizer()
     pick = PickScore.__new__(PickScore)
-    pick.tokenizer, pick.value_range, pick.device, pick.dtype = tokenizer, [0.0, 1.0], torch.device("cpu"), torch.float32
+    pick.tokenizer, pick.value_range = tokenizer, [0.0, 1.0]
+    pick.device, pick.dtype = torch.device("cpu"), torch.float32
     pick.resize = pick.crop = 32
     pick.mean = pick.std = (0.5, 0.5, 0.5)
     pick.differentiable = False
-    pick._truncation = TruncationWarner("reward.pickscore's text encoder", logging.getLogger("diffalign.rewards.pickscore"))
+    pick._truncation = TruncationWarner("reward.pickscore's text encoder",
+                                        logging.getLogger("diffalign.rewards.pickscore"))
 
     class StopModel:
         def get_image_features(self, **kwargs):

@@ -102,6 +102,19 @@ def test_a_bad_setting_is_refused_naming_the_field(train_cli, overrides, expecte
     assert "Traceback" not in message and "Error in call to target" not in message
 
 
+def test_a_tracker_whose_package_is_missing_is_refused_naming_it(train_cli):
+    """accelerate drops a tracker whose package is missing and logs nothing; validation refuses it instead."""
+    from diffalign.train.checks import _trackers
+
+    missing = [t for t in ("wandb", "aim", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
+               if t not in _trackers()]
+    if not missing:
+        pytest.skip("every tracker package is installed here")
+    message = train_cli(f"trainer.log_with={missing[0]}")
+    assert f"trainer.log_with={missing[0]} but its package is not installed" in message
+    assert f"pip install {missing[0]}" in message and "trainer.log_with=none" in message
+
+
 def test_an_online_method_with_gradient_accumulation_is_refused_naming_the_setting_that_applies(train_cli):
     message = train_cli("recipe=tiny_ddpo", "trainer.gradient_accumulation_steps=4")
     assert "trainer.gradient_accumulation_steps=4 is not used by the online loop" in message
@@ -236,7 +249,7 @@ def test_a_preference_method_does_not_check_the_unused_samplers_family(tmp_path)
     validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "sampler=ddim"]))
 
 
-# ----------------------------------------------------------------------------------- every field of the shipped configs
+# ----------------------------------------------------------------------------------- every field of the shipped config
 
 def _leaves(node, prefix=""):
     for key, value in node.items():
@@ -280,7 +293,8 @@ GROUP_RUNS = {
     "model": [[f"model={m}", *(["reward=[video_motion]", "eval.prompts=video_heldout", "data=shapes_pairs"]
                                    if m in VIDEO else [])]
               for m in sorted(MODELS) + ["tiny_sd_conv_lora"]],
-    "method": [["recipe=tiny_dpo"], ["recipe=tiny_seppo"], ["recipe=tiny_ddspo"], ["method=sft", "data=shapes_winners"],
+    "method": [["recipe=tiny_dpo"], ["recipe=tiny_seppo"], ["recipe=tiny_ddspo"],
+               ["method=sft", "data=shapes_winners"],
                ["recipe=tiny_dgpo"], ["recipe=tiny_flow_grpo"], ["recipe=tiny_ddpo"], ["recipe=tiny_vipo_image"],
                ["recipe=tiny_diffusion_nft"]],
     "data": [["data=failure_pairs"], ["data=ranked_pairs"], ["data=shapes_pairs"], ["data=shapes_winners",
@@ -296,8 +310,8 @@ SKIP = {"trainer.log_with", "model.seed", "reference.seed", "monitor.rewards", "
 @pytest.mark.parametrize("group,overrides", [(g, o) for g, runs in GROUP_RUNS.items() for o in runs],
                          ids=lambda x: x if isinstance(x, str) else "-".join(x) or "default")
 def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_type(group, overrides, tmp_path):
-    """Walks every leaf of a shipped config group as composed (int, float, bool and list fields) and gives it a value of
-    the wrong type: Hydra's structured config (method, data, reference, reward) or our validation must refuse it,
+    """Walks every leaf of a shipped config group as composed (int, float, bool and list fields) and gives it a value
+    of the wrong type: Hydra's structured config (method, data, reference, reward) or our validation must refuse it,
     naming the field."""
     from omegaconf.errors import ValidationError
 

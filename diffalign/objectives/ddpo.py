@@ -19,7 +19,7 @@ class DDPOConfig:
     timestep_fraction: float = 1.0
     timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch (ddpo-pytorch: one per
                                         # sample); first: in order
-    logprob_check: str = "stop"         # train/rollout consistency alarm before each epoch's first update: stop|warn|off
+    logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
     logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 

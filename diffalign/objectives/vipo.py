@@ -65,7 +65,7 @@ class ViPOConfig:
     timestep_selection: str = "random"  # random: one random 60% for the batch (released: one per sample) | first
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
-    logprob_check: str = "stop"         # train/rollout consistency alarm before each epoch's first update: stop|warn|off
+    logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
     logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 

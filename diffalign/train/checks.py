@@ -21,7 +21,7 @@ ONLINE_IGNORED_TRAINER_KEYS = {
     "checkpointing_steps": "the online loop checkpoints every online.checkpointing_epochs epochs; set that",
     "cache_latents": "the online loop samples its own latents; nothing is cached",
 }
-"""``trainer`` keys the online loop does not read, with what to set instead (refused when given on the command line)."""
+"""``trainer`` keys the online loop does not read, with what to set instead (refused when set on the command line)."""
 
 
 def _trackers() -> list[str]:
