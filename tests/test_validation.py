@@ -17,6 +17,19 @@ from diffalign import cli
 from diffalign.validation import validate_train_config
 
 
+@pytest.fixture(autouse=True)
+def _release_run_locks():
+    """``diffalign-train`` run in this process keeps the run lock of a refused run until the process exits (Hydra
+    skips its end-of-run callbacks on SystemExit; the CLI exits there): release what a test took."""
+    from diffalign import runlock
+
+    before = set(runlock._HELD)
+    yield
+    for key in set(runlock._HELD) - before:
+        runlock._HELD[key].count = 1
+        runlock.release(key)
+
+
 @pytest.fixture
 def train_cli(tmp_path, monkeypatch):
     """Runs ``diffalign-train <overrides>`` in-process into a fresh folder; returns the refusal message, or None when
@@ -334,3 +347,19 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
         assert path in str(refused.value) or path.split(".", 1)[1] in str(refused.value), (path, str(refused.value))
         checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["eval.seeds=[0,-1]"], "eval.seeds=[0, -1]: every entry must be an integer >= 0, got -1"),
+    (["eval.num_inference_steps=2.5"], "eval.num_inference_steps must be an integer >= 1, got 2.5"),
+    (["include_base=maybe"], "include_base must be true or false, got 'maybe'"),
+    (["reward.geneval_shapes.weight=x"], "Value 'x' of type 'str' could not be converted to Float"),
+])
+def test_diffalign_eval_checks_its_settings_before_any_model_loads(overrides, expected, tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setattr(sys, "argv", ["diffalign-eval", f"output_dir={tmp_path / 'eval'}", "hydra/job_logging=none",
+                                      "hydra/hydra_logging=none", *overrides])
+    with pytest.raises(SystemExit) as refused:
+        cli.evaluate()
+    said = str(refused.value.code) + capsys.readouterr().err  # (a typed field: Hydra's own message, exit 1)
+    assert expected in said and "Traceback" not in said
