@@ -44,6 +44,9 @@ except ImportError:  # (Windows: the pid check alone)
 from diffalign.launch import process_start_time
 
 LOCK_NAME = ".diffalign.lock"
+RUN_SUBFOLDERS = ("eval", "logs", "prepared", "final")
+"""Subfolders a training run writes into (besides ``checkpoint-*``): a live run holding one of them blocks a run into
+their parent (`check_nested`)."""
 
 
 class RunLockedError(RuntimeError):
@@ -185,8 +188,9 @@ def _held_by_another(folder: Path) -> dict | None:
 
 def check_nested(output_dir: str | os.PathLike) -> None:
     """Refuses an `output_dir` inside the folder of a live run (e.g. ``diffalign-eval output_dir=runs/x/eval`` while
-    ``diffalign-train`` runs in ``runs/x`` and will write its own evaluation there), or one whose direct subfolder a
-    live run holds (a training run started into ``runs/x`` while ``diffalign-eval`` writes ``runs/x/eval``).
+    ``diffalign-train`` runs in ``runs/x`` and will write its own evaluation there), or one whose run subfolder
+    (`RUN_SUBFOLDERS`, ``checkpoint-*``) a live run holds (a training run started into ``runs/x`` while
+    ``diffalign-eval`` writes ``runs/x/eval``).
 
     Raises:
         RunLockedError: naming the other run's folder, its holder and the fix.
@@ -201,7 +205,8 @@ def check_nested(output_dir: str | os.PathLike) -> None:
                                  f"{parent / 'eval'}); wait for it to finish, or pass an output_dir=<folder> outside "
                                  f"it. (Lock file: {parent / LOCK_NAME}.)")
     if here.is_dir():
-        for child in sorted(c for c in here.iterdir() if c.is_dir()):
+        for child in sorted(c for c in here.iterdir() if c.is_dir() and (c.name in RUN_SUBFOLDERS
+                                                                          or c.name.startswith("checkpoint-"))):
             holder = _held_by_another(child)
             if holder is not None:
                 raise RunLockedError(f"output_dir={str(output_dir)!r} holds {str(child)!r}, which is in use by "
