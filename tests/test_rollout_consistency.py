@@ -57,7 +57,7 @@ def test_a_guidance_scale_that_differs_between_rollout_and_training_stops_the_ru
     with pytest.raises(RolloutMismatchError) as stopped:
         online.train(cfg)
     message = str(stopped.value)
-    assert "before the first update of the epoch 0" in message
+    assert "before the first update of epoch 0" in message
     assert f"> method.logprob_tolerance={LOGPROB_TOLERANCE:g}" in message
     for cause in ("guidance scale", "sampler.eta", "trainer.mixed_precision", "order of the latents", "timestep"):
         assert cause in message and cause in CAUSES

@@ -209,9 +209,9 @@ class StoredTransitionMethod:
                     epoch.note(f"[diffalign] warning: epoch {epoch.epoch}: {self._mismatch_text(self._worst)}")
         self._checking = False
 
-    def _mismatch_text(self, worst: float, where: str = "") -> str:
+    def _mismatch_text(self, worst: float, where: str = "the epoch") -> str:
         return (f"the log-probs recomputed for training differ from the rollout's stored ones before the first update "
-                f"of the epoch{where}: max |Δ log π| = {worst:.3g} > method.logprob_tolerance="
+                f"of {where}: max |Δ log π| = {worst:.3g} > method.logprob_tolerance="
                 f"{self.logprob_tolerance:g} (the ratio π_θ / π_old should be 1 there, up to float noise). Likely "
                 f"causes: {CAUSES}")
 
@@ -242,7 +242,7 @@ class StoredTransitionMethod:
 
             self._checking = False
             raise RolloutMismatchError(
-                f"{self._mismatch_text(self._worst, f' {self._epoch} (transition {k})')}. The run stopped before "
+                f"{self._mismatch_text(self._worst, f'epoch {self._epoch} (transition {k})')}. The run stopped before "
                 "training on it; pass method.logprob_check=warn to train anyway, or raise method.logprob_tolerance "
                 "if this is float noise of your hardware")
 
