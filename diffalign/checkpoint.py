@@ -336,8 +336,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         except (SafetensorError, OSError, ValueError) as err:
             step = _CHECKPOINT_RE.match(path.name)
             earlier = [p.name for s, p in _numbered_checkpoints(path.parent) if step and s < int(step.group(1))]
-            raise ValueError(f"{file} is truncated or damaged ({err}); resume from an earlier checkpoint "
-                             f"(resume=<folder>; in {path.parent}: {earlier[-3:] or 'none'}) or delete {path}") from None
+            then = f"resume=latest then continues from {earlier[-1]}" if earlier else "then start again"
+            raise ValueError(f"{file} is truncated or damaged ({err}); delete {path} ({then}), or branch from an earlier "
+                             f"checkpoint into a new folder (output_dir=<new folder> resume=<checkpoint>; in "
+                             f"{path.parent}: {earlier[-3:] or 'none'})") from None
 
 
 def load_checkpoint(
