@@ -88,10 +88,11 @@ def _train_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_train_config
 
     try:
-        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
-        # command line is an error), read before any model is loaded (diffalign/init_lora.py)
+        # command line is an error), read before any model is loaded (diffalign/init_lora.py); then every setting,
+        # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
+        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class

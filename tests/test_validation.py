@@ -280,8 +280,19 @@ REAL_VALUED = {"lora_alpha"}
 """Fields whose shipped value is written as an integer (``lora_alpha: 8``) but which take any real number."""
 
 
+NAMES = {"lr_scheduler", "mixed_precision", "log_with", "name", "sde_type", "model_family", "split", "advantage_std",
+         "video_format", "torch_dtype", "kl_form", "timestep_selection", "reduction", "map", "aggregation",
+         "orientation", "smoothing_padding", "loss_weighting", "kl_reference", "cpp", "prediction_space",
+         "rand_cond_schedule", "aaf_mode", "aaf_tie", "sample_cache", "logprob_check", "losers", "scheduler",
+         "degradation", "redraw", "selection", "normalize", "dtype", "backbone"}
+"""String fields that take one of a list of names (or forms): an unknown name must be refused too."""
+
+
 def _bad_value(value, key: str):
-    """A value of the wrong type for a leaf (an int field gets 2.5, a number "x", a bool "maybe", a list 7)."""
+    """A value of the wrong type for a leaf (an int field gets 2.5, a number "x", a bool "maybe", a list 7; a name
+    field an unknown name)."""
+    if isinstance(value, str) and key in NAMES:
+        return "no-such-name"
     if isinstance(value, bool):
         return "maybe"
     if isinstance(value, int) and key not in REAL_VALUED:
@@ -315,17 +326,17 @@ GROUP_RUNS = {
     "reference": [["reference=ema"], ["recipe=tiny_seppo"]],
     "reward": [["reward=[jpeg_compressibility,geneval_shapes]"], ["reward=[clip_score,geneval_shapes]"]],
 }
-SKIP = {"trainer.log_with", "model.seed", "reference.seed", "monitor.rewards", "monitor.diversity_pretrained"}
-"""Leaves not typed here: log_with is a name (checked as such), the pool's seed is interpolated from ``seed``, ..."""
+SKIP: set[str] = set()
+"""Leaves not walked (none: every typed and name field of the shipped configs is refused when wrong)."""
 
 
 @pytest.mark.slow  # (about 400 leaves of 30 configs: ~60 s)
 @pytest.mark.parametrize("group,overrides", [(g, o) for g, runs in GROUP_RUNS.items() for o in runs],
                          ids=lambda x: x if isinstance(x, str) else "-".join(x) or "default")
 def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_type(group, overrides, tmp_path):
-    """Walks every leaf of a shipped config group as composed (int, float, bool and list fields) and gives it a value
-    of the wrong type: Hydra's structured config (method, data, reference, reward) or our validation must refuse it,
-    naming the field."""
+    """Walks every leaf of a shipped config group as composed (int, float, bool, list and name fields) and gives it a
+    value of the wrong type (or an unknown name): Hydra's structured config (method, data, reference, reward) or our
+    validation must refuse it, naming the field."""
     from omegaconf.errors import ValidationError
 
     base = compose_cfg([f"output_dir={tmp_path}", *overrides])

@@ -37,7 +37,8 @@ from diffalign.objectives.policy_gradient import (
 )
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
-from diffalign.vipo.psm import PADDINGS, PerceptualStructuring, advantage_maps
+from diffalign.vipo.backbones import check_backbone_spec
+from diffalign.vipo.psm import AGGREGATIONS, ORIENTATIONS, PADDINGS, PerceptualStructuring, advantage_maps
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
@@ -96,8 +97,9 @@ class ViPO(StoredTransitionMethod):
             tolerance on |Δ log π| (per position here).
 
     Raises:
-        ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection, or a fraction
-            outside (0, 1], an unknown smoothing padding or a non-positive truncate.
+        ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection/aggregation/
+            orientation/smoothing padding/backbone form, a fraction outside (0, 1], a non-positive truncate or advantage
+            clip, fewer than 1 component or a negative smoothing sigma.
     """
 
     data_flow = "online_trajectories"
@@ -127,6 +129,19 @@ class ViPO(StoredTransitionMethod):
             raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
         if smoothing_truncate <= 0:
             raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
+        if orientation not in ORIENTATIONS:
+            raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
+        if num_components < 1:
+            raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+        if spatial_sigma < 0 or temporal_sigma < 0:
+            raise ValueError(f"method.spatial_sigma={spatial_sigma} and method.temporal_sigma={temporal_sigma} must be "
+                             ">= 0 (0: no smoothing).")
+        if advantage_clip is not None and advantage_clip <= 0:
+            raise ValueError(f"method.advantage_clip={advantage_clip} must be > 0 (5 in the released code) or null.")
+        if map == "psm" and isinstance(backbone, str):
+            check_backbone_spec(backbone)  # (the backbone itself loads at the first epoch)
         self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
         self.timestep_selection = timestep_selection
         self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
