@@ -73,15 +73,26 @@ def check_reward_overrides(argv: list[str]) -> None:
                              "function with reward=[python:<module>:<function>]")
 
 
+def _command_line_overrides() -> list[str]:
+    """The command line's ``key=value`` overrides (Hydra's task overrides); empty outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # (HydraConfig not set: called from Python)
+        return []
+
+
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.init_lora import adopt_init_lora, command_line_model_keys
     from diffalign.validation import validate_train_config
 
     try:
-        validate_train_config(cfg)  # before any model is loaded
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
-        # command line is an error), read before any model is loaded (diffalign/init_lora.py)
+        # command line is an error), read before any model is loaded (diffalign/init_lora.py); then every setting,
+        # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
+        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
@@ -93,7 +104,7 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
-    from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.runlock import RunLockedError
 
     try:
@@ -103,7 +114,7 @@ def _train_main(cfg: DictConfig) -> None:
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
-    except NonFiniteError as err:
+    except (NonFiniteError, RolloutMismatchError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
 
@@ -141,11 +152,21 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
 
 def _eval_main(cfg: DictConfig) -> None:
+    from diffalign.config_checks import boolean
     from diffalign.evaluate import resolve_checkpoints
-    from diffalign.validation import validate_eval_config, validate_reward_modality
+    from diffalign.validation import (
+        check_output_dir,
+        check_reward_nodes,
+        validate_eval_config,
+        validate_reward_modality,
+    )
 
     try:
+        check_output_dir(cfg.output_dir)
+        for key in ("include_base", "report", "resume"):
+            boolean(cfg, key, "")
         validate_eval_config(cfg)
+        check_reward_nodes(cfg)
         validate_reward_modality(cfg)
         if cfg.checkpoints is not None and cfg.checkpoint is not None:
             raise ValueError("pass checkpoints=[...] or checkpoint=<folder>, not both (checkpoints=[base,<folder>] "
