@@ -20,7 +20,7 @@ TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffali
 def _train(tmp_path, *overrides) -> dict:
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-c", TRAIN, f"output_dir={out}", "trainer.log_with=none",
-                    "online.checkpointing_epochs=null", "eval.reuse_base=false", *overrides],
+                    "eval.reuse_base=false", *overrides],
                    check=True, cwd=REPO, capture_output=True)
     return json.loads((out / "results.json").read_text())["eval"]
 
@@ -32,7 +32,8 @@ def test_vipo_raises_held_out_brightness_within_six_epochs(tmp_path):
     (paired gains +0.055 ± 0.014, +0.093 ± 0.012, +0.218 ± 0.028 over 12 prompts x 1 seed). The assertion asks for
     +0.02 at 1.5 paired s.e. (seed 0: 4.0 s.e.). The same run with two updates per epoch (the old recipe's; the
     second one mostly clipped, docs/learning.md) gives +0.003 ± 0.004 and fails it."""
-    ev = _train(tmp_path, "recipe=tiny_vipo_image", "reward=[brightness]", "eval_reward=[brightness]",
+    ev = _train(tmp_path, "recipe=tiny_vipo_image", "online.checkpointing_epochs=null", "reward=[brightness]",
+                "eval_reward=[brightness]",
                 "online.num_epochs=6", "online.groups_per_epoch=8", "online.updates_per_epoch=1",
                 "trainer.learning_rate=1e-2",
                 "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
@@ -64,8 +65,8 @@ def test_dgpo_raises_held_out_brightness_within_eight_epochs(tmp_path):
     0.0634 -> 0.112 / 0.104 / 0.109 (paired gains +0.048 ± 0.011, +0.040 ± 0.007, +0.045 ± 0.008 over 12 prompts x
     1 seed, 4.6-5.9 s.e.). The assertion asks for +0.02 at 2.5 paired s.e.; the recipe's DGPO on random scores
     (`random_control`, no signal) moved brightness by +0.008 in 20 epochs (docs/learning.md)."""
-    ev = _train(tmp_path, "recipe=tiny_dgpo", "reward=[brightness]", "eval_reward=[brightness]",
-                "online.num_epochs=8", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
+    ev = _train(tmp_path, "recipe=tiny_dgpo", "online.checkpointing_epochs=null", "reward=[brightness]",
+                "eval_reward=[brightness]", "online.num_epochs=8", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
     assert ev["variants"]["base"]["brightness/mean"] == pytest.approx(0.0634, abs=2e-3)
     assert gain["gain"] > 0.02 and gain["gain_over_se"] > 2.5, gain
