@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.methods import (
     ONLINE_FLOWS,
     ONLINE_MEMBERS,
@@ -60,7 +60,7 @@ from diffalign.runlock import run_lock
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
-    apply_update,
+    Updates,
     final_evaluation,
     make_accelerator,
     prepare_training,
@@ -107,10 +107,9 @@ class _Run:
     monitor: object
     rows: list[dict]
     advantages: EpochAdvantages
-    params: list
-    optimizer: object
     lr_scheduler: object
     guard: NonFiniteGuard
+    updates: Updates
     checkpoints: Checkpoints
     epoch: int = 0
     global_step: int = 0
@@ -190,10 +189,11 @@ def _setup(cfg: DictConfig) -> _Run:
         f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
+    updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
     checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
                               {"reference_state": reference, **objective.checkpoint_states()})
     return _Run(cfg, accelerator, objective, policy, reference, rewards, eval_rewards, monitor, rows, advantages,
-                params, optimizer, lr_scheduler, guard, checkpoints)
+                lr_scheduler, guard, updates, checkpoints)
 
 
 def _resume(run: _Run) -> list[dict]:
@@ -334,33 +334,27 @@ def _advantages(run: _Run, scored, group_ids: torch.Tensor, prompts: list[str]) 
 
 
 def _updates(run: _Run, data: OnlineEpoch) -> dict:
-    """One optimizer update per list of units of ``method.plan``; returns the units' mean metrics."""
-    accelerator, tr = run.accelerator, run.cfg.trainer
+    """One optimizer update per list of units of ``method.plan`` (`Updates.update`: the reference is stepped before
+    each); returns the units' mean metrics."""
+    accelerator = run.accelerator
     sums: dict[str, float] = {}
     n_units = 0
     for update in run.objective.plan(run.policy, data):
-        loss_finite = True
-        for unit in update:
-            with accelerator.autocast():
-                loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
-            loss_finite = loss_finite and bool(torch.isfinite(loss))
-            accelerator.backward(loss / len(update))
-            n_units += 1
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
         # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
-        apply_update(accelerator, run.guard, run.optimizer, run.lr_scheduler, run.params, tr.max_grad_norm,
-                     loss_finite)
+        with run.updates.update(run.global_step) as losses:
+            for unit in update:
+                with accelerator.autocast():
+                    loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
+                losses.add(loss)
+                accelerator.backward(loss / len(update))
+                n_units += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
         run.global_step += 1
-        run.reference.on_step(run.policy, run.global_step)
         run.objective.rollout_policy.after_update()
-        if run.guard.exhausted:
-            ckpt = run.stop_with_checkpoint(run.epoch)
-            raise NonFiniteError(
-                f"{run.guard.consecutive} updates in a row had a non-finite loss or gradient (epoch {run.epoch}, step "
-                f"{run.global_step}, trainer.max_consecutive_nonfinite={run.guard.max_consecutive}); checkpoint saved "
-                f"to {ckpt} (mid-epoch: it restarts epoch {run.epoch}). Lower trainer.learning_rate, set "
-                "trainer.max_grad_norm, or use trainer.mixed_precision=no", checkpoint=ckpt)
+        run.updates.stop_if_exhausted(lambda: run.stop_with_checkpoint(run.epoch),
+                                      f"epoch {run.epoch}, step {run.global_step}",
+                                      f" (mid-epoch: it restarts epoch {run.epoch})")
     return {k: v / max(1, n_units) for k, v in sums.items()}
 
 

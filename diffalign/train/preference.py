@@ -17,8 +17,8 @@ contract of `diffalign.methods`) says which batches it is called with (`diffalig
   has ``winners_only``); the method gets a `WinnerBatch`.
 
 The reference strategy (``cfg.reference``, `diffalign.reference`) is set up on the policy before the optimizer is
-built (then the method's ``setup``), gets ``on_step(policy, u)`` before every update ``u`` (0-based), is passed to the
-objective as ``reference=``, and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint
+built (then the method's ``setup``), gets ``on_step(policy, n)`` before every update, ``n`` being the updates already
+done (`diffalign.train.common.Updates`, as in the online loop), is passed to the objective as ``reference=``, and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint
 and read back on resume, with the method's ``checkpoint_states``.
 
 Rewards: ``reward=[...]`` is the training set (used by on-policy data such as ``data=ranked_pairs``), ``eval_reward=[...]``
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
@@ -54,7 +54,7 @@ from diffalign.runlock import run_lock
 from diffalign.samplers.groups import stream_seed
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
-    apply_update,
+    Updates,
     build_lr_scheduler,
     final_evaluation,
     make_accelerator,
@@ -149,9 +149,9 @@ class _Run:
     eval_rewards: dict
     monitor: object
     params: list
-    optimizer: object
     lr_scheduler: object
     guard: NonFiniteGuard
+    updates: Updates
     checkpoints: Checkpoints
     pixel_size: tuple[int, int]
     sampler: ResumableSampler | None = None  # made once the data is prepared
@@ -195,11 +195,12 @@ def _setup(cfg: DictConfig) -> _Run:
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=Path(cfg.output_dir) / "logs" / "samples")
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, tr.max_steps)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
+    updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
     start_trackers(accelerator, cfg)
     checkpoints = Checkpoints(accelerator, Path(cfg.output_dir), policy, optimizer, lr_scheduler, tr.keep_last,
                               {"reference_state": reference, **objective.checkpoint_states()})
     return _Run(cfg, accelerator, objective, policy, reference, dataset, rewards, eval_rewards, monitor, params,
-                optimizer, lr_scheduler, guard, checkpoints, pixel_size)
+                lr_scheduler, guard, updates, checkpoints, pixel_size)
 
 
 def _prepare_data(run: _Run, stop: StopSignals) -> None:
@@ -284,33 +285,25 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
         stop_if_requested(stop, accelerator, lambda: run.checkpoints.stop(
             run.global_step, lambda: run.trainer_state(run.global_step)), f"at step {run.global_step}")
         sums: dict[str, float] = {}
-        loss_finite = True
-        run.reference.on_step(policy, run.global_step)
-        for micro in range(tr.gradient_accumulation_steps):
-            batch, count = _batch(run)
-            with accelerator.accumulate(policy.forward_module), accelerator.autocast():
-                # one generator per sample, keyed by its position in the global batch (`sample_generators`)
-                generators = sample_generators(run.cfg.seed, run.global_step, micro, rank * tr.batch_size, count)
-                loss, metrics = run.objective(policy, batch, generator=generators, reference=run.reference)
-                loss_finite = loss_finite and bool(torch.isfinite(loss))
-                accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
-            for k, v in metrics.items():
-                if torch.is_tensor(v) and v.numel() == 1:
-                    sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
         # a non-finite loss or gradient (on any process) skips the update; the step still counts (data, LR schedule)
-        apply_update(accelerator, run.guard, run.optimizer, run.lr_scheduler, run.params, tr.max_grad_norm,
-                     loss_finite)
+        with run.updates.update(run.global_step) as losses:
+            for micro in range(tr.gradient_accumulation_steps):
+                batch, count = _batch(run)
+                with accelerator.accumulate(policy.forward_module), accelerator.autocast():
+                    # one generator per sample, keyed by its position in the global batch (`sample_generators`)
+                    generators = sample_generators(run.cfg.seed, run.global_step, micro, rank * tr.batch_size, count)
+                    loss, metrics = run.objective(policy, batch, generator=generators, reference=run.reference)
+                    losses.add(loss)
+                    accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
+                for k, v in metrics.items():
+                    if torch.is_tensor(v) and v.numel() == 1:
+                        sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
         run.global_step += 1
         step = run.global_step
         sums["nonfinite_skips"] = run.guard.skips
         sums["lr"] = run.lr_scheduler.get_last_lr()[0]
-        if run.guard.exhausted:
-            ckpt = run.checkpoints.stop(step, lambda step=step: run.trainer_state(step))
-            raise NonFiniteError(
-                f"{run.guard.consecutive} updates in a row had a non-finite loss or gradient (step {step}, "
-                f"trainer.max_consecutive_nonfinite={run.guard.max_consecutive}); checkpoint saved to {ckpt}. Lower "
-                "trainer.learning_rate or method.beta, set trainer.max_grad_norm, or use trainer.mixed_precision=no, "
-                "then resume with resume=latest", checkpoint=ckpt)
+        run.updates.stop_if_exhausted(lambda step=step: run.checkpoints.stop(step, lambda: run.trainer_state(step)),
+                                      f"step {step}")
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)
         if run.monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
