@@ -180,11 +180,11 @@ def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
     from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
-    from diffalign.plugins import build_selected_rewards
+    from diffalign.plugins import build_checked_rewards
     from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts
 
-    rewards = build_selected_rewards(cfg.reward)
+    rewards = build_checked_rewards(cfg.reward)  # build → guard, as the training loops' evaluation
     ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts, field="eval.prompts"), ecfg.prompts_per_tag)
     policy = instantiate(cfg.model)

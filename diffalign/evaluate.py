@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from diffalign.faults import stop_received
 from diffalign.media import VIDEO_FORMATS, save_png, save_video
+from diffalign.rewards.guard import checked_rewards
 from diffalign.samplers.rollout import rollout
 from diffalign.stats import bootstrap_ci, paired_wins
 
@@ -192,8 +193,10 @@ def score(rewards: dict, images: torch.Tensor, rows: list[dict], records: list[d
 
 
 def _score(rewards: dict, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, dict]:
+    """Every reward's scores (and correctness) of a batch, each call checked (`diffalign.rewards.guard.CheckedReward`;
+    rewards given unguarded are wrapped, guarded ones keep the step they name in errors)."""
     out = {}
-    for name, reward in rewards.items():
+    for name, reward in checked_rewards(rewards).items():
         res = reward(images, prompts, metadata)
         entry = {"scores": res.scores.float().tolist()}
         if "correct" in res.info:

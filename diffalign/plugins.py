@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import CheckedReward, checked_rewards
 from diffalign.rewards.python_function import PREFIX, PythonFunctionConfig, parse_spec
 
 GROUPS = {"diffalign.rewards": "reward", "diffalign.models": "model", "diffalign.methods": "method"}
@@ -230,8 +231,15 @@ def build_selected_rewards(cfg_reward: Mapping[str, Any]) -> dict[str, Any]:
     return rewards
 
 
+def build_checked_rewards(cfg_reward: Mapping[str, Any]) -> dict[str, CheckedReward]:
+    """Build → guard: ``{name: CheckedReward}`` for every reward selected in a reward config node
+    (`build_selected_rewards`, each wrapped by `diffalign.rewards.guard.CheckedReward`, which checks every output)."""
+    return checked_rewards(build_selected_rewards(cfg_reward))
+
+
 def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> WeightedSum:
-    """Builds the `WeightedSum` of the selected rewards from ``cfg.reward`` (`{name: config node}`).
+    """Build → guard → combine: the `WeightedSum` of the selected rewards of ``cfg.reward`` (`{name: config node}`),
+    each component guarded (`build_checked_rewards`), the one path every reward of a run takes.
 
     Each node is merged onto the registered config dataclass of its name (so a plain dict, a partial dict or `None`
     works, and unknown fields raise), then instantiated. The weights are `weights` when given, else each node's
@@ -245,7 +253,7 @@ def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | 
     """
     if not cfg_reward:
         raise ValueError("no reward selected; set e.g. reward=[jpeg_compressibility].")
-    rewards = build_selected_rewards(cfg_reward)
+    rewards = build_checked_rewards(cfg_reward)
     nodes = {name: dict(node or {}) for name, node in cfg_reward.items()}
     if weights is None:
         weights = {name: float(nodes[name].get("weight", COMBINE_FIELDS["weight"])) for name in rewards}

@@ -101,12 +101,18 @@ class CheckedReward:
 
     def __init__(self, name: str, reward: Reward):
         self.name, self.reward = name, reward
-        self.differentiable = reward.differentiable
+        self.differentiable = getattr(reward, "differentiable", False)  # (a plain callable: not differentiable)
         self.step: int | None = None
         self.calls = 0
 
     def __repr__(self) -> str:
         return f"CheckedReward({self.name!r}, {self.reward!r})"
+
+    def __getattr__(self, attribute: str) -> Any:
+        """Other attributes are the wrapped reward's (e.g. ``check_prompts``, a reward's own settings)."""
+        if attribute == "reward":  # (not set yet, e.g. while unpickling)
+            raise AttributeError(attribute)
+        return getattr(self.reward, attribute)
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
         batch_index, self.calls = self.calls, self.calls + 1
@@ -115,13 +121,15 @@ class CheckedReward:
 
 
 def checked_rewards(rewards: Mapping[str, Reward]) -> dict[str, CheckedReward]:
-    """``{name: CheckedReward(name, reward)}`` for every reward."""
-    return {name: CheckedReward(name, reward) for name, reward in rewards.items()}
+    """``{name: CheckedReward(name, reward)}`` for every reward (a reward already guarded is kept as it is)."""
+    return {name: reward if isinstance(reward, CheckedReward) else CheckedReward(name, reward)
+            for name, reward in rewards.items()}
 
 
-def set_reward_step(rewards: Mapping[str, CheckedReward], step: int, reset_calls: bool = False) -> None:
-    """Sets the step named in errors on every `CheckedReward` (and restarts their batch count if `reset_calls`)."""
-    for reward in rewards.values():
+def set_reward_step(rewards, step: int, reset_calls: bool = False) -> None:
+    """Sets the step named in errors on every `CheckedReward` of `rewards` (a ``{name: CheckedReward}`` mapping, or a
+    `diffalign.rewards.combine.WeightedSum`: its components), and restarts their batch count if `reset_calls`."""
+    for reward in getattr(rewards, "rewards", rewards).values():
         reward.step = step
         if reset_calls:
             reward.calls = 0

@@ -32,7 +32,9 @@ from diffalign.checkpoint import (
 from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
-from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
+from diffalign.plugins import build_checked_rewards, build_rewards
+from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
 from diffalign.world.prompts import load_prompts
 
 
@@ -255,6 +257,19 @@ class Checkpoints:
         return state
 
 
+def build_reward_sets(cfg: DictConfig) -> tuple[WeightedSum, dict[str, CheckedReward]]:
+    """The run's rewards, built the one way (build → guard → combine, `diffalign.plugins.build_rewards`).
+
+    Returns:
+        (the training set ``reward=[...]`` as a `WeightedSum` of guarded components, the evaluation set
+        ``eval_reward=[...]`` as ``{name: CheckedReward}``, used by the final evaluation and the monitors; without
+        ``eval_reward`` the training set's own guarded components, not a second copy of the reward models).
+    """
+    rewards = build_rewards(cfg.reward)
+    eval_rewards = build_checked_rewards(cfg.eval_reward) if cfg.get("eval_reward") else rewards.rewards
+    return rewards, eval_rewards
+
+
 def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: Callable[[], Path], where: str) -> None:
     """On SIGTERM / SIGINT (on any process): a checkpoint (`checkpoint()`), a message, then `TrainingInterrupted`.
 
@@ -279,7 +294,7 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     the HTML report; a failing reward stops the run after `checkpoint()` (`stop_on_reward_error`).
 
     Args:
-        eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`diffalign.rewards.guard.checked_rewards`).
+        eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`build_reward_sets`).
         step (`int`): the global step, named in reward errors.
 
     Returns:

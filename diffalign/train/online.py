@@ -9,8 +9,8 @@ Each epoch:
 2. samples ``online.group_size`` images per prompt with the method's ``rollout_policy`` (θ, or θ⁻ for a method that
    samples with an old policy) using ``sampler``, storing step log-probs as the method's ``log_prob_reduction`` asks,
    with initial noise shared inside a group when ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
-3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
-   checkpoint, naming the reward, batch and prompts);
+3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
+   stops the run after a checkpoint, naming the reward, step and prompts);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
    or DDPO's per-prompt tracker; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
    every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
@@ -52,15 +52,14 @@ from diffalign.methods import (
 )
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
-from diffalign.plugins import build_rewards, build_selected_rewards
-from diffalign.rewards.base import RewardError
-from diffalign.rewards.combine import reward_metrics
-from diffalign.rewards.guard import checked_rewards
+from diffalign.rewards.combine import WeightedSum, reward_metrics
+from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
     Updates,
+    build_reward_sets,
     final_evaluation,
     make_accelerator,
     prepare_training,
@@ -102,7 +101,7 @@ class _Run:
     objective: OnlineMethod
     policy: object
     reference: object
-    rewards: object
+    rewards: WeightedSum
     eval_rewards: dict
     monitor: object
     rows: list[dict]
@@ -168,8 +167,7 @@ def _setup(cfg: DictConfig) -> _Run:
     reference = instantiate(cfg.reference)
     reference.setup(policy)
     objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
-    rewards = build_rewards(cfg.reward)
-    eval_rewards = checked_rewards(build_selected_rewards(cfg.get("eval_reward") or cfg.reward))
+    rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     rows = load_prompts(on.prompts, field="online.prompts")
     advantages = EpochAdvantages(objective.advantage, std=on.advantage_std, clip=on.advantage_clip,
@@ -282,16 +280,12 @@ def _epoch(run: _Run) -> dict:
             sde_type=sp.get("sde_type", "flow_grpo"),
             members=list(range(rank * share, (rank + 1) * share)) if members_split else None)
     policy.denoiser.train()
-    # 3. rewards
+    # 3. rewards (a failing or non-finite one stops the run after a checkpoint)
     metadata = [r for r in epoch_rows for _ in range(share)]
-    try:
+    set_reward_step(run.rewards, run.global_step, reset_calls=True)
+    with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch)),
+                              log=accelerator.print):
         scored = run.rewards(traj.images, traj.prompts, metadata)
-    except RewardError as err:
-        if accelerator.is_main_process:
-            err.checkpoint = run.write_checkpoint(epoch)
-        raise RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
-                          f"and resume with resume=latest", step=run.global_step, batch_index=epoch,
-                          prompts=sorted(set(traj.prompts))) from err
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
     scores = scored.scores.detach().cpu()

@@ -48,14 +48,15 @@ from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
-from diffalign.plugins import build_selected_rewards
-from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
+from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
 from diffalign.samplers.groups import stream_seed
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
     Updates,
     build_lr_scheduler,
+    build_reward_sets,
     final_evaluation,
     make_accelerator,
     prepare_training,
@@ -145,7 +146,7 @@ class _Run:
     policy: object
     reference: object
     dataset: PreferenceData
-    rewards: dict
+    rewards: WeightedSum
     eval_rewards: dict
     monitor: object
     params: list
@@ -190,8 +191,7 @@ def _setup(cfg: DictConfig) -> _Run:
         data_kwargs["resolution"] = pixel_size[0]
     dataset = instantiate(cfg.data, **data_kwargs)
     # every reward call is checked (RewardError names reward, step, batch, prompt; nothing becomes 0 silently)
-    rewards = checked_rewards(build_selected_rewards(cfg.reward))
-    eval_rewards = checked_rewards(build_selected_rewards(cfg.eval_reward)) if cfg.get("eval_reward") else rewards
+    rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=Path(cfg.output_dir) / "logs" / "samples")
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, tr.max_steps)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
@@ -211,7 +211,7 @@ def _prepare_data(run: _Run, stop: StopSignals) -> None:
     set_reward_step(run.rewards, 0)
     with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
         # (nothing for static data; on-policy data resumable in <output_dir>/prepared, diffalign.data.resumable)
-        prepare_dataset(dataset, run.policy, run.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
+        prepare_dataset(dataset, run.policy, run.rewards.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
     run.data_seconds = time.time() - t_data
     if dataset.stats:
         accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {dataset.stats}")
