@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from typing import ClassVar
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ RECORDING = f"{__name__}.RecordingReference"
 class RecordingReference(FrozenBaseReference):
     """The frozen base, recording every `on_step` call as (n, digest of the policy's trainable weights at the call)."""
 
-    calls: list[tuple[int, str]] = []
+    calls: ClassVar[list[tuple[int, str]]] = []
 
     def on_step(self, policy, global_step: int) -> bool:
         digest = hashlib.sha256()

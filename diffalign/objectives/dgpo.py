@@ -44,6 +44,7 @@ from diffalign.objectives.common import per_sample_mse
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference
 from diffalign.samplers.groups import stream_seed
+from diffalign.schemas import config_schema
 from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")
@@ -102,6 +103,7 @@ def select_train_timesteps(schedule: torch.Tensor, num: int, max_index: int, gen
     return schedule[perm.sort().values]
 
 
+@config_schema("method", "dgpo")
 @dataclass
 class DGPOConfig:
     """Config of `DGPO` (``method=dgpo`` extends it); the fields mirror its `__init__` arguments. [PAPER] =
