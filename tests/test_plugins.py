@@ -18,8 +18,8 @@ from omegaconf.errors import ConfigKeyError
 from diffalign import plugins
 from diffalign.rewards.base import Reward
 from diffalign.rewards.combine import WeightedSum
-from diffalign.rewards.guard import CheckedReward
 from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
+from diffalign.rewards.guard import CheckedReward
 
 REAL_ENTRY_POINTS = importlib.metadata.entry_points
 # built-in rewards whose defaults need downloaded weights, and what their error says
