@@ -73,10 +73,21 @@ def check_reward_overrides(argv: list[str]) -> None:
                              "function with reward=[python:<module>:<function>]")
 
 
+def _migrate(cfg: DictConfig) -> None:
+    """Old config keys → new ones, with a FutureWarning each (`diffalign.deprecation.migrate_config`; an old key and
+    its new one both on the command line is an error)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from diffalign.deprecation import migrate_config
+
+    migrate_config(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else ())
+
+
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_train_config
 
     try:
+        _migrate(cfg)
         validate_train_config(cfg)  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
@@ -141,6 +152,7 @@ def _eval_main(cfg: DictConfig) -> None:
     from diffalign.validation import validate_eval_config, validate_reward_modality
 
     try:
+        _migrate(cfg)
         validate_eval_config(cfg)
         validate_reward_modality(cfg)
         if cfg.checkpoints is not None and cfg.checkpoint is not None:

@@ -81,7 +81,7 @@ def register_schemas() -> dict[str, dict[str, type]]:
     return found
 
 
-def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, Any], Any] | None = None,
+def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, dict, Any], Any] | None = None,
                note: str = "", remove_in: str = "0.3") -> Any:
     """A schema field that only keeps an old config key working (default None: not set), for
     `diffalign.deprecation.migrate_config`.
@@ -89,8 +89,8 @@ def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, Any], A
     Args:
         renamed_to (`str`, *optional*): the field the value moves to; None for a key that is dropped (`note` says
             why it has no effect).
-        convert (`Callable[[value, cfg], new value]`, *optional*): maps the old value to the new field's (default:
-            unchanged).
+        convert (`Callable[[value, node, cfg], new value]`, *optional*): maps the old value to the new field's, given
+            the node's values (a dict) and the whole config (default: unchanged).
         note (`str`): said in the warning.
         remove_in (`str`): the release that removes the old key.
     """
@@ -98,7 +98,7 @@ def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, Any], A
                                                                     "note": note, "remove_in": remove_in}})
 
 
-def deprecated_values(mapping: Callable[[Any, Any], Any | None], default: Any) -> Any:
-    """A schema field some of whose old values are deprecated: ``mapping(value, cfg)`` returns the new value for an
-    old one, None for a current one (`diffalign.deprecation.migrate_config`)."""
+def deprecated_values(mapping: Callable[[Any, dict, Any], Any | None], default: Any) -> Any:
+    """A schema field some of whose old values are deprecated: ``mapping(value, node, cfg)`` returns the new value for
+    an old one, None for a current one (`diffalign.deprecation.migrate_config`)."""
     return dataclasses.field(default=default, metadata={"deprecated_values": mapping})

@@ -8,6 +8,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, check_method
+from diffalign.samplers.configs import check_sampler
 from diffalign.world.prompts import load_prompts
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -176,17 +177,14 @@ def validate_eval_config(cfg: DictConfig) -> None:
             check(rows, f"eval.prompts={e.prompts!r}")
 
 
-SAMPLER_NAMES = ("sde", "dpm_solver", "euler", "ddim")
-
-
 def validate_online_config(cfg: DictConfig) -> None:
     """Checks of an online run's config that would otherwise fail after the models load: group size, the ``online``
-    sizes and advantage options, the sampler's name and SDE type, the method's own checks (its ``check_config``:
+    sizes and advantage options, the sampler option (`check_sampler`), the method's own checks (its ``check_config``:
     e.g. the sampler kind it needs) and the prompt file. Does nothing for offline methods."""
     flow = _method_flow(cfg)
     if flow not in ONLINE_FLOWS:
         return
-    on, sp = cfg.online, cfg.sampler
+    on = cfg.online
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
                          "prompt; set online.group_size >= 2 (DGPO and Flow-GRPO use 16-24)")
@@ -207,17 +205,7 @@ def validate_online_config(cfg: DictConfig) -> None:
     if best is not None and (best < 2 or best % 2):
         raise ValueError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per group), or "
                          "null")
-    name = sp.get("name", "sde")
-    if name not in SAMPLER_NAMES:
-        raise ValueError(f"sampler.name must be one of {SAMPLER_NAMES}, got {name!r}")
-    sde_type = sp.get("sde_type", "flow_grpo")
-    if sde_type not in ("flow_grpo", "dance"):
-        raise ValueError(f"sampler.sde_type must be 'flow_grpo' (Flow-GRPO's SDE) or 'dance' (DanceGRPO's, ViPO), got "
-                         f"{sde_type!r}")
-    if sde_type == "dance" and target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching") is False:
-        raise ValueError(f"sampler=dance_sde (sampler.sde_type=dance) is a flow-matching SDE but model="
-                         f"{cfg.model._target_} is an eps/v model; use sampler=ddim for it, or a flow model (tiny_sd3, "
-                         "sd35_medium, Wan)")
+    check_sampler(cfg)  # a sampler option of the model's family (diffalign.samplers.configs)
     method = get_class(cfg.method._target_)
     check_method(method, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     method.check_config(cfg)  # the method's own checks (diffalign.methods)

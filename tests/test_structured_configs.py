@@ -70,7 +70,7 @@ def test_yaml_options_are_exactly_the_schemas():
         assert set(options) <= yaml_options, group
 
 
-@pytest.mark.parametrize("override", ["method.beta=abc", "method.num_train_timesteps=1.5", "reference.decay=fast"])
+@pytest.mark.parametrize("override", ["method.beta=abc", "method.timesteps_per_epoch=1.5", "reference.decay=fast"])
 def test_overrides_are_type_checked_by_hydra(override):
     group = override.split(".")[0]
     extra = ["method=dgpo"] if override.startswith("method.num") else []

@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
+from diffalign.deprecation import migrate_config
 from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.methods import (
     ONLINE_FLOWS,
@@ -55,6 +56,7 @@ from diffalign.monitors import build_monitor
 from diffalign.rewards.combine import WeightedSum, reward_metrics
 from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
+from diffalign.samplers.configs import describe
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
@@ -81,6 +83,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
+    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)
@@ -176,14 +179,10 @@ def _setup(cfg: DictConfig) -> _Run:
     total_updates = on.num_epochs * objective.epoch_updates(on.updates_per_epoch, on.num_inner_epochs)
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, total_updates)
     start_trackers(accelerator, cfg)
-    name = sp.get("name", "sde")
-    flow_sde_label = "DanceGRPO SDE eta" if sp.get("sde_type", "flow_grpo") == "dance" else "flow SDE a"
-    sampler_label = name if name != "sde" else (
-        f"{flow_sde_label if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
-        f"({sampler_label}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
+        f"({describe(sp)}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
         f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
@@ -274,10 +273,9 @@ def _epoch(run: _Run) -> dict:
         traj, group_ids = group_rollout(
             policy, [r["prompt"] for r in epoch_rows], on.group_size,
             group_indices=[epoch * on.groups_per_epoch + j for j in mine], seed=cfg.seed, epoch=epoch,
-            shared_initial_noise=on.shared_initial_noise, sampler=sp.get("name", "sde"),
-            num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
+            shared_initial_noise=on.shared_initial_noise, sampler=sp.name, num_inference_steps=sp.num_inference_steps,
+            guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0), noise_level=sp.get("noise_level", 0.0),
             rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
-            sde_type=sp.get("sde_type", "flow_grpo"),
             members=list(range(rank * share, (rank + 1) * share)) if members_split else None)
     policy.denoiser.train()
     # 3. rewards (a failing or non-finite one stops the run after a checkpoint)

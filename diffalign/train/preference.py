@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
+from diffalign.deprecation import migrate_config
 from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
@@ -124,6 +125,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
+    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
