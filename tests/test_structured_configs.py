@@ -70,13 +70,20 @@ def test_yaml_options_are_exactly_the_schemas():
         assert set(options) <= yaml_options, group
 
 
-@pytest.mark.parametrize("override", ["method.beta=abc", "method.timesteps_per_epoch=1.5", "reference.decay=fast"])
-def test_overrides_are_type_checked_by_hydra(override):
-    group = override.split(".")[0]
-    extra = ["method=dgpo"] if override.startswith("method.num") else []
-    extra += ["reference=ema"] if group == "reference" else []
+@pytest.mark.parametrize("overrides", [
+    ["method.beta=abc"], ["method=dgpo", "method.timesteps_per_epoch=1.5"], ["reference=ema", "reference.decay=fast"],
+    ["trainer.max_steps=many"], ["online.group_size=1.5"], ["eval.enabled=maybe"],
+    ["sampler=flow_sde", "sampler.noise_level=high"], ["sampler=ddim", "sampler.eta=fast"],
+])
+def test_overrides_are_type_checked_by_hydra(overrides):
+    compose_cfg(overrides[:-1] + [overrides[-1].split("=")[0] + "=1"])  # the key exists there
     with pytest.raises(ConfigCompositionException):
-        compose_cfg(extra + [override])
+        compose_cfg(overrides)
+
+
+def test_a_key_of_another_sampler_option_is_refused():
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(["sampler=ddim", "sampler.noise_level=0.5"])  # the flow SDEs' field, not DDIM's
 
 
 def test_a_default_comes_from_the_schema_and_an_option_overrides_it():
