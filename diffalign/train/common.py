@@ -12,7 +12,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,42 +35,7 @@ from diffalign.models.base import bare_forward
 from diffalign.plugins import build_checked_rewards, build_rewards
 from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
-
-
-@config_schema("trainer", "default")
-@dataclass
-class TrainerConfig:
-    """The ``trainer`` group: optimisation, precision, logging and checkpoints of both loops (``configs/trainer/``).
-
-    The preference loop takes ``max_steps`` optimizer steps of ``gradient_accumulation_steps`` micro-batches of
-    ``batch_size`` items per process and checkpoints every ``checkpointing_steps``; the online loop sizes its
-    micro-batches with ``batch_size`` and counts epochs instead (``online``).
-    """
-
-    max_steps: int = 100
-    batch_size: int = 16
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1.0e-4
-    lr_scheduler: str = "constant_with_warmup"  # constant_with_warmup | cosine (both with linear warmup)
-    lr_warmup_steps: int = 10
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_weight_decay: float = 0.0
-    adam_epsilon: float = 1.0e-8
-    max_grad_norm: float | None = 1.0  # null: no clipping
-    mixed_precision: str = "no"  # no | fp16 | bf16 (trainable LoRA parameters stay fp32)
-    log_with: str = "tensorboard"  # tensorboard | wandb | none
-    checkpointing_steps: int | None = 50
-    keep_last: int = 2  # keep this many newest checkpoints; -1 keeps all
-    cpu: bool = False  # force CPU even when a GPU is present
-    # a non-finite loss or gradient skips that update (counted, logged as nonfinite_skips); after this many skips in a
-    # row the run saves a checkpoint and stops with a message
-    max_consecutive_nonfinite: int = 5
-    # preference loop: VAE-encode each data item once per run and reuse its latents (every built-in data set returns
-    # the same item for the same index); falls back to encoding every batch when the latents would exceed 2 GiB
-    cache_latents: bool = True
 
 
 def flat_hparams(cfg: DictConfig) -> dict:

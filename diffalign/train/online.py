@@ -12,7 +12,7 @@ Each epoch:
 3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
    stops the run after a checkpoint, naming the reward, step and prompts);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
-   or DDPO's per-prompt tracker; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
+   or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
    every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
 5. hands the epoch to the method (`OnlineEpoch`): ``method.prepare`` once, then one optimizer update per list of
    units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number).
@@ -58,7 +58,6 @@ from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
 from diffalign.samplers.configs import describe
 from diffalign.samplers.groups import group_rollout
-from diffalign.schemas import config_schema
 from diffalign.train.common import (
     Checkpoints,
     Updates,
@@ -70,33 +69,6 @@ from diffalign.train.common import (
     stop_if_requested,
 )
 from diffalign.world.prompts import load_prompts
-
-
-@config_schema("online", "default")
-@dataclass
-class OnlineConfig:
-    """The ``online`` group: rollouts, advantages and epochs of the online loop (``configs/online/``; used by DGPO,
-    Flow-GRPO, DDPO, ViPO and DiffusionNFT, docs/online.md)."""
-
-    prompts: str | None = "train"  # train | heldout | a .jsonl/.txt/.csv prompt file; null: required (a recipe's)
-    num_epochs: int = 20
-    groups_per_epoch: int = 8  # prompts per epoch, one group each; divisible by the processes with split=groups
-    split: str = "groups"  # several processes: whole groups per process | members: every group spread over them
-    group_size: int = 8  # G samples per prompt (DGPO paper 24, code 16; Flow-GRPO 24)
-    rollout_batch_size: int = 64  # images per rollout forward batch (the noise does not depend on it)
-    shared_initial_noise: bool = False  # true: one initial noise per group (DanceGRPO/ViPO); DGPO/Flow-GRPO: not
-    advantage_std: str = "group"  # group | global | none (docs/algorithms.md#group-advantages)
-    # std over n - this: 0 population (np.std: flow_grpo, DGPO) | 1 sample (DanceGRPO/ViPO)
-    advantage_std_correction: int = 0
-    # A = (r - mean) / (std + eps): 1e-4 flow_grpo/DGPO, 1e-8 ViPO (DDPO's tracker: 1e-6, fixed)
-    advantage_eps: float = 1.0e-4
-    advantage_clip: float | None = 5.0
-    best_of_n: int | None = None  # policy-gradient methods: the n/2 best + n/2 worst of each group (DanceGRPO/ViPO)
-    updates_per_epoch: int = 1  # optimizer steps per epoch (released code: DGPO 1, Flow-GRPO 2)
-    num_inner_epochs: int = 1  # passes over an epoch's samples (policy-gradient methods)
-    tracker_buffer_size: int = 16  # DDPO's per-prompt statistics
-    tracker_min_count: int = 16
-    checkpointing_epochs: int | None = 10
 
 
 def train(cfg: DictConfig) -> dict:
@@ -167,7 +139,7 @@ def _check_split(on: DictConfig, num_proc: int) -> None:
     """The online config's checks that depend on the number of processes (the generic ones; a method adds its own)."""
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
-                         "prompt; set online.group_size >= 2 (DGPO/Flow-GRPO use 16-24).")
+                         "prompt; set online.group_size >= 2 (the released online methods use 16-24).")
     split = on.get("split", "groups")
     if split not in ("groups", "members"):
         raise ValueError(f"online.split={split!r} must be 'groups' (whole groups per process) or 'members' (every "

@@ -1,4 +1,4 @@
-"""Training loop for offline and semi-online preference data (Diffusion-DPO, SePPO; DDSPO plugs in here too).
+"""Training loop for offline and semi-online preference data: every method whose data flow is "pairs" or "winners".
 
 ``main(cfg)`` → setup → train → evaluate. The loop is written out (no Trainer class): one optimizer step per
 ``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` items, gradient clipping, an LR
@@ -12,7 +12,7 @@ The method (any whose ``data_flow`` is in `diffalign.methods.PREFERENCE_FLOWS`; 
 contract of `diffalign.methods`) says which batches it is called with (`diffalign.methods.BATCH_TYPES`):
 
 - ``"pairs"``: the data yields ``images_w`` and ``images_l`` (VAE-encoded here), or ``latents_w`` and ``latents_l``
-  directly (e.g. DDSPO pairs), and optionally ``degraded_prompts`` (encoded too); the method gets a `PreferenceBatch`;
+  directly (data sets that store latents), and optionally ``degraded_prompts`` (encoded too); the method gets a `PreferenceBatch`;
 - ``"winners"``: only ``images_w`` is used (a pairs data set works too; its losers are ignored, and not read when it
   has ``winners_only``); the method gets a `WinnerBatch`.
 
@@ -82,7 +82,7 @@ def sample_generators(seed: int, step: int, micro: int, start: int, count: int) 
 
 def data_latents(policy, batch_data: dict, side: str, device) -> torch.Tensor:
     """The clean latents of one side (`side` "w" or "l") of a data batch: ``latents_<side>`` as given (data sets that
-    store latents, e.g. DDSPO pairs), else ``images_<side>`` encoded with `policy.encode_images`. Float32 on
+    store latents), else ``images_<side>`` encoded with `policy.encode_images`. Float32 on
     `device`."""
     if f"latents_{side}" in batch_data:
         return batch_data[f"latents_{side}"].to(device=device, dtype=torch.float32)
@@ -94,7 +94,7 @@ class LatentCache:
 
     Valid because every built-in data set returns the same item for the same index each time it is read (renders and
     crops are seeded by the index; no random augmentation). Keyed by (side, index); float32, on the device. Data
-    that carries latents itself (``latents_<side>``, e.g. DDSPO pairs) passes through. `enabled` is False for a data
+    that carries latents itself (``latents_<side>``) passes through. `enabled` is False for a data
     set whose latents would need more than `max_bytes` (then every batch is encoded as it comes).
     """
 
@@ -183,7 +183,7 @@ def _setup(cfg: DictConfig) -> _Run:
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
-    objective.setup(policy)  # e.g. DDSPO's DD-CPP target adapters, for the same reason
+    objective.setup(policy)  # e.g. a method's own adapters, for the same reason
     latent_h, latent_w = policy.latent_shape[1:]
     pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
     data_kwargs = {}
