@@ -1,5 +1,5 @@
-"""The ``sampler`` config group of the online methods' rollouts: one structured config per option, whose ``name`` is the
-option's name (``sampler=ddim`` sets ``name: ddim``).
+"""The ``sampler`` config group of the online methods' rollouts: one structured config per option, whose ``name`` is
+the option's name (``sampler=ddim`` sets ``name: ddim``).
 
 ==============  ==========================================================  ===================================
 option / name   step rule                                                   noise parameter
@@ -15,9 +15,9 @@ option / name   step rule                                                   nois
 `diffalign.samplers.ode`). ``eta`` is DDIM's η only, as in diffusers' ``DDIMScheduler.step(eta=...)``; the flow SDEs'
 noise scales are ``noise_level`` (the name of Flow-GRPO's released config, ``sample.noise_level``).
 
-Old keys keep working until 0.3 with a `FutureWarning` (`diffalign.deprecation.migrate_config`): ``sampler.eta`` of a
-flow SDE becomes ``sampler.noise_level``, ``sampler.sde_type=dance`` selects ``dance_sde``, ``sampler.name=sde`` becomes
-``ddim`` / ``flow_sde`` / ``dance_sde`` by the model's family, ``dpm_solver`` / ``euler`` become ``dpm_ode`` /
+Old keys keep working until 0.3 with a `FutureWarning` (`diffalign.deprecation.migrate_config`): ``sampler.eta`` of
+a flow SDE becomes ``sampler.noise_level``, ``sampler.sde_type=dance`` selects ``dance_sde``, ``sampler.name=sde``
+becomes ``ddim`` / ``flow_sde`` / ``dance_sde`` by the model's family, ``dpm_solver`` / ``euler`` become ``dpm_ode`` /
 ``euler_ode``, and ``sampler.eta`` of an ODE solver (which has no effect) is dropped.
 """
 

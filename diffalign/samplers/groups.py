@@ -129,8 +129,9 @@ def group_rollout(
         raise ValueError(f"`sampler` must be one of {SAMPLERS}, got {sampler!r}.")
     flow = policy.prediction_type == "flow"
     if sampler == "ddim" and flow:
-        raise ValueError("sampler=ddim is DDIM-η for eps/v models, but the policy is a flow model; use sampler=flow_sde "
-                         "(or dance_sde) for stochastic rollouts, sampler=dpm_ode / euler_ode for deterministic ones")
+        raise ValueError("sampler=ddim is DDIM-η for eps/v models, but the policy is a flow model; use "
+                         "sampler=flow_sde (or dance_sde) for stochastic rollouts, sampler=dpm_ode / euler_ode for "
+                         "deterministic ones")
     if sampler in FLOW_SDES and not flow:
         raise ValueError(f"sampler={sampler} is a flow-matching SDE, but the policy is an eps/v model; use "
                          "sampler=ddim (sampler.eta > 0) for stochastic rollouts")

@@ -155,7 +155,8 @@ class Updates:
     def __init__(self, accelerator: Accelerator, policy, reference, guard: NonFiniteGuard, optimizer, lr_scheduler,
                  params, max_grad_norm: float | None):
         self.accelerator, self.policy, self.reference, self.guard = accelerator, policy, reference, guard
-        self.optimizer, self.lr_scheduler, self.params, self.max_grad_norm = optimizer, lr_scheduler, params, max_grad_norm
+        self.optimizer, self.lr_scheduler, self.params = optimizer, lr_scheduler, params
+        self.max_grad_norm = max_grad_norm
 
     @contextlib.contextmanager
     def update(self, done: int) -> Iterator[UpdateLosses]:
@@ -185,8 +186,8 @@ class Updates:
         ckpt = checkpoint()
         raise NonFiniteError(
             f"{self.guard.consecutive} updates in a row had a non-finite loss or gradient ({where}, "
-            f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. Lower "
-            "trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or use "
+            f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. "
+            "Lower trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or use "
             "trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
 
 

@@ -12,8 +12,8 @@ Each epoch:
 3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
    stops the run after a checkpoint, naming the reward, step and prompts);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
-   or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
-   every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
+   or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered
+   from every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
 5. hands the epoch to the method (`OnlineEpoch`): ``method.prepare`` once, then one optimizer update per list of
    units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number).
 

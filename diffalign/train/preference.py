@@ -12,14 +12,16 @@ The method (any whose ``data_flow`` is in `diffalign.methods.PREFERENCE_FLOWS`; 
 contract of `diffalign.methods`) says which batches it is called with (`diffalign.methods.BATCH_TYPES`):
 
 - ``"pairs"``: the data yields ``images_w`` and ``images_l`` (VAE-encoded here), or ``latents_w`` and ``latents_l``
-  directly (data sets that store latents), and optionally ``degraded_prompts`` (encoded too); the method gets a `PreferenceBatch`;
+  directly (data sets that store latents), and optionally ``degraded_prompts`` (encoded too); the method gets a
+  `PreferenceBatch`;
 - ``"winners"``: only ``images_w`` is used (a pairs data set works too; its losers are ignored, and not read when it
   has ``winners_only``); the method gets a `WinnerBatch`.
 
 The reference strategy (``cfg.reference``, `diffalign.reference`) is set up on the policy before the optimizer is
 built (then the method's ``setup``), gets ``on_step(policy, n)`` before every update, ``n`` being the updates already
-done (`diffalign.train.common.Updates`, as in the online loop), is passed to the objective as ``reference=``, and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint
-and read back on resume, with the method's ``checkpoint_states``.
+done (`diffalign.train.common.Updates`, as in the online loop), is passed to the objective as ``reference=``, and its
+state is written as ``reference_state.{json,safetensors}`` into every checkpoint and read back on resume, with the
+method's ``checkpoint_states``.
 
 Rewards: ``reward=[...]`` is the training set (used by on-policy data such as ``data=ranked_pairs``), ``eval_reward=[...]``
 the evaluation set (evaluation and the hacking monitors; the training set when unset). Every reward call is checked
