@@ -187,8 +187,8 @@ class Updates:
         raise NonFiniteError(
             f"{self.guard.consecutive} updates in a row had a non-finite loss or gradient ({where}, "
             f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. "
-            "Lower trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or use "
-            "trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
+            "Lower trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or "
+            "use trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
 
 
 class Checkpoints:
