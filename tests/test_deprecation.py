@@ -85,3 +85,25 @@ def test_the_loops_migrate_an_old_key_and_train_exactly_as_with_the_new_one(tmp_
         train(compose_cfg(case + ["method.num_train_timesteps=2"] + online_overrides(tmp_path / "old", epochs=1)))
     lora = [load_file(Path(tmp_path) / run / "final" / "pytorch_lora_weights.safetensors") for run in ("new", "old")]
     assert all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])
+
+
+def test_the_command_warns_about_an_old_key_and_refuses_it_beside_its_new_one(tmp_path):
+    """Through ``diffalign-train`` (the overrides come from Hydra): the warning names both keys and the value, and
+    both keys on the command line stop the run before any model loads."""
+    import subprocess
+    import sys
+
+    from conftest import CHILD_ENV
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
+        return subprocess.run([sys.executable, "-c", code, "recipe=tiny_dgpo", f"output_dir={tmp_path}", *args],
+                              capture_output=True, text=True, cwd=tmp_path, env=CHILD_ENV, timeout=300)
+
+    old = cli("method.num_train_timesteps=3", "trainer.learning_rate=0")  # stops at the validation, after the warning
+    assert old.returncode != 0 and "trainer.learning_rate must be > 0" in old.stderr
+    assert "FutureWarning: method.num_train_timesteps is deprecated" in old.stderr
+    assert "method.timesteps_per_epoch=3" in old.stderr
+    both = cli("method.num_train_timesteps=3", "method.timesteps_per_epoch=2")
+    assert both.returncode != 0
+    assert "method.num_train_timesteps and method.timesteps_per_epoch are both set" in both.stderr
