@@ -84,11 +84,15 @@ def _migrate(cfg: DictConfig) -> None:
 
 
 def _train_main(cfg: DictConfig) -> None:
+    from diffalign.init_lora import adopt_init_lora, command_line_model_keys
     from diffalign.validation import validate_train_config
 
     try:
         _migrate(cfg)
         validate_train_config(cfg)  # before any model is loaded
+        # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
+        # command line is an error), read before any model is loaded (diffalign/init_lora.py)
+        adopt_init_lora(cfg, explicit=command_line_model_keys())
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class

@@ -382,7 +382,7 @@ def base_reuse_key(model_cfg, reward_cfg) -> dict:
     def plain(node):
         return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
 
-    model = {k: v for k, v in plain(model_cfg).items() if not k.startswith("lora_")}
+    model = {k: v for k, v in plain(model_cfg).items() if not k.startswith("lora_") and k != "init_lora"}
     return json.loads(json.dumps({"model": model, "rewards": plain(reward_cfg)}, sort_keys=True, default=str))
 
 

@@ -30,15 +30,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import safetensors.torch
 import torch
-from diffusers.utils import convert_unet_state_dict_to_peft
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from diffalign.schemas import config_schema
@@ -287,16 +284,17 @@ class CheckpointReferenceConfig:
 
 
 class CheckpointReference:
-    """A named LoRA checkpoint as the reference: the base model plus that folder's adapter (not the adapter-disabled
-    base). The folder is a diffalign ``checkpoint-<step>/`` or ``final/`` folder, or any folder holding a diffusers
-    ``pytorch_lora_weights.safetensors`` with the policy's rank and target modules.
+    """A named LoRA as the reference: the base model plus that LoRA (not the adapter-disabled base). The path is a
+    diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA folder or file, or a kohya-format
+    ``.safetensors`` file (`diffalign.lora_io.read_lora`), with the policy's rank, alpha and target modules — e.g. the
+    run's ``model.init_lora``, which makes the policy start equal to its reference (docs/lora.md).
 
     Args:
-        path (`str`): the folder.
+        path (`str`): the folder or file.
 
     Raises:
-        ValueError: at `setup`, if the folder or its weight file is missing or the LoRA does not fit the policy
-            (the message names ``reference.path``).
+        ValueError: at `setup`, if the path is missing, is not a LoRA, or the LoRA does not fit the policy (other
+            modules, rank or alpha; the message names ``reference.path``).
     """
 
     strategy = "checkpoint"
@@ -307,15 +305,17 @@ class CheckpointReference:
         holds LoRA weights.
 
         Raises:
-            ValueError: when it is unset; FileNotFoundError: when it holds no ``pytorch_lora_weights.safetensors``.
+            ValueError: when it is unset or not a LoRA; FileNotFoundError: when it does not exist or a folder holds no
+                ``pytorch_lora_weights.safetensors``.
         """
         from omegaconf import OmegaConf
 
+        from diffalign.lora_io import read_lora
+
         if OmegaConf.is_missing(cfg.reference, "path"):
-            raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder>")
-        if not os.path.isfile(os.path.join(cfg.reference.path, "pytorch_lora_weights.safetensors")):
-            raise FileNotFoundError(f"reference.path={cfg.reference.path!r} holds no pytorch_lora_weights.safetensors; "
-                                    "point it at a checkpoint-<step>/ or final/ folder of a diffalign run")
+            raise ValueError("reference.path is required for reference=checkpoint; pass reference.path=<LoRA folder or "
+                             ".safetensors file>")
+        read_lora(cfg.reference.path, field_name="reference.path")
 
     def __init__(self, path: str):
         self.path = str(path)
@@ -324,19 +324,27 @@ class CheckpointReference:
         self.adapter: ReferenceAdapter | None = None
 
     def setup(self, policy: StableDiffusionPolicy) -> None:
-        """Adds the reference adapter and loads the folder's LoRA into it."""
+        """Adds the reference adapter and loads the LoRA into it (float32).
+
+        Raises:
+            ValueError: naming ``reference.path``: see the class docstring.
+        """
+        from diffalign.lora_io import read_lora
+
         _require_lora(policy, self.strategy)
-        file = os.path.join(self.path, LORA_WEIGHT_NAME)
-        if not os.path.isfile(file):
-            raise ValueError(
-                f"reference.path={self.path!r} holds no {LORA_WEIGHT_NAME}; point it at a checkpoint-<step>/ or final/"
-                " folder of a diffalign run (or a diffusers LoRA folder)."
-            )
+        source = f"reference.path={self.path!r}"
+        try:
+            weights = read_lora(self.path, field_name="reference.path",
+                                unet_config=getattr(policy.denoiser, "config", None))
+        except FileNotFoundError as err:
+            raise ValueError(str(err)) from None
+        config = policy.denoiser.peft_config[POLICY_ADAPTER]
+        if int(config.r) != weights.rank or float(config.lora_alpha) != weights.alpha:
+            raise ValueError(f"{source} has r={weights.rank}, alpha={weights.settings['lora_alpha']} but the policy's "
+                             f"adapter r={config.r}, alpha={config.lora_alpha}; use a LoRA of the run's "
+                             "model.lora_rank and model.lora_alpha (the reference adapter copies the policy's)")
         self.adapter = ReferenceAdapter(policy)
-        state = safetensors.torch.load_file(file)
-        state = convert_unet_state_dict_to_peft({k.removeprefix("unet."): v for k, v in state.items()
-                                                 if k.startswith("unet.")})
-        self.adapter.load(state, f"reference.path={self.path!r}")
+        self.adapter.load({k: v.float() for k, v in weights.state.items()}, source)
 
     @contextlib.contextmanager
     def use(self, policy: StableDiffusionPolicy) -> Iterator[StableDiffusionPolicy]:

@@ -166,9 +166,9 @@ def main() -> None:
     from diffusers.training_utils import EMAModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    from diffalign.models.text_to_video import TextToVideoPolicy
     from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
     from diffalign.models.tiny_video import build_tiny_t2v_pipeline, tiny_unet3d
-    from diffalign.models.video import TextToVideoPolicy
 
     t_start = time.time()
     vae = AutoencoderKL.from_pretrained(ASSETS / "tiny_sd" / "vae").eval().requires_grad_(False)

@@ -39,6 +39,7 @@ def main() -> None:
     from diffalign.advantages import group_advantages
     from diffalign.cli import CONFIG_DIR, _setup, check_reward_overrides
     from diffalign.deprecation import migrate_config
+    from diffalign.init_lora import build_policy
     from diffalign.objectives.policy_gradient import train_transitions
     from diffalign.plugins import build_selected_rewards
     from diffalign.samplers.groups import group_rollout
@@ -51,7 +52,7 @@ def main() -> None:
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/probe", *args.overrides])
     migrate_config(cfg, args.overrides)
     torch.manual_seed(cfg.seed)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg)
     objective = instantiate(cfg.method)
     reference = instantiate(cfg.reference)  # the KL term's reference (Flow-GRPO), set up as the online loop does
     reference.setup(policy)

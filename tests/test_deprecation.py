@@ -98,7 +98,8 @@ def test_the_command_warns_about_an_old_key_and_refuses_it_beside_its_new_one(tm
     def cli(*args: str) -> subprocess.CompletedProcess:
         code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
         return subprocess.run([sys.executable, "-c", code, "recipe=tiny_dgpo", f"output_dir={tmp_path}", *args],
-                              capture_output=True, text=True, cwd=tmp_path, env=CHILD_ENV, timeout=300)
+                              check=False, capture_output=True, text=True, cwd=tmp_path, env=CHILD_ENV,
+                              timeout=300)
 
     old = cli("method.num_train_timesteps=3", "trainer.learning_rate=0")  # stops at the validation, after the warning
     assert old.returncode != 0 and "trainer.learning_rate must be > 0" in old.stderr

@@ -62,9 +62,9 @@ def test_sigma_one_needs_sigma_max():
 
 def test_flow_rollout_with_zero_noise_equals_the_sd3_pipeline():
     pipe = build_tiny_flow_pipeline(seed=3)
-    from diffalign.models.sd3 import FlowMatchingPolicy
+    from diffalign.models.sd3 import StableDiffusion3Policy
 
-    policy = FlowMatchingPolicy(pipe, lora_rank=4, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
+    policy = StableDiffusion3Policy(pipe, lora_rank=4, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
     prompts = ["a red circle", "two blue squares"]
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     traj = rollout(policy, prompts, num_inference_steps=6, guidance_scale=4.5, eta=0.0, generator=gens, decode=False)

@@ -28,6 +28,7 @@ NEEDS_WEIGHTS = {
     "hpsv2": "reward.hpsv2.weights is required",
     "pickscore": "reward.pickscore.model.*HF_HUB_OFFLINE",
     "image_reward": r"diffalign\[imagereward\]",
+    "http": "reward.http.url is required",  # the reward server's address (no default server)
 }
 IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 

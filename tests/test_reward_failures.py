@@ -56,9 +56,10 @@ def assert_loadable(cfg, ckpt, step: int):
     """The checkpoint loads like ``resume=latest`` does: optimizer, LR scheduler, trainer state, LoRA."""
     from hydra.utils import instantiate
 
+    from diffalign.init_lora import model_config
     from diffalign.train.preference import build_lr_scheduler
 
-    policy = instantiate(cfg.model)
+    policy = instantiate(model_config(cfg.model))
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
     state = load_checkpoint(ckpt, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 1, 2, "cosine"))
     assert state["global_step"] == step

@@ -34,7 +34,7 @@ def test_shipped_pipeline_loads_and_generates_at_32px():
 def test_shipped_flow_pipeline_loads_and_the_policy_matches_it():
     from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
 
-    from diffalign.models.sd3 import FlowMatchingPolicy
+    from diffalign.models.sd3 import StableDiffusion3Policy
     from diffalign.samplers.rollout import rollout
 
     pipe = DiffusionPipeline.from_pretrained(asset_path("tiny_sd3"), text_encoder_3=None, tokenizer_3=None)
@@ -43,7 +43,7 @@ def test_shipped_flow_pipeline_loads_and_the_policy_matches_it():
     prompts = ["a red circle", "two blue squares"]
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     expected = pipe(prompts, num_inference_steps=4, output_type="pt", generator=gens, max_sequence_length=8).images
-    policy = FlowMatchingPolicy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8)
+    policy = StableDiffusion3Policy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     out = rollout(policy, prompts, num_inference_steps=4, guidance_scale=7.0, eta=0.0, generator=gens).images
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # pipeline default CFG is 7.0
@@ -137,7 +137,7 @@ def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     direction of motion is not learned (docs/vipo.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
     from diffusers import TextToVideoSDPipeline
 
-    from diffalign.models.video import TextToVideoPolicy
+    from diffalign.models.text_to_video import TextToVideoPolicy
     from diffalign.rewards.video import VideoMotion
     from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts

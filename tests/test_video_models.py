@@ -13,7 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.media import save_video
 from diffalign.models.tiny_video import build_tiny_t2v_policy, build_tiny_wan_pipeline, build_tiny_wan_policy
-from diffalign.models.video import WanPolicy
+from diffalign.models.wan import WanPolicy
 from diffalign.objectives.vipo import ViPO
 from diffalign.samplers.rollout import recompute_step, rollout
 
@@ -179,7 +179,7 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
     import subprocess
     import sys
 
-    from diffalign.models.video import TextToVideoPolicy
+    from diffalign.models.text_to_video import TextToVideoPolicy
 
     out = tmp_path / "tiny_t2v"
     subprocess.run([sys.executable, "scripts/pretrain_tiny_video.py", "--steps", "2", "--batch", "2", "--num-videos",

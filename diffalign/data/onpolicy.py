@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from diffalign.rewards.futures import submit
 from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import rollout
 from diffalign.world.prompts import load_prompts
@@ -48,6 +49,9 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     continues where it stopped, with exactly the data of an uninterrupted run), a tqdm bar shows the progress, and a
     stop signal ends the preparation after the current chunk.
 
+    A reward with a ``submit`` (a reward server, `diffalign.rewards.http`) judges batch k while batch k + 1 is sampled
+    (`diffalign.rewards.futures.submit`); the data are the same.
+
     Raises:
         ValueError: with the message `require_correct`, when it is given and a batch's reward output reports no
             per-sample correctness (checked on every batch, so it stops after the first one).
@@ -62,14 +66,10 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     bar = tqdm(total=len(jobs), desc="on-policy data", unit="image",
                disable=preparation is None or not preparation.progress)
     images, scores, correct = [], [], []
-    for k, start in enumerate(starts):
-        chunk = jobs[start:start + batch_size]
-        stored = store.load(k) if store is not None else None
-        if stored is None:
-            prompts = [rows[i]["prompt"] for i, _ in chunk]
-            gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
-            batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
-            out = reward(batch, prompts, [rows[i] for i, _ in chunk])
+
+    def finish(k: int, size: int, stored: dict | None, batch: torch.Tensor | None, future) -> None:
+        if stored is None:  # judged now: keep and save it
+            out = future.result()
             stored = {"images": batch, "scores": out.scores.float().cpu()}
             if "correct" in out.info:
                 stored["correct"] = torch.as_tensor(out.info["correct"]).bool().cpu()
@@ -80,7 +80,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         images.append(stored["images"])
         scores.append(stored["scores"])
         correct.append(stored.get("correct"))
-        bar.update(len(chunk))
+        bar.update(size)
         if preparation is not None:
             if k + 1 == len(starts):
                 bar.close()
@@ -89,6 +89,28 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
             except BaseException:
                 bar.close()
                 raise
+
+    # a reward that scores in the background (a reward server) judges chunk k while chunk k + 1 is sampled; any other
+    # reward is called at once (`submit`), so its chunk is finished before the next one is sampled, as before
+    waiting = None  # the arguments of `finish` for the chunk being judged
+    for k, start in enumerate(starts):
+        chunk = jobs[start:start + batch_size]
+        stored = store.load(k) if store is not None else None
+        batch = future = None
+        if stored is None:
+            prompts = [rows[i]["prompt"] for i, _ in chunk]
+            gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
+            batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
+            future = submit(reward, batch, prompts, [rows[i] for i, _ in chunk])
+        if waiting is not None:
+            finish(*waiting)
+            waiting = None
+        if future is not None and not future.done():
+            waiting = (k, len(chunk), stored, batch, future)
+        else:
+            finish(k, len(chunk), stored, batch, future)
+    if waiting is not None:
+        finish(*waiting)
     bar.close()
     has_correct = all(c is not None for c in correct)
     return JudgedSamples(torch.cat(images), jobs, torch.cat(scores), torch.cat(correct) if has_correct else None)

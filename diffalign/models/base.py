@@ -1,12 +1,15 @@
 """The policy interface every model adapter implements (one file per diffusers family in `diffalign/models/`).
 
-Samplers, objectives and training loops use only these members, so a new model family is added by writing one
-adapter. Latents keep the model's native layout, documented by each adapter (`(B, C, h, w)` for SD1.x/2.x).
+Samplers, objectives, the training loops, references, monitors and evaluation use only the members `DiffusionPolicy`
+declares (and the `torch.nn.Module` ones: ``to``, ``train``/``eval``, ``state_dict``), so a new model family is one
+adapter file plus one config. What the families share is written once in `diffalign.models.pipeline_policy`. Latents
+keep the model's native layout, documented by each adapter (`(B, C, h, w)` for images, `(B, C, F, h, w)` for video).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
@@ -19,26 +22,70 @@ from diffalign.types import PromptEmbeds
 
 @runtime_checkable
 class DiffusionPolicy(Protocol):
-    """A text-to-image (or video) diffusion model seen as a policy: it encodes prompts, predicts, and decodes.
+    """A text-to-image (or video) diffusion model seen as a policy: it encodes prompts, predicts, and decodes; a LoRA
+    adapter (or the whole denoiser) is trained.
 
     Attributes:
-        scheduler: the diffusers scheduler the samplers step with (e.g. `DDIMScheduler`).
-        prediction_type: what `predict` returns: "epsilon", "v_prediction" (VP models) or "flow" (rectified flow).
+        scheduler: the diffusers scheduler the samplers step with: `DDIMScheduler` (ε/v models) or
+            `FlowMatchEulerDiscreteScheduler` (flow models); ``scheduler.config.num_train_timesteps`` is the training
+            schedule's length.
+        modality (`str`, class attribute): "image" or "video", what the policy makes (validation pairs it with the
+            rewards' before anything loads).
+        flow_matching (`bool`, class attribute): a rectified-flow velocity model (the flow SDEs apply; also has
+            `FlowDiffusionPolicy.sigmas_of`) or an ε/v model (DDIM).
+        lora_rank (`int` or `None`): the adapter's rank; `None` for a full fine-tune of the denoiser (no frozen base,
+            so `reference()` raises).
     """
 
     scheduler: object
+    modality: str
+    flow_matching: bool
+    lora_rank: int | None
 
     @property
-    def prediction_type(self) -> str: ...
+    def prediction_type(self) -> str:
+        """What `predict` returns: "epsilon", "v_prediction" (VP models) or "flow" (rectified flow)."""
+        ...
 
     @property
-    def latent_shape(self) -> tuple[int, ...]: ...
+    def latent_shape(self) -> tuple[int, ...]:
+        """The shape of one latent without the batch dim, e.g. `(C, h, w)` or `(C, F, h, w)`."""
+        ...
 
     @property
-    def device(self) -> torch.device: ...
+    def device(self) -> torch.device:
+        """The denoiser's device."""
+        ...
 
     @property
-    def dtype(self) -> torch.dtype: ...
+    def dtype(self) -> torch.dtype:
+        """The denoiser's base-weight dtype (inputs are cast to it)."""
+        ...
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent cell in space (8 for SD/SDXL/SD3)."""
+        ...
+
+    @property
+    def num_train_timesteps(self) -> int:
+        """Length of the training schedule (1000; flow models are fed t = 1000 σ)."""
+        ...
+
+    @property
+    def denoiser(self) -> nn.Module:
+        """The bare trained network (UNet or transformer): adapters are added and switched on it, its train/eval
+        mode is the policy's, and the accelerator prepares it."""
+        ...
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module `predict` calls: the denoiser, or its distributed wrapper after `set_forward_module`."""
+        ...
+
+    def set_forward_module(self, module: nn.Module | None) -> None:
+        """Forward through `module` (the DDP/FSDP wrapper of the denoiser); `None` goes back to the bare denoiser."""
+        ...
 
     def encode_prompts(
         self,
@@ -47,17 +94,22 @@ class DiffusionPolicy(Protocol):
         do_classifier_free_guidance: bool = True,
         num_images_per_prompt: int = 1,
     ) -> PromptEmbeds:
-        """Encodes `len(prompts)` prompts into `len(prompts) * num_images_per_prompt` rows, ``[p0]*n + [p1]*n``."""
+        """Encodes `len(prompts)` prompts into `len(prompts) * num_images_per_prompt` rows, ``[p0]*n + [p1]*n``.
+        Everything the denoiser is conditioned on travels in the `PromptEmbeds` (token and pooled embeddings, and
+        their negatives with CFG); conditioning computed from the latents (SDXL's ``time_ids``) stays inside
+        `predict`."""
         ...
 
     def predict(
         self,
         latents: torch.Tensor,
-        timesteps: torch.Tensor | int,
+        timesteps: torch.Tensor | float,
         prompt_embeds: PromptEmbeds,
         guidance_scale: float = 1.0,
+        detach_unconditional: bool = False,
     ) -> torch.Tensor:
-        """Returns the (guided) model output, same shape as `latents`; CFG batches are ``[negative, positive]``."""
+        """Returns the (guided) model output, float32, same shape as `latents`; CFG batches are ``[negative,
+        positive]``; `detach_unconditional` stops gradients through the unconditional branch."""
         ...
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -73,7 +125,7 @@ class DiffusionPolicy(Protocol):
         ...
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] → scaled latents."""
+        """Images (or videos) in [0, 1] → scaled latents."""
         ...
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -82,6 +134,28 @@ class DiffusionPolicy(Protocol):
 
     def reference(self) -> AbstractContextManager:
         """Context under which `predict` is the frozen reference model (e.g. the LoRA adapter disabled)."""
+        ...
+
+    def save_lora_weights(self, directory: str | os.PathLike) -> None:
+        """Writes ``directory/pytorch_lora_weights.safetensors`` in the family pipeline's diffusers LoRA format."""
+        ...
+
+    def load_lora_weights(self, directory: str | os.PathLike) -> None:
+        """Loads a folder `save_lora_weights` wrote into the adapter, in place (resume, evaluation of checkpoints)."""
+        ...
+
+    def to_pipeline(self):
+        """A diffusers pipeline sharing the policy's modules (generates with the current weights; DDSPO's pairs)."""
+        ...
+
+
+@runtime_checkable
+class FlowDiffusionPolicy(DiffusionPolicy, Protocol):
+    """A rectified-flow policy (``flow_matching = True``, ``prediction_type == "flow"``): also maps timesteps to
+    noise levels (the flow-only methods, e.g. DiffusionNFT, use it)."""
+
+    def sigmas_of(self, timesteps: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+        """σ = t / num_train_timesteps, shaped `(B, 1, ..., 1)` to broadcast against `like`."""
         ...
 
 

@@ -15,7 +15,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-from diffalign.models.sd3 import DEFAULT_SD3_LORA_TARGET_MODULES, FlowMatchingPolicy
+from diffalign.models.sd3 import DEFAULT_SD3_LORA_TARGET_MODULES, StableDiffusion3Policy
 from diffalign.world.tokenizer import build_tokenizer
 
 TINY_MAX_SEQUENCE_LENGTH = 8
@@ -78,8 +78,8 @@ def build_tiny_flow_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, wi
 
 
 def build_tiny_flow_policy(seed: int = 0, lora_rank: int | None = 4, lora_alpha: float | None = None,
-                           lora_target_modules=DEFAULT_SD3_LORA_TARGET_MODULES, lora_seed: int = 0) -> FlowMatchingPolicy:
-    """A `FlowMatchingPolicy` around `build_tiny_flow_pipeline(seed)` (CPU, float32, `max_sequence_length` 8)."""
-    return FlowMatchingPolicy(build_tiny_flow_pipeline(seed), lora_rank=lora_rank, lora_alpha=lora_alpha,
+                           lora_target_modules=DEFAULT_SD3_LORA_TARGET_MODULES, lora_seed: int = 0) -> StableDiffusion3Policy:
+    """A `StableDiffusion3Policy` around `build_tiny_flow_pipeline(seed)` (CPU, float32, `max_sequence_length` 8)."""
+    return StableDiffusion3Policy(build_tiny_flow_pipeline(seed), lora_rank=lora_rank, lora_alpha=lora_alpha,
                               lora_target_modules=lora_target_modules, lora_seed=lora_seed,
                               max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)

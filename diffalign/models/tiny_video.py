@@ -21,8 +21,9 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, UMT5Config, UMT5EncoderModel
 
+from diffalign.models.text_to_video import TextToVideoPolicy
 from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
-from diffalign.models.video import TextToVideoPolicy, WanPolicy
+from diffalign.models.wan import WanPolicy
 from diffalign.world.tokenizer import build_tokenizer
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from diffalign.rewards.base import Reward
-from diffalign.rewards.guard import checked_rewards
 from diffalign.types import RewardOutput
 
 NORMALIZE = ("none", "zscore")
@@ -83,6 +82,8 @@ class WeightedSum:
                 raise ValueError(f"normalisation given for '{name}', which is not among the rewards {sorted(rewards)}")
             if mode not in NORMALIZE:
                 raise ValueError(f"reward.{name}.normalize={mode!r} must be one of {NORMALIZE}")
+        from diffalign.rewards.guard import checked_rewards  # (guard → futures → combine: imported here)
+
         self.rewards = checked_rewards(rewards)
         self.weights = {name: float(weights[name]) for name in rewards}
         self.normalize = {name: normalize.get(name, "none") for name in rewards}

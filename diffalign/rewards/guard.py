@@ -3,7 +3,8 @@
 - `score_or_raise` calls rewards and checks their output; a reward that raises, returns scores that are not `(B,)`
   or returns NaN/inf raises `RewardError` naming the reward, the step, the batch and the prompt(s).
 - `CheckedReward` wraps a reward so that every call goes through `score_or_raise` (for code that calls rewards
-  itself, such as on-policy data preparation and evaluation); it counts its calls as the batch index.
+  itself, such as on-policy data preparation and evaluation); it counts its calls as the batch index. Its ``submit``
+  does the same for a reward scored in the background (`diffalign.rewards.futures`, `diffalign.rewards.http`).
 - `stop_on_reward_error` is the loops' context manager: on a `RewardError` it saves a checkpoint, logs where and
   why, and re-raises; the CLI turns it into a clean exit with that message.
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffalign.rewards.base import Reward, RewardError
+from diffalign.rewards.futures import Resolved, completed, has_submit, then
 from diffalign.types import RewardOutput
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,22 @@ class CheckedReward:
         batch_index, self.calls = self.calls, self.calls + 1
         return score_or_raise({self.name: self.reward}, images, prompts, metadata, step=self.step,
                               batch_index=batch_index)[self.name]
+
+    def submit(self, images: Any, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> Future:
+        """Starts scoring a batch (`diffalign.rewards.futures.submit`): with the wrapped reward's own ``submit`` when
+        it has one, its result checked by `score_or_raise` when it arrives (the future then fails with the
+        `RewardError`); a synchronous reward is called now, as by a call (its `RewardError` raises here)."""
+        if not has_submit(self.reward):
+            return completed(self(images, prompts, metadata))
+        batch_index, self.calls = self.calls, self.calls + 1
+        step, prompts = self.step, list(prompts)
+        try:
+            pending = self.reward.submit(images, prompts, metadata)
+        except Exception as err:  # noqa: BLE001 - reported through score_or_raise below, like a call's error
+            pending = Future()
+            pending.set_exception(err)
+        return then(pending, lambda done: score_or_raise({self.name: Resolved(done)}, images, prompts, metadata,
+                                                         step=step, batch_index=batch_index)[self.name])
 
 
 def checked_rewards(rewards: Mapping[str, Reward]) -> dict[str, CheckedReward]:

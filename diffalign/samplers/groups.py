@@ -10,6 +10,8 @@ noise and differs only by the float rounding of batched forwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -91,6 +93,7 @@ def group_rollout(
     rollout_batch_size: int = 32,
     reduction: str = "mean",
     members: list[int] | None = None,
+    on_chunk: Callable[[Trajectory, int, int], None] | None = None,
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -112,6 +115,9 @@ def group_rollout(
         reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
         members (`list[int]`, *optional*): sample only these member indices of every group (a group spanning several
             processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
+        on_chunk (*optional*): called as ``on_chunk(part, start, stop)`` after each forward batch with its
+            `Trajectory` (rows ``start:stop`` of the result), e.g. to send it to a reward server while the next one is
+            sampled (`diffalign.rewards.futures.ChunkScorer`).
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64
@@ -157,5 +163,7 @@ def group_rollout(
                                  guidance_scale=guidance_scale, eta=noise_level if sampler in FLOW_SDES else eta,
                                  generator=gens, latents=noise[start:stop], reduction=reduction,
                                  sde_type=FLOW_SDES.get(sampler, "flow_grpo")))
+        if on_chunk is not None:
+            on_chunk(parts[-1], start, stop)
     group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)
     return cat_trajectories(parts), group_ids

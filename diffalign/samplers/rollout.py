@@ -85,7 +85,7 @@ def rollout(
 
     Args:
         policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (`StableDiffusionPolicy`) or a
-            `FlowMatchEulerDiscreteScheduler` (`FlowMatchingPolicy`).
+            `FlowMatchEulerDiscreteScheduler` (`StableDiffusion3Policy`, `WanPolicy`).
         prompts (`list[str]`): `B` prompts, one per sample (repeat a prompt for several samples of it).
         num_inference_steps (`int`, defaults to 20): K ≥ 1 DDIM steps (`scheduler.set_timesteps(K)` is called).
         guidance_scale (`float`, defaults to 4.0): classifier-free guidance w ≥ 1 (1 disables it).

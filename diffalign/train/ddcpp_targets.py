@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 
 from diffalign.cli import CONFIG_DIR, _setup
 from diffalign.data.preference import ResumableSampler
+from diffalign.init_lora import model_config
 from diffalign.objectives.sft import WinnerSFT
 from diffalign.plugins import build_selected_rewards
 from diffalign.train.preference import data_latents
@@ -36,7 +37,7 @@ from diffalign.types import WinnerBatch
 
 def train_side(cfg, side: str, args, out: Path) -> float:
     """Fine-tunes a fresh LoRA on side "w" (winners) or "l" (losers) and saves it; returns the last loss."""
-    policy = instantiate(cfg.model, lora_rank=args.rank, lora_alpha=args.alpha, lora_seed=args.seed)
+    policy = instantiate(model_config(cfg.model), lora_rank=args.rank, lora_alpha=args.alpha, lora_seed=args.seed)
     policy.to(args.device)
     latent_h = policy.latent_shape[1]
     kwargs = {}

@@ -10,7 +10,9 @@ Each epoch:
    samples with an old policy) using ``sampler``, storing step log-probs as the method's ``log_prob_reduction`` asks,
    with initial noise shared inside a group when ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
 3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
-   stops the run after a checkpoint, naming the reward, step and prompts);
+   stops the run after a checkpoint, naming the reward, step and prompts); a reward served over HTTP
+   (``reward=[http]``) scores each rollout batch of ``online.rollout_batch_size`` while the next one is sampled
+   (`diffalign.rewards.futures`);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
    or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered
    from every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
@@ -42,6 +44,7 @@ from tqdm.auto import tqdm
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
 from diffalign.deprecation import migrate_config
 from diffalign.faults import NonFiniteGuard, StopSignals
+from diffalign.init_lora import build_policy
 from diffalign.methods import (
     ONLINE_FLOWS,
     ONLINE_MEMBERS,
@@ -54,6 +57,7 @@ from diffalign.methods import (
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
 from diffalign.rewards.combine import WeightedSum, reward_metrics
+from diffalign.rewards.futures import ChunkScorer
 from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
 from diffalign.samplers.configs import describe
@@ -165,7 +169,7 @@ def _setup(cfg: DictConfig) -> _Run:
     check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     _check_split(on, num_proc)
     objective.check_config(cfg, num_proc)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)
@@ -267,7 +271,11 @@ def _epoch(run: _Run) -> dict:
     pick = torch.randint(len(run.rows), (on.groups_per_epoch,), generator=epoch_generator(cfg.seed, epoch, PROMPTS))
     mine = list(range(on.groups_per_epoch)) if members_split else list(range(rank * per_proc, (rank + 1) * per_proc))
     epoch_rows = [run.rows[int(pick[j])] for j in mine]
-    # 2. rollouts with the method's rollout policy (θ, or θ⁻)
+    metadata = [r for r in epoch_rows for _ in range(share)]
+    # 2. rollouts with the method's rollout policy (θ, or θ⁻); a reward server scores each rollout batch while the
+    # next one is sampled (other rewards are called on the whole epoch in 3., as before)
+    set_reward_step(run.rewards, run.global_step, reset_calls=True)
+    scorer = ChunkScorer(run.rewards, metadata)
     policy.denoiser.eval()
     with torch.no_grad(), run.objective.rollout_policy.use(policy):
         traj, group_ids = group_rollout(
@@ -276,14 +284,13 @@ def _epoch(run: _Run) -> dict:
             shared_initial_noise=on.shared_initial_noise, sampler=sp.name, num_inference_steps=sp.num_inference_steps,
             guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0), noise_level=sp.get("noise_level", 0.0),
             rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
-            members=list(range(rank * share, (rank + 1) * share)) if members_split else None)
+            members=list(range(rank * share, (rank + 1) * share)) if members_split else None,
+            on_chunk=scorer.add)
     policy.denoiser.train()
     # 3. rewards (a failing or non-finite one stops the run after a checkpoint)
-    metadata = [r for r in epoch_rows for _ in range(share)]
-    set_reward_step(run.rewards, run.global_step, reset_calls=True)
     with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch)),
                               log=accelerator.print):
-        scored = run.rewards(traj.images, traj.prompts, metadata)
+        scored = scorer.result(traj.images, traj.prompts)
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
     scores = scored.scores.detach().cpu()

@@ -48,6 +48,7 @@ from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
 from diffalign.deprecation import migrate_config
 from diffalign.faults import NonFiniteGuard, StopSignals
+from diffalign.init_lora import build_policy
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
@@ -181,7 +182,7 @@ def _setup(cfg: DictConfig) -> _Run:
     objective = instantiate(cfg.method)
     check_method(objective, cfg.method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
     objective.check_config(cfg, accelerator.num_processes)
-    policy = instantiate(cfg.model)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters

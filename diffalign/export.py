@@ -1,0 +1,103 @@
+"""``diffalign-export``: converts a run's LoRA (or any LoRA diffalign reads) to the kohya key format that ComfyUI,
+AUTOMATIC1111/Forge, SD.Next and InvokeAI load, or to a diffusers LoRA folder (docs/lora.md).
+
+    diffalign-export runs/my-run/final my-run.safetensors                  # kohya format (default)
+    diffalign-export runs/my-run/checkpoint-200 my-run-200.safetensors --dtype float16
+    diffalign-export civitai-lora.safetensors runs/imported --format diffusers   # kohya -> a diffusers folder
+
+The source is a ``checkpoint-<step>/`` or ``final/`` folder, a run folder (its ``final/``), a diffusers LoRA folder or
+file, or a kohya file. Kohya export covers SD1.x/2.x and SDXL UNets (``lora_unet_*``) and SD3 transformers
+(``lora_transformer_*``); other families (video models) export to diffusers format only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from diffalign.lora_io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
+
+
+def _source(path: str) -> Path:
+    """A run folder (no LoRA file of its own, a ``final/`` inside) stands for its ``final/``."""
+    p = Path(path)
+    if p.is_dir() and not (p / LORA_WEIGHT_NAME).is_file() and (p / "final" / LORA_WEIGHT_NAME).is_file():
+        return p / "final"
+    return p
+
+
+def _layout(weights: LoraWeights, family: str):
+    """The key map to write with: `family` when given (checked against the file), else what the file shows."""
+    if family != "auto":
+        layout = LAYOUTS[family]
+        if layout.component != weights.component:
+            raise ValueError(f"--family {family} is a {layout.component} family but {weights.path} is a "
+                             f"{weights.component} LoRA")
+        return layout
+    if weights.layout is not None:
+        return weights.layout
+    if weights.component == "transformer" or any(h in m for m in weights.modules for h in VIDEO_MODULE_HINTS):
+        raise ValueError(f"{weights.path} is not an SD1.x/2.x, SDXL or SD3 LoRA (its modules are e.g. "
+                         f"{weights.modules[:2]}); kohya export covers those families only: use --format diffusers")
+    return None  # a UNet of unknown size (e.g. the tiny world's): SD keys, no ss_base_model_version
+
+
+def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "float32", family: str = "auto",
+           overwrite: bool = False) -> Path:
+    """Converts the LoRA at `source` and writes it to `destination` (see the module docstring).
+
+    Returns:
+        `Path`: the file written.
+
+    Raises:
+        FileNotFoundError, ValueError: an unreadable source (`diffalign.lora_io.read_lora`), a destination that exists
+            (without `overwrite`) or has the wrong form, or a family kohya export does not cover.
+    """
+    if fmt not in ("kohya", "diffusers"):
+        raise ValueError(f"--format must be kohya or diffusers, got {fmt!r}")
+    weights = read_lora(_source(source), field_name="source")
+    out = Path(destination)
+    if fmt == "kohya":
+        if out.suffix != ".safetensors":
+            raise ValueError(f"the kohya destination {destination!r} must be a .safetensors file name")
+        if out.exists() and not overwrite:
+            raise ValueError(f"{destination!r} exists; pass --overwrite to replace it")
+        return write_kohya(weights, out, layout=_layout(weights, family), dtype=DTYPES[dtype])
+    if (out / LORA_WEIGHT_NAME).exists() and not overwrite:
+        raise ValueError(f"{destination!r} already holds {LORA_WEIGHT_NAME}; pass --overwrite to replace it")
+    if out.suffix == ".safetensors":
+        raise ValueError(f"the diffusers destination {destination!r} is a folder (it gets {LORA_WEIGHT_NAME}); drop "
+                         "the .safetensors suffix")
+    layout = LAYOUTS[family] if family != "auto" else weights.layout
+    return write_diffusers(weights, out, layout=layout, dtype=DTYPES[dtype])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``diffalign-export SOURCE DESTINATION [--format kohya|diffusers] [--dtype ...] [--family ...]``."""
+    parser = argparse.ArgumentParser(prog="diffalign-export", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a checkpoint-<step>/ or final/ folder, a run folder, or a LoRA file")
+    parser.add_argument("destination", help="kohya: a .safetensors file; diffusers: a folder")
+    parser.add_argument("--format", dest="fmt", choices=("kohya", "diffusers"), default="kohya")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="dtype of the LoRA matrices (alpha stays float32); float16 halves the file")
+    parser.add_argument("--family", choices=("auto", *LAYOUTS), default="auto",
+                        help="model family for the key map and ss_base_model_version (auto: from the file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    args = parser.parse_args(argv)
+    try:
+        written = export(args.source, args.destination, fmt=args.fmt, dtype=args.dtype, family=args.family,
+                         overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"diffalign-export: error: {err}")
+    weights = read_lora(written, field_name="destination")
+    print(f"[diffalign] wrote {weights.describe()}")
+    if args.fmt == "kohya":
+        print("[diffalign] ComfyUI: copy it to models/loras/ (LoraLoaderModelOnly); A1111/Forge: models/Lora/; "
+              "diffusers: pipe.load_lora_weights(path) (SD1.x/2.x/SDXL); diffalign: model.init_lora=<path>")

@@ -1,0 +1,185 @@
+"""Starting a training run from a saved LoRA: ``model.init_lora=<folder or .safetensors file>`` (docs/lora.md).
+
+The file (a diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA, or a kohya-format file; see
+`diffalign.lora_io`) becomes the policy's adapter before the reference strategy is set up, so
+
+- ``reference=frozen_base`` is the base model without any adapter (the init LoRA is part of the policy only);
+- ``reference=checkpoint reference.path=<the same file>`` is the init LoRA itself: the policy starts equal to its
+  reference (Diffusion-DPO loss ln 2, KL 0 at the first update);
+- ``reference=ema`` and ``reference=pool`` start from the init LoRA (their θ_0 is the policy's initial adapter).
+
+The adapter's rank, alpha and target modules are taken from the file (`adopt_init_lora`), replacing the model
+config's; one set on the command line that differs from the file's is an error naming both. A resumed run
+(``resume=latest`` with a checkpoint, or ``resume=<folder>``) loads its checkpoint's LoRA instead and ignores
+``model.init_lora`` (it says so); its adapter settings come from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from diffalign.lora_io import LoraWeights, load_into_policy, read_lora
+
+FIELD = "model.init_lora"
+SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules")
+
+
+def model_config(model_cfg: DictConfig) -> DictConfig:
+    """The model config to instantiate: `model_cfg` without ``init_lora`` (which the policy constructors do not
+    take; `build_policy` applies it)."""
+    plain = OmegaConf.to_container(model_cfg, resolve=True)  # (interpolations resolved against the whole config)
+    return OmegaConf.create({k: v for k, v in plain.items() if k != "init_lora"})
+
+
+def resume_checkpoint(cfg: DictConfig) -> Path | None:
+    """The checkpoint folder ``cfg.resume`` resumes from (``latest``: the newest in ``output_dir``, None when there is
+    none), as `diffalign.train.common.Checkpoints.resume` picks it; None without ``resume``."""
+    from diffalign.checkpoint import latest_checkpoint
+
+    resume = cfg.get("resume")
+    if resume is None:
+        return None
+    return latest_checkpoint(cfg.output_dir) if resume == "latest" else Path(resume)
+
+
+def command_line_model_keys() -> set[str]:
+    """The ``model.*`` fields set on the command line of the running Hydra app (``model.lora_rank=16`` →
+    ``"lora_rank"``); empty outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    keys = (o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task)
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def _matches(module: str, target: str) -> bool:
+    """PEFT's rule for a list of ``target_modules``: the module path equals the target or ends with ``.<target>``."""
+    return module == target or module.endswith(f".{target}")
+
+
+def _lora_settings_taken(cfg: DictConfig) -> tuple[str, ...]:
+    """The LoRA settings the model's ``_target_`` takes (all of them when it takes ``**kwargs`` or cannot be
+    inspected; a builder without ``lora_target_modules``, e.g. the tiny video models, keeps its own targets, which
+    must then be the file's).
+
+    Raises:
+        ValueError: a model without ``lora_rank``.
+    """
+    from hydra.utils import get_method
+
+    try:
+        params = inspect.signature(get_method(cfg.model._target_)).parameters
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
+        return SETTINGS
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return SETTINGS
+    if "lora_rank" not in params:
+        raise ValueError(f"{FIELD} needs a model with a LoRA adapter, but {cfg.model._target_} takes no lora_rank")
+    return tuple(k for k in SETTINGS if k in params)
+
+
+def _check_component(cfg: DictConfig, weights: LoraWeights) -> None:
+    """A LoRA for a UNet on a transformer model (or the reverse), seen from a local model folder's
+    ``model_index.json``, before the model loads."""
+    path = cfg.model.get("pretrained_model_name_or_path")
+    if not isinstance(path, str):
+        return
+    index = Path(os.path.expanduser(path)) / "model_index.json"
+    if not index.is_file():
+        return
+    components = {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0] is not None}
+    denoiser = next((c for c in ("unet", "transformer") if c in components), None)
+    if denoiser is not None and denoiser != weights.component:
+        raise ValueError(f"{FIELD}: {weights.path} is a LoRA for a {weights.component}, but the model {path} has a "
+                         f"{denoiser}; use a LoRA trained on this model (or model=... of the LoRA's family)")
+
+
+def _same(key: str, current, wanted) -> bool:
+    if key == "lora_target_modules":
+        return current is not None and sorted(current) == sorted(wanted)
+    if key == "lora_alpha" and current is not None:
+        return float(current) == float(wanted)
+    return current == wanted
+
+
+def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | None:
+    """Reads ``model.init_lora`` (or, when the run resumes, its checkpoint's LoRA) and writes its rank, alpha and
+    target modules into ``cfg.model``; call it before the model loads (the CLI does, with the command line's fields
+    as `explicit`; `build_policy` again). Idempotent.
+
+    Args:
+        cfg (`DictConfig`): the training config (changed in place).
+        explicit (`Iterable[str]`): ``model`` fields the user set explicitly (e.g. ``{"lora_rank"}``); a value that
+            differs from the file's is an error. Other values (model and recipe defaults) give way to the file's.
+
+    Returns:
+        `dict` or `None`: the adopted ``{"lora_rank", "lora_alpha", "lora_target_modules"}``; None without
+        ``model.init_lora``.
+
+    Raises:
+        FileNotFoundError: the file or folder does not exist.
+        ValueError: naming ``model.init_lora`` and the fix: not a LoRA (format, text-encoder or non-LoRA tensors,
+            several ranks), a LoRA for another denoiser than a local model folder's, a model without LoRA settings,
+            or an explicit setting that differs from the file's.
+    """
+    init = cfg.model.get("init_lora")
+    if init is None:
+        return None
+    taken = _lora_settings_taken(cfg)
+    explicit = set(explicit)
+    ckpt = resume_checkpoint(cfg)
+    source = f"the checkpoint {ckpt} (resume={cfg.resume})" if ckpt is not None else f"{FIELD}={init!r}"
+    weights = read_lora(ckpt if ckpt is not None else init, field_name="resume" if ckpt is not None else FIELD)
+    if ckpt is None:
+        _check_component(cfg, weights)
+    settings = {k: v for k, v in weights.settings.items() if k in taken}
+    for key in taken:
+        current = cfg.model.get(key)
+        if key in explicit and not _same(key, current, settings[key]):
+            if key == "lora_target_modules" and current:
+                uncovered = [m for m in weights.modules if not any(_matches(m, t) for t in current)]
+                if not uncovered:  # explicit targets that cover the file's modules are kept (checked at load)
+                    settings = {**settings, key: list(current)}
+                    continue
+                detail = f"which adapts modules these targets miss, e.g. {uncovered[:2]}"
+            else:
+                shown = settings[key] if key != "lora_target_modules" else f"{len(weights.modules)} modules"
+                detail = f"which has {key.removeprefix('lora_')} {shown}"
+            raise ValueError(f"model.{key}={current} (set on the command line) conflicts with {source}, {detail}; "
+                             f"drop model.{key}=... (it is taken from the file) or pass a LoRA with that setting")
+    with open_dict(cfg):
+        for key in taken:
+            cfg.model[key] = settings[key]
+    return settings
+
+
+def build_policy(cfg: DictConfig, log: Callable[[str], None] = print):
+    """The training loops' policy: ``cfg.model`` instantiated (without ``init_lora``), with ``model.init_lora``'s
+    weights in its adapter unless the run resumes (then the checkpoint's LoRA is loaded later, by the loop, and this
+    says so). Call before the reference strategy's ``setup``.
+
+    Raises:
+        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora_io.load_into_policy`.
+    """
+    from hydra.utils import instantiate
+
+    init = cfg.model.get("init_lora")
+    if init is None:
+        return instantiate(model_config(cfg.model))
+    adopt_init_lora(cfg)
+    policy = instantiate(model_config(cfg.model))
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is not None:
+        log(f"[diffalign] {FIELD}={init} is not loaded: the run resumes from {ckpt}, whose LoRA it continues")
+        return policy
+    weights = read_lora(init, field_name=FIELD, unet_config=getattr(policy.denoiser, "config", None))
+    load_into_policy(policy, weights, field_name=FIELD)
+    log(f"[diffalign] {FIELD}: the policy starts from {weights.describe()}")
+    return policy

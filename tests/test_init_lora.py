@@ -1,0 +1,249 @@
+"""Starting a run from a saved LoRA (``model.init_lora``, diffalign/init_lora.py; docs/lora.md) on the shipped tiny SD
+and SD3 models: each reference strategy with it, the settings taken from the file, resume winning over it, and the
+errors raised before any model loads."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import CHILD_ENV, compose_cfg, online_overrides, perturb_lora_
+from diffusers import StableDiffusionPipeline
+
+from diffalign.cli import asset_path
+from diffalign.init_lora import adopt_init_lora, build_policy
+from diffalign.lora_io import policy_lora, read_lora, write_kohya
+from diffalign.models.sd3 import StableDiffusion3Policy
+from diffalign.models.stable_diffusion import StableDiffusionPolicy
+from diffalign.reference import EmaReference, FrozenBaseReference, PoolReference
+
+LN2 = float(torch.tensor(math.log(2.0)))  # ln 2 in float32, the loss's dtype
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory):
+    """A random LoRA (r 4, alpha 2: not the models' configured r 8 / alpha 8) for each tiny model, as a diffalign folder
+    and as a kohya file."""
+    root = tmp_path_factory.mktemp("loras")
+    sd = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=4, lora_alpha=2,
+                                               lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
+    sd3 = StableDiffusion3Policy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8,
+                                             lora_rank=4, lora_alpha=2)
+    out = {}
+    for name, policy in (("tiny_sd", sd), ("tiny_sd3", sd3)):
+        perturb_lora_(policy, std=0.05)
+        policy.save_lora_weights(root / name)
+        out[name] = {"folder": root / name, "kohya": write_kohya(policy_lora(policy), root / f"{name}.safetensors")}
+    return out
+
+
+def dpo_overrides(tmp_path, model: str, steps: int = 1) -> list[str]:
+    return [f"output_dir={tmp_path}", f"model={model}", "method=diffusion_dpo_tiny", "data=shapes_pairs",
+            "data.num_pairs=8", f"trainer.max_steps={steps}", "trainer.batch_size=2", "trainer.log_with=none",
+            "trainer.checkpointing_steps=1", "eval.enabled=false"]
+
+
+def first_step(results: dict) -> dict:
+    return results["history_tail"][0]
+
+
+@pytest.mark.parametrize("model", ["tiny_sd", "tiny_sd3"])
+def test_reference_checkpoint_with_the_init_lora_starts_at_ln2(tmp_path, loras, model):
+    """The policy starts from the kohya file, the reference is the same LoRA as a diffalign folder: z = 0 for every
+    pair, so the first Diffusion-DPO loss is ln 2 exactly; with the adapter-free base as the reference it is not."""
+    from diffalign.train.preference import train
+
+    init = f"model.init_lora={loras[model]['kohya']}"
+    same = train(compose_cfg(dpo_overrides(tmp_path / "ckpt", model) + [
+        init, "reference=checkpoint", f"reference.path={loras[model]['folder']}"]))
+    assert first_step(same)["loss"] == LN2
+    assert first_step(same)["rewards/margins"] == 0.0
+    base = train(compose_cfg(dpo_overrides(tmp_path / "base", model) + [init, "reference=frozen_base"]))
+    assert abs(first_step(base)["loss"] - LN2) > 1e-4
+
+
+def test_frozen_base_with_the_init_lora_mirrors_the_base_policy_with_the_lora_as_reference(tmp_path, loras):
+    """reference=frozen_base is the adapter-free base: a run starting from the LoRA against the base sees the same
+    denoising losses as a run starting from the base (fresh adapter, B = 0) against the LoRA, with the roles swapped."""
+    from diffalign.train.preference import train
+
+    lora = loras["tiny_sd"]["kohya"]
+    a = first_step(train(compose_cfg(dpo_overrides(tmp_path / "a", "tiny_sd") + [
+        f"model.init_lora={lora}", "reference=frozen_base"])))
+    settings = read_lora(lora).settings
+    b = first_step(train(compose_cfg(dpo_overrides(tmp_path / "b", "tiny_sd") + [
+        "reference=checkpoint", f"reference.path={lora}", f"model.lora_rank={settings['lora_rank']}",
+        f"model.lora_alpha={settings['lora_alpha']}",
+        f"++model.lora_target_modules=[{','.join(settings['lora_target_modules'])}]"])))
+    for side in ("chosen", "rejected"):
+        assert a[f"model_loss/{side}"] == b[f"ref_loss/{side}"]
+        assert a[f"ref_loss/{side}"] == b[f"model_loss/{side}"]
+    assert a["rewards/margins"] == pytest.approx(-b["rewards/margins"], rel=1e-5)
+    assert abs(a["rewards/margins"]) > 1e-6
+
+
+def test_flow_grpo_kl_is_zero_against_the_init_lora_and_not_against_the_base(tmp_path, loras):
+    from diffalign.train.online import train
+
+    lora = loras["tiny_sd3"]["kohya"]
+    common = ["model=tiny_sd3", "method=flow_grpo", "sampler=flow_sde", "method.beta_kl=0.04",
+              "online.groups_per_epoch=1", "sampler.num_inference_steps=3", "reward=[brightness]",
+              f"model.init_lora={lora}"]
+    same = train(compose_cfg(online_overrides(tmp_path / "ckpt", epochs=1) + common + [
+        "reference=checkpoint", f"reference.path={lora}"]))
+    assert first_step(same)["kl"] == 0.0
+    base = train(compose_cfg(online_overrides(tmp_path / "base", epochs=1) + common + ["reference=frozen_base"]))
+    assert first_step(base)["kl"] > 0
+
+
+def test_the_policy_computes_the_file_and_each_reference_starts_where_documented(tmp_path, loras):
+    """The policy built from a kohya file equals diffusers' pipeline with that file loaded; frozen_base equals the
+    pipeline without it; EMA and pool references start at the init LoRA."""
+    lora = loras["tiny_sd"]["kohya"]
+    cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={lora}"])
+    logged = []
+    policy = build_policy(cfg, log=logged.append)
+    assert "starts from" in logged[0] and "kohya format" in logged[0]
+    assert policy.denoiser.peft_config["default"].r == 4 and policy.denoiser.peft_config["default"].lora_alpha == 2
+    pipe = StableDiffusionPipeline.from_pretrained(asset_path("tiny_sd"), safety_checker=None,
+                                                   requires_safety_checker=False)
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, pipe.unet.config.cross_attention_dim,
+                                                                   generator=g)
+    t = torch.tensor([20, 800])
+
+    def out(unet):
+        with torch.no_grad():
+            return unet(x, t, encoder_hidden_states=text).sample
+
+    bare = out(pipe.unet)
+    with FrozenBaseReference().use(policy):
+        assert torch.equal(out(policy.unet), bare)
+    pipe.load_lora_weights(str(lora))
+    torch.testing.assert_close(out(policy.unet), out(pipe.unet), rtol=0, atol=1e-6)
+    for reference in (EmaReference(decay=0.9), PoolReference(save_every=1, keep=2)):
+        reference.setup(policy)
+        reference.on_step(policy, 0)
+        file = read_lora(lora).state
+        assert all(torch.equal(reference.adapter.params[k], file[k].float()) for k in file)
+        policy.denoiser.delete_adapters(reference.adapter.adapter_name)
+
+
+@pytest.mark.parametrize("model", ["tiny_t2v_random", "tiny_wan_random"])
+def test_video_models_start_from_their_saved_lora(tmp_path, model):
+    """A video UNet and a Wan transformer; their builders take no lora_target_modules, so their own targets stay
+    (and must be the file's)."""
+    from hydra.utils import instantiate
+
+    from diffalign.init_lora import model_config
+
+    saved = instantiate(model_config(compose_cfg([f"output_dir={tmp_path}", f"model={model}"]).model))
+    perturb_lora_(saved)
+    saved.save_lora_weights(tmp_path / "lora")
+    policy = build_policy(compose_cfg([f"output_dir={tmp_path}", f"model={model}", f"model.init_lora={tmp_path / 'lora'}"]),
+                          log=lambda _: None)
+    want, got = policy_lora(saved).state, policy_lora(policy).state
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_reference_path_of_another_alpha_is_refused(loras):
+    """The reference adapter copies the policy's config: a LoRA of the same rank but another alpha would run at the
+    policy's scale, so it is refused naming both."""
+    from diffalign.reference import CheckpointReference
+
+    policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=4, lora_alpha=4,
+                                                   lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])
+    with pytest.raises(ValueError, match=r"reference.path=.* has r=4, alpha=2 but the policy's adapter r=4, alpha=4"):
+        CheckpointReference(str(loras["tiny_sd"]["kohya"])).setup(policy)
+
+
+def test_settings_come_from_the_file_and_an_explicit_conflict_names_both(tmp_path, loras):
+    lora = loras["tiny_sd"]["kohya"]
+    cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={lora}"])
+    assert cfg.model.lora_rank == 8  # tiny_sd's
+    adopted = adopt_init_lora(cfg)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (4, 2) == (adopted["lora_rank"], adopted["lora_alpha"])
+    assert cfg.model.lora_target_modules == ["conv1", "to_k", "to_out.0", "to_q", "to_v"]  # diffalign's metadata
+    assert adopt_init_lora(cfg, explicit={"lora_rank", "lora_alpha"}) == adopted  # equal explicit values are fine
+    bare = tmp_path / "no-metadata.safetensors"  # a kohya file from elsewhere: the adapted modules' full paths
+    safetensors.torch.save_file(safetensors.torch.load_file(lora), str(bare))
+    cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={bare}"])
+    adopt_init_lora(cfg)
+    assert sorted(cfg.model.lora_target_modules) == read_lora(lora).modules and len(read_lora(lora).modules) == 40
+    assert build_policy(cfg, log=lambda _: None).denoiser.peft_config["default"].r == 4
+
+    for override, match in (("model.lora_rank=16", (r"model.lora_rank=16 \(set on the command line\) conflicts with "
+                                                    r"model.init_lora=.* which has rank 4")),
+                            ("model.lora_alpha=4", "model.lora_alpha=4 .* which has alpha 2"),
+                            ("model.lora_rank=null", "model.lora_rank=None .* which has rank 4"),
+                            ("++model.lora_target_modules=[to_q]", "which adapts modules these targets miss")):
+        cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={lora}", override])
+        with pytest.raises(ValueError, match=match):
+            adopt_init_lora(cfg, explicit={override.split("=")[0].lstrip("+").removeprefix("model.")})
+    # explicit targets that cover the file's modules (here listed by full path) are kept
+    cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={bare}",
+                                                            "++model.lora_target_modules=[to_q,to_k,to_v,to_out.0,conv1]"])
+    assert adopt_init_lora(cfg, explicit={"lora_target_modules"})["lora_target_modules"] == [
+        "to_q", "to_k", "to_v", "to_out.0", "conv1"]
+    assert build_policy(cfg, log=lambda _: None).denoiser.peft_config["default"].r == 4
+    # a diffalign folder restores the run's own (compact) targets from its metadata
+    cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={loras['tiny_sd']['folder']}"])
+    assert adopt_init_lora(cfg)["lora_target_modules"] == sorted(["to_q", "to_k", "to_v", "to_out.0", "conv1"])
+
+
+def test_bad_init_lora_fails_before_any_model_loads(tmp_path, loras, monkeypatch):
+    import diffusers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained", no_loading)
+    cases = ((str(tmp_path / "missing.safetensors"), FileNotFoundError, "model.init_lora=.*does not exist"),
+             (str(loras["tiny_sd3"]["kohya"]), ValueError, "is a LoRA for a transformer, but the model .* has a unet"))
+    for path, error, match in cases:
+        cfg = compose_cfg(dpo_overrides(tmp_path, "tiny_sd") + [f"model.init_lora={path}"])
+        with pytest.raises(error, match=match):
+            adopt_init_lora(cfg)
+
+
+@pytest.mark.slow
+def test_resume_wins_over_init_lora(tmp_path, loras):
+    """A resumed run continues its checkpoint (bit for bit as an uninterrupted run) and ignores model.init_lora — here
+    a path that no longer exists — saying so; its adapter settings come from the checkpoint."""
+    from diffalign.train.preference import train
+
+    init = tmp_path / "init.safetensors"
+    shutil.copy(loras["tiny_sd"]["kohya"], init)
+    full = train(compose_cfg(dpo_overrides(tmp_path / "full", "tiny_sd", steps=2) + [f"model.init_lora={init}"]))
+    train(compose_cfg(dpo_overrides(tmp_path / "cut", "tiny_sd", steps=1) + [f"model.init_lora={init}"]))
+    init.unlink()
+    cfg = compose_cfg(dpo_overrides(tmp_path / "cut", "tiny_sd", steps=2) + [f"model.init_lora={init}",
+                                                                            "resume=latest"])
+    logged = []
+    policy = build_policy(cfg, log=logged.append)
+    assert "is not loaded: the run resumes from" in logged[0] and "checkpoint-1" in logged[0]
+    assert policy.denoiser.peft_config["default"].r == 4  # from the checkpoint
+    resumed = train(cfg)
+    full_lora = read_lora(tmp_path / "full" / "final").state
+    assert all(torch.equal(read_lora(tmp_path / "cut" / "final").state[k], v) for k, v in full_lora.items())
+    assert resumed["history_tail"][-1]["loss"] == full["history_tail"][-1]["loss"]
+
+
+@pytest.mark.slow
+def test_cli_names_an_explicit_conflict_before_the_model_loads(tmp_path, loras):
+    """The command line's model.lora_rank=16 against a rank-4 file: refused with both named, before the model (here a
+    folder that does not exist, which would fail as soon as it loaded) is touched."""
+    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
+    args = [*dpo_overrides(tmp_path / "run", "tiny_sd"), f"model.init_lora={loras['tiny_sd']['kohya']}",
+            "model.lora_rank=16", "model.pretrained_model_name_or_path=/does/not/exist"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, env=CHILD_ENV,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1
+    assert ("diffalign: error: model.lora_rank=16 (set on the command line) conflicts with model.init_lora="
+            in proc.stderr) and "which has rank 4" in proc.stderr
+    assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
