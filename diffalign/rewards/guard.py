@@ -67,8 +67,9 @@ def score_or_raise(
     for name, reward in rewards.items():
         try:
             out = reward(images, prompts, metadata)
-        except RewardError as err:  # e.g. a WeightedSum component: keep its name, add where
-            raise RewardError(err.reward_name, err.detail, step=step, batch_index=batch_index,
+        except RewardError as err:  # e.g. a WeightedSum component: keep its name (and where, unless given here)
+            raise RewardError(err.reward_name, err.detail, step=err.step if step is None else step,
+                              batch_index=err.batch_index if batch_index is None else batch_index,
                               prompts=err.prompts or list(prompts)) from err
         except Exception as err:
             logger.exception("reward '%s' raised at step %s, batch %s", name, step, batch_index)
