@@ -105,6 +105,7 @@ def _train_main(cfg: DictConfig) -> None:
     else:
         from diffalign.train.preference import train as run
     from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.rewards.base import RewardError
     from diffalign.runlock import RunLockedError
 
     try:
@@ -114,7 +115,7 @@ def _train_main(cfg: DictConfig) -> None:
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
-    except NonFiniteError as err:
+    except (NonFiniteError, RewardError) as err:  # (a checkpoint was saved; the message names it)
         raise SystemExit(f"diffalign: error: {err}") from None
 
 

@@ -166,8 +166,10 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callab
         log (`Callable[[str], None]`, defaults to `print`): where the stop message goes.
 
     Raises:
-        RewardError: the original error, with ``checkpoint`` set to the saved folder; the message names the reward,
-            the step, the batch and the prompt(s). If saving itself fails, that error is raised from the reward's.
+        RewardError: the reward's error with the saved folder as ``checkpoint`` and in the message ("— checkpoint
+            saved to <folder>; fix or deselect the reward, then resume with resume=latest"); the message names the
+            reward, the step, the batch and the prompt(s) (the original error chained; re-raised as it is where this
+            process wrote no checkpoint). If saving itself fails, that error is raised from the reward's.
     """
     try:
         yield
@@ -178,4 +180,9 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callab
             raise RuntimeError(f"{err}; saving a checkpoint before stopping also failed: {save_err}") from err
         where = f"checkpoint saved to {err.checkpoint}" if err.checkpoint is not None else "no checkpoint written"
         log(f"[diffalign] stopping: {err}; {where}. Fix or deselect the reward, then resume with resume=latest.")
-        raise
+        if err.checkpoint is None:
+            raise
+        stop = RewardError(err.reward_name, f"{err.detail} — {where}; fix or deselect the reward, then resume with "
+                           "resume=latest", step=err.step, batch_index=err.batch_index, prompts=err.prompts)
+        stop.checkpoint = err.checkpoint
+        raise stop from err
