@@ -139,6 +139,35 @@ def _numbered_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def check_resume_target(output_dir: str | os.PathLike, resume: str | os.PathLike) -> None:
+    """Refuses to resume from the checkpoint folder `resume` (at step s, its ``trainer_state.json``) into an
+    `output_dir` that holds checkpoints after s (of any run): the resumed run would reach their steps and could not
+    write its own checkpoints there (they are never overwritten). The later checkpoints are kept; the message says
+    how to branch instead (a new ``output_dir`` with the same ``resume``, which carries the checkpoint's lineage on).
+
+    Raises:
+        FileNotFoundError: `resume` has no ``trainer_state.json``.
+        ValueError: it cannot be read, or naming `resume`, `output_dir`, the later checkpoints and the fix.
+    """
+    state_file = Path(resume) / "trainer_state.json"
+    if not state_file.is_file():
+        raise FileNotFoundError(f"resume={str(resume)!r} is not a checkpoint folder (no trainer_state.json); use "
+                                "resume=latest or a path to a checkpoint-<step> folder")
+    try:
+        step = int(json.loads(state_file.read_text())["global_step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"resume={str(resume)!r}: {state_file} cannot be read ({err}); resume from another "
+                         "checkpoint") from None
+    later = [path.name for s, path in _numbered_checkpoints(Path(output_dir)) if s > step]
+    if later:
+        raise ValueError(
+            f"resume={str(resume)!r} continues from step {step}, but output_dir={str(output_dir)!r} already holds "
+            f"later checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}), which this run would run "
+            f"into (checkpoint folders are never overwritten). To branch from step {step}, pass a new "
+            "output_dir=<folder> with the same resume=...; to continue the newest, pass resume=latest; or move the "
+            f"later checkpoints out of {output_dir}")
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The ``checkpoint-<step>`` directory with the largest integer step, or `None` if there is none.
 
@@ -307,8 +336,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         except (SafetensorError, OSError, ValueError) as err:
             step = _CHECKPOINT_RE.match(path.name)
             earlier = [p.name for s, p in _numbered_checkpoints(path.parent) if step and s < int(step.group(1))]
-            raise ValueError(f"{file} is truncated or damaged ({err}); resume from an earlier checkpoint "
-                             f"(resume=<folder>; in {path.parent}: {earlier[-3:] or 'none'}) or delete {path}") from None
+            then = f"resume=latest then continues from {earlier[-1]}" if earlier else "then start again"
+            raise ValueError(f"{file} is truncated or damaged ({err}); delete {path} ({then}), or branch from an earlier "
+                             f"checkpoint into a new folder (output_dir=<new folder> resume=<checkpoint>; in "
+                             f"{path.parent}: {earlier[-3:] or 'none'})") from None
 
 
 def load_checkpoint(

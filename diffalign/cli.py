@@ -73,26 +73,29 @@ def check_reward_overrides(argv: list[str]) -> None:
                              "function with reward=[python:<module>:<function>]")
 
 
-def _migrate(cfg: DictConfig) -> None:
-    """Old config keys → new ones, with a FutureWarning each (`diffalign.deprecation.migrate_config`; an old key and
-    its new one both on the command line is an error)."""
+def _command_line_overrides() -> list[str]:
+    """The command line's ``key=value`` overrides (Hydra's task overrides); empty outside a Hydra app."""
     from hydra.core.hydra_config import HydraConfig
 
-    from diffalign.deprecation import migrate_config
-
-    migrate_config(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else ())
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # (HydraConfig not set: called from Python)
+        return []
 
 
 def _train_main(cfg: DictConfig) -> None:
+    from diffalign.deprecation import migrate_config
     from diffalign.init_lora import adopt_init_lora, command_line_model_keys
     from diffalign.validation import validate_train_config
 
     try:
-        _migrate(cfg)
-        validate_train_config(cfg)  # before any model is loaded
+        # old config keys → new ones, a FutureWarning each; an old key beside its new one is an error
+        migrate_config(cfg, _command_line_overrides())  # (diffalign.deprecation)
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
-        # command line is an error), read before any model is loaded (diffalign/init_lora.py)
+        # command line is an error), read before any model is loaded (diffalign/init_lora.py); then every setting,
+        # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
+        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
@@ -104,7 +107,7 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
-    from diffalign.faults import NonFiniteError, TrainingInterrupted
+    from diffalign.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.rewards.base import RewardError
     from diffalign.runlock import RunLockedError
 
@@ -115,7 +118,7 @@ def _train_main(cfg: DictConfig) -> None:
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
-    except (NonFiniteError, RewardError) as err:  # (a checkpoint was saved; the message names it)
+    except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
         raise SystemExit(f"diffalign: error: {err}") from None
 
 
@@ -153,12 +156,23 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
 
 def _eval_main(cfg: DictConfig) -> None:
+    from diffalign.config_checks import boolean
+    from diffalign.deprecation import migrate_config
     from diffalign.evaluate import resolve_checkpoints
-    from diffalign.validation import validate_eval_config, validate_reward_modality
+    from diffalign.validation import (
+        check_output_dir,
+        check_reward_nodes,
+        validate_eval_config,
+        validate_reward_modality,
+    )
 
     try:
-        _migrate(cfg)
+        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.deprecation)
+        check_output_dir(cfg.output_dir)
+        for key in ("include_base", "report", "resume"):
+            boolean(cfg, key, "")
         validate_eval_config(cfg)
+        check_reward_nodes(cfg)
         validate_reward_modality(cfg)
         if cfg.checkpoints is not None and cfg.checkpoint is not None:
             raise ValueError("pass checkpoints=[...] or checkpoint=<folder>, not both (checkpoints=[base,<folder>] "

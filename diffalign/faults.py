@@ -29,6 +29,12 @@ class NonFiniteError(FloatingPointError):
         self.checkpoint = checkpoint
 
 
+class RolloutMismatchError(RuntimeError):
+    """The log-probs a policy-gradient method recomputes for training differ from the rollout's stored ones before
+    the first update of an epoch (the train/rollout consistency alarm,
+    `diffalign.objectives.policy_gradient.StoredTransitionMethod`); the message names the likely causes."""
+
+
 class TrainingInterrupted(RuntimeError):
     """A stop signal ended the run after a checkpoint was saved; `exit_code` is 128 + the signal number."""
 

@@ -8,7 +8,9 @@ declarations; they hold no method names. Every method has
   `diffalign.train.preference`);
 - ``check_config(cfg, num_processes=None)`` (classmethod): its own checks of the composed run config, run by
   `diffalign.validation.validate_train_config` before any model loads and again by the loop (errors name the field and
-  the fix);
+  the fix); e.g. the model family it trains (a model config's class says ``flow_matching``) or the sampler it needs;
+- a constructor that only checks and stores its arguments (cheap, no side effects): validation builds the method
+  once from ``cfg.method`` so that its argument checks run before any model loads (`diffalign.validation.construct`);
 - ``setup(policy)``: called once, after the reference strategy's setup and before the optimizer collects the
   trainable parameters (adapters it needs go on the denoiser here);
 - ``checkpoint_states()``: ``{file stem: object with state_dict / load_state_dict}`` saved with every checkpoint and

@@ -9,7 +9,9 @@ callback, `RunLockCallback`, runs before Hydra saves ``.hydra/`` and its log the
   when the holder dies, however it dies, so a run killed with SIGKILL never blocks the folder; the file it leaves
   behind names a dead process, and the next run takes it over with a one-line message.
 - A second run into a locked folder is refused at once with `RunLockedError`, naming the holder and the fix (wait for
-  it, or pass another ``output_dir``).
+  it, or pass another ``output_dir``). So is a run into a folder *inside* a live run's folder (``diffalign-eval
+  output_dir=runs/x/eval`` while ``diffalign-train`` runs in ``runs/x``), and a run into a folder whose direct
+  subfolder a live run holds (`check_nested`).
 - Multi-process launches (``accelerate launch``, ``torchrun``): rank 0 (``RANK``) takes the lock; the other ranks take
   none and are refused only when the lock belongs to another launch on this host (a holder whose launcher pid is not
   their parent).
@@ -42,6 +44,9 @@ except ImportError:  # (Windows: the pid check alone)
 from diffalign.launch import process_start_time
 
 LOCK_NAME = ".diffalign.lock"
+RUN_SUBFOLDERS = ("eval", "logs", "prepared", "final")
+"""Subfolders a training run writes into (besides ``checkpoint-*``): a live run holding one of them blocks a run into
+their parent (`check_nested`)."""
 
 
 class RunLockedError(RuntimeError):
@@ -150,6 +155,66 @@ def _check_holder(output_dir: Path, holder: dict | None, log) -> None:
         "running")
 
 
+def _held_by_another(folder: Path) -> dict | None:
+    """The record of a live run, other than this process, that holds the lock of `folder`; None when the folder has
+    no lock file, its holder is gone, or this process holds it. The kernel ``flock`` decides (a shared, non-blocking
+    attempt fails while the holder lives); without ``flock`` the record does."""
+    path = folder / LOCK_NAME
+    if folder.resolve() in _HELD or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return None  # nobody holds it: a stale file
+            except BlockingIOError:
+                return read_holder(path) or {}
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+        holder = read_holder(path)
+        if holder and (holder.get("host") != socket.gethostname() or _live_here(holder)) \
+                and holder.get("pid") != os.getpid():
+            return holder
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_nested(output_dir: str | os.PathLike) -> None:
+    """Refuses an `output_dir` inside the folder of a live run (e.g. ``diffalign-eval output_dir=runs/x/eval`` while
+    ``diffalign-train`` runs in ``runs/x`` and will write its own evaluation there), or one whose run subfolder
+    (`RUN_SUBFOLDERS`, ``checkpoint-*``) a live run holds (a training run started into ``runs/x`` while
+    ``diffalign-eval`` writes ``runs/x/eval``).
+
+    Raises:
+        RunLockedError: naming the other run's folder, its holder and the fix.
+    """
+    output_dir = Path(output_dir)
+    here = output_dir.resolve()
+    for parent in here.parents:
+        holder = _held_by_another(parent)
+        if holder is not None:
+            raise RunLockedError(f"output_dir={str(output_dir)!r} is inside {str(parent)!r}, which is in use by "
+                                 f"another run: {describe(holder)}. That run writes there (its evaluation goes to "
+                                 f"{parent / 'eval'}); wait for it to finish, or pass an output_dir=<folder> outside "
+                                 f"it. (Lock file: {parent / LOCK_NAME}.)")
+    if here.is_dir():
+        for child in sorted(c for c in here.iterdir() if c.is_dir() and (c.name in RUN_SUBFOLDERS
+                                                                          or c.name.startswith("checkpoint-"))):
+            holder = _held_by_another(child)
+            if holder is not None:
+                raise RunLockedError(f"output_dir={str(output_dir)!r} holds {str(child)!r}, which is in use by "
+                                     f"another run: {describe(holder)}; this run would write into it. Wait for it "
+                                     f"to finish, or pass another output_dir=<folder>. (Lock file: "
+                                     f"{child / LOCK_NAME}.)")
+
+
 def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=None) -> bool:
     """Takes the run lock of `output_dir` for this process (creating the folder), or counts one more user when this
     process holds it already. Ranks other than 0 of a multi-process launch take no lock (see the module docstring).
@@ -178,6 +243,7 @@ def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=No
         if holder and holder.get("launcher_pid") != os.getppid() and _live_here(holder):
             raise _refusal(output_dir, holder)
         return False
+    check_nested(output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -1,78 +1,224 @@
-"""Checks of a composed run config, done before any model is loaded (errors name the field and the fix)."""
+"""Checks of a composed run config, done before any model is loaded (errors name the field and the fix).
+
+`validate_train_config` orchestrates; each component checks its own fields in one place:
+
+==========================  ================================================================================
+node                        where it is checked
+==========================  ================================================================================
+``seed``, ``output_dir``,   here (`check_run_settings`, `check_output_dir`, `check_resume`)
+``resume``
+``trainer``, ``online``     `diffalign.train.checks` (ranges, names, options a loop would ignore)
+``model``                   `diffalign.models.checks` (+ the policy class's ``check_config``)
+``method``                  its constructor (built once, cheaply) and its ``check_config`` (`diffalign.methods`)
+``sampler``                 `diffalign.samplers.checks` (ranges, and a sampler of the model's family)
+``data``, ``reference``     the component class's ``check_config`` (`check_component`)
+``reward.*``                `diffalign.rewards.checks` (+ the reward class's ``check_config``), modality here
+``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
+==========================  ================================================================================
+
+Every error is a `ValueError` (`diffalign.config_checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
+prints it as ``diffalign: error: <message>`` and exits with 1 before anything else runs.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, check_method
-from diffalign.samplers.configs import check_sampler
+from diffalign.config_checks import ConfigError, boolean, choice, int_list, integer, number, seed, text
+from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 
 MIXED_PRECISION = ("no", "fp16", "bf16")
+VIDEO_FORMATS = ("gif", "mp4")
 
 
-def _positive(cfg: DictConfig, key: str, value, strict: bool = True) -> None:
-    if value is None or (value <= 0 if strict else value < 0):
-        raise ValueError(f"{key} must be {'>' if strict else '>='} 0, got {value}")
+def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -> None:
+    """Raises ValueError / FileNotFoundError for a bad training config, naming the field and the fix, before any model
+    loads (the table in the module docstring says which component checks what).
 
+    Args:
+        cfg (`DictConfig`): the composed ``train`` config.
+        overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
+            override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
 
-def validate_train_config(cfg: DictConfig) -> None:
-    """Raises ValueError / FileNotFoundError for a bad training config. Checks: method.beta > 0,
-    num_inference_steps >= 1 (sampler and eval), trainer sizes and learning rate, mixed precision, at least one reward,
-    the monitor, the data set's and the reference strategy's own checks (their ``check_config``: prompt and data files,
-    a named reference checkpoint, ...; the data's only for methods that read it), reward modalities, the online
-    settings with the method's own checks, the evaluation and the resume target."""
-    method = cfg.get("method") or {}
-    if "beta" in method:
-        _positive(cfg, "method.beta", method.beta)
-    for key in ("sampler", "eval"):
-        node = cfg.get(key) or {}
-        if "num_inference_steps" in node and (node.num_inference_steps is None or node.num_inference_steps < 1):
-            raise ValueError(f"{key}.num_inference_steps must be >= 1, got {node.num_inference_steps}")
-    t = cfg.trainer
-    for k in ("max_steps", "batch_size", "gradient_accumulation_steps", "learning_rate"):
-        _positive(cfg, f"trainer.{k}", t[k])
-    if t.checkpointing_steps is not None and t.checkpointing_steps < 1:
-        raise ValueError(f"trainer.checkpointing_steps must be >= 1 or null, got {t.checkpointing_steps}")
-    if t.get("max_consecutive_nonfinite", 5) is None or t.get("max_consecutive_nonfinite", 5) < 1:
-        raise ValueError(f"trainer.max_consecutive_nonfinite must be >= 1 (non-finite updates skipped in a row before "
-                         f"the run stops with a checkpoint), got {t.max_consecutive_nonfinite}")
-    if t.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"trainer.mixed_precision must be one of {MIXED_PRECISION}, got {t.mixed_precision!r}")
+    The config's deprecated keys are moved to their new names first (`diffalign.deprecation.migrate_config`, in
+    place), so the checks read only the current names.
+    """
+    from diffalign.deprecation import migrate_config
+    from diffalign.models.checks import check_model_config
+    from diffalign.samplers.checks import check_sampler_config
+    from diffalign.train.checks import check_ignored_overrides, check_online_config, check_trainer_config
+
+    migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
+    online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
+    check_run_settings(cfg)
+    check_trainer_config(cfg, online=online)
+    if overrides:
+        check_ignored_overrides(overrides, online=online)
+    if online:
+        check_online_config(cfg)
+    check_sampler_config(cfg, flow_matching=target_attribute((cfg.get("model") or {}).get("_target_"),
+                                                             "flow_matching"), online=online)
+    check_method_config(cfg)
+    check_model_config(cfg)
     if not cfg.get("reward"):
-        raise ValueError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
-    monitor = cfg.get("monitor") or OmegaConf.create({})
-    if monitor.get("every", 0) is None or monitor.get("every", 0) < 0:
-        raise ValueError(f"monitor.every must be >= 0 (0 = off), got {monitor.get('every')}")
-    if monitor.get("every", 0) > 0:
-        eval_set = sorted(cfg.get("eval_reward") or cfg.reward)
-        unknown = [n for n in (monitor.get("rewards") or []) if n not in eval_set]
-        if unknown:
-            raise ValueError(f"monitor.rewards: {unknown} not in the evaluation reward set {eval_set}; add them with "
-                             "eval_reward=[...]")
-        if monitor.get("diversity", True) and len(monitor.get("seeds") or []) < 2:
-            raise ValueError(f"monitor.seeds={list(monitor.get('seeds') or [])}: diversity needs >= 2 seeds per prompt; "
-                             "pass e.g. monitor.seeds=[0,1,2,3] or monitor.diversity=false")
-        load_prompts(monitor.get("prompts", "heldout"), field="monitor.prompts")
+        raise ConfigError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
+    check_reward_nodes(cfg)
     validate_reward_modality(cfg)
-    if _method_flow(cfg) not in ONLINE_FLOWS:  # (online methods make their own samples; `data` is unused)
+    if not online:
         check_component(cfg, "data")
     check_component(cfg, "reference")
-    if "_target_" in method:
-        validate_online_config(cfg)
+    construct(cfg.get("reference"), "reference")
+    check_monitor_config(cfg)
     if cfg.eval.enabled:
         validate_eval_config(cfg)
+    else:
+        boolean(cfg.eval, "enabled", "eval")
+    check_resume(cfg)
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """``seed`` (an integer in [0, 2**32 - 1]), ``output_dir`` (a folder that can be written) and ``resume`` (null,
+    latest or a folder name)."""
+    seed(cfg, "seed", "")
+    text(cfg, "output_dir", "")
+    check_output_dir(cfg.output_dir)
+    if cfg.get("resume") is not None and not isinstance(cfg.resume, str):
+        raise ConfigError(f"resume={cfg.resume!r} must be null, latest or the path of a checkpoint-<step> folder")
+
+
+def check_output_dir(output_dir) -> None:
+    """``output_dir`` is a folder (or can be made as one) where this process can create files: a temporary file is
+    created in it (or in its nearest existing parent) and removed again, which also catches read-only mounts (where
+    `os.access` says yes to root).
+
+    Raises:
+        ConfigError: ``output_dir=… cannot be written (<reason>: <path>); pass an output_dir=<folder> on a writable
+            disk``.
+    """
+    path = Path(str(output_dir)).expanduser()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    fix = "pass an output_dir=<folder> on a writable disk"
+    if not probe.is_dir():
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({probe} is a file, not a folder); {fix}")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".diffalign-write-test-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        reason = f"{err.strerror}: {probe}"
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({reason}); {fix}") from None
+
+
+def check_resume(cfg: DictConfig) -> None:
+    """``resume`` names a checkpoint folder (or latest), and the run will not collide with checkpoints already in
+    ``output_dir``: a new run needs an output folder without checkpoints; a run resumed from a checkpoint at step s
+    needs one without checkpoints after s (``checkpoint-<step>`` folders are never overwritten, so it would stop at
+    the first of them).
+
+    Raises:
+        FileNotFoundError: ``resume=<folder>`` is not a checkpoint folder.
+        ConfigError: the output folder holds checkpoints the run would collide with (the message names the fix).
+    """
+    from diffalign.checkpoint import check_resume_target, latest_checkpoint
+
     resume = cfg.get("resume")
-    if resume not in (None, "latest") and not (Path(resume) / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"resume={resume!r} is not a checkpoint folder (no trainer_state.json); use "
-                                "resume=latest or a path to a checkpoint-<step> folder")
     output_dir = Path(str(cfg.output_dir))
-    if cfg.get("resume") is None and output_dir.is_dir() and any(output_dir.glob("checkpoint-*")):
-        raise ValueError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
-                         "that run, or choose a new output_dir")
+    if resume not in (None, "latest"):
+        check_resume_target(output_dir, resume)
+    if resume is None and latest_checkpoint(output_dir) is not None:
+        raise ConfigError(f"output_dir={str(output_dir)!r} already holds checkpoints; pass resume=latest to continue "
+                          "that run, or choose a new output_dir")
+
+
+def construct(node, group: str):
+    """Builds the component of `node` (``cfg.<group>``) with Hydra's ``instantiate`` so its constructor checks its
+    arguments before any model loads; the constructor's `ValueError` / `TypeError` comes out as a `ConfigError` with
+    its own message (not Hydra's "Error in call to target"). Only for components whose constructor is cheap and has no
+    side effects (methods and reference strategies; a method's is, by the contract of `diffalign.methods`).
+
+    Returns:
+        The built object, or None when `node` has no ``_target_``.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    if not node or "_target_" not in node:
+        return None
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, (ValueError, TypeError)):
+            raise ConfigError(f"{group}: {cause}" if not str(cause).startswith(f"{group}.") else str(cause)) from None
+        raise
+
+
+def check_method_config(cfg: DictConfig) -> None:
+    """The method's contract (`diffalign.methods.check_method`: a data flow a loop runs, every member), its
+    constructor's argument checks (`construct`) and its own ``check_config(cfg)``.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    method = cfg.get("method") or {}
+    if "_target_" not in method:
+        return
+    try:
+        cls = get_class(method._target_)
+    except (ImportError, AttributeError, ValueError):
+        return  # (instantiate reports an unimportable target with its own message)
+    flow = getattr(cls, "data_flow", None)
+    if flow in ONLINE_FLOWS:
+        check_method(cls, method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
+    else:
+        check_method(cls, method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
+    construct(method, "method")
+    cls.check_config(cfg)
+
+
+def check_reward_nodes(cfg: DictConfig) -> None:
+    """Every selected reward's node, training (``reward.<name>``) and evaluation (``eval_reward.<name>``)
+    (`diffalign.rewards.checks.check_reward_config`)."""
+    from diffalign.rewards.checks import check_reward_config
+
+    for field in ("reward", "eval_reward"):
+        for name, node in (cfg.get(field) or {}).items():
+            check_reward_config(node, f"{field}.{name}")
+
+
+def check_monitor_config(cfg: DictConfig) -> None:
+    """The reward-hacking monitors' node (``monitor``): ranges, names, prompts, rewards of the evaluation set."""
+    monitor = cfg.get("monitor") or OmegaConf.create({})
+    p = "monitor"
+    integer(monitor, "every", p, ge=0, hint="0 turns the monitors off")
+    if not monitor.get("every", 0):
+        return
+    integer(monitor, "num_prompts", p, ge=1)
+    int_list(monitor, "seeds", p, ge=0)
+    boolean(monitor, "diversity", p)
+    text(monitor, "diversity_model", p)
+    integer(monitor, "num_inference_steps", p, ge=1)
+    number(monitor, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+    integer(monitor, "batch_size", p, ge=1)
+    boolean(monitor, "save_samples", p)
+    choice(monitor, "video_format", p, VIDEO_FORMATS)
+    eval_set = sorted(cfg.get("eval_reward") or cfg.reward)
+    unknown = [n for n in (monitor.get("rewards") or []) if n not in eval_set]
+    if unknown:
+        raise ValueError(f"monitor.rewards: {unknown} not in the evaluation reward set {eval_set}; add them with "
+                         "eval_reward=[...]")
+    if monitor.get("diversity", True) and len(monitor.get("seeds") or []) < 2:
+        raise ValueError(f"monitor.seeds={list(monitor.get('seeds') or [])}: diversity needs >= 2 seeds per prompt; "
+                         "pass e.g. monitor.seeds=[0,1,2,3] or monitor.diversity=false")
+    load_prompts(monitor.get("prompts", "heldout"), field="monitor.prompts")
 
 
 def check_component(cfg: DictConfig, group: str) -> None:
@@ -156,60 +302,32 @@ def validate_reward_modality(cfg: DictConfig) -> None:
 
 
 def validate_eval_config(cfg: DictConfig) -> None:
-    """Checks the ``eval`` node: steps >= 1, a non-empty prompt file, at least one seed, batch size >= 1, bootstrap
-    settings, video format, and prompts every evaluation reward can score (a reward's ``check_prompts``)."""
-    e = cfg.eval
-    if e.num_inference_steps is None or e.num_inference_steps < 1:
-        raise ValueError(f"eval.num_inference_steps must be >= 1, got {e.num_inference_steps}")
+    """Checks the ``eval`` node (``diffalign-train``'s evaluation and ``diffalign-eval``): integer steps, seeds and
+    sizes, a guidance scale >= 1, the bootstrap settings, the video format, a prompt file, and prompts every evaluation
+    reward can score (a reward's ``check_prompts``).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the field and the fix.
+    """
+    e, p = cfg.eval, "eval"
+    boolean(e, "enabled", p)
+    integer(e, "num_inference_steps", p, ge=1)
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
-    _positive(cfg, "eval.batch_size", e.batch_size)
-    if e.get("bootstrap_resamples", 1) < 1:
-        raise ValueError(f"eval.bootstrap_resamples must be >= 1, got {e.bootstrap_resamples}")
-    if not 0 < e.get("confidence", 0.95) < 1:
-        raise ValueError(f"eval.confidence must be in (0, 1), e.g. 0.95; got {e.confidence}")
-    if e.get("video_format", "gif") not in ("gif", "mp4"):
-        raise ValueError(f"eval.video_format must be gif or mp4, got {e.video_format!r}")
+    int_list(e, "seeds", p, ge=0, min_length=1)
+    number(e, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+    number(e, "eta", p, ge=0)
+    integer(e, "batch_size", p, ge=1)
+    integer(e, "grid_images", p, ge=0)
+    integer(e, "prompts_per_tag", p, ge=1, nullable=True, hint="null: every prompt")
+    integer(e, "bootstrap_resamples", p, ge=1)
+    number(e, "confidence", p, gt=0, lt=1, hint="e.g. 0.95")
+    seed(e, "bootstrap_seed", p)
+    choice(e, "video_format", p, VIDEO_FORMATS)
+    boolean(e, "reuse_base", p)
+    text(e, "prompts", p)
     rows = load_prompts(e.prompts, field="eval.prompts")
     for node in (cfg.get("eval_reward") or cfg.get("reward") or {}).values():  # the evaluation reward set
         check = target_attribute((node or {}).get("_target_"), "check_prompts")  # a reward that scores some prompts only
         if check is not None:
             check(rows, f"eval.prompts={e.prompts!r}")
-
-
-def validate_online_config(cfg: DictConfig) -> None:
-    """Checks of an online run's config that would otherwise fail after the models load: group size, the ``online``
-    sizes and advantage options, the sampler option (`check_sampler`), the method's own checks (its ``check_config``:
-    e.g. the sampler kind it needs) and the prompt file. Does nothing for offline methods."""
-    flow = _method_flow(cfg)
-    if flow not in ONLINE_FLOWS:
-        return
-    on = cfg.online
-    if on.group_size < 2:
-        raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
-                         "prompt; set online.group_size >= 2 (DGPO and Flow-GRPO use 16-24)")
-    for key in ("num_epochs", "groups_per_epoch", "rollout_batch_size", "updates_per_epoch", "num_inner_epochs"):
-        if on[key] < 1:
-            raise ValueError(f"online.{key} must be >= 1, got {on[key]}")
-    if on.advantage_std not in ("group", "global", "none"):
-        raise ValueError(f"online.advantage_std must be 'group', 'global' or 'none', got {on.advantage_std!r}")
-    if on.advantage_std_correction not in (0, 1):
-        raise ValueError(f"online.advantage_std_correction must be 0 (population std: flow_grpo, DGPO) or 1 (sample "
-                         f"std: DanceGRPO, ViPO), got {on.advantage_std_correction!r}")
-    if not on.advantage_eps > 0:
-        raise ValueError(f"online.advantage_eps must be > 0 (flow_grpo 1e-4, ViPO 1e-8), got {on.advantage_eps}")
-    if on.get("split", "groups") not in ("groups", "members"):
-        raise ValueError(f"online.split={on.split!r} must be 'groups' (whole groups per process) or 'members' (every "
-                         "group spread over the processes)")
-    best = on.get("best_of_n")
-    if best is not None and (best < 2 or best % 2):
-        raise ValueError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per group), or "
-                         "null")
-    check_sampler(cfg)  # a sampler option of the model's family (diffalign.samplers.configs)
-    method = get_class(cfg.method._target_)
-    check_method(method, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
-    method.check_config(cfg)  # the method's own checks (diffalign.methods)
-    if on.prompts is None:
-        raise ValueError("online.prompts is required by this recipe (it trains on your prompts, not the tiny world's); "
-                         "pass online.prompts=<prompt file: .jsonl with GenEval metadata, .txt or .csv>")
-    load_prompts(on.prompts, field="online.prompts")

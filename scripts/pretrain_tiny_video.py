@@ -10,9 +10,17 @@ fixed seed 0. The EMA weights are saved as a `TextToVideoSDPipeline` in float16 
 ``torch_dtype=torch.float32``) and evaluated with the motion verifier (`reward=[video_motion]`) on the held-out
 video prompts (28 prompts × 4 seeds, DDIM 20 steps, CFG 4).
 
-Usage (about 20 minutes on one core of a shared 2-core CPU)::
+The shipped model (`model=tiny_t2v`) is the image model inflated (``--inflate``)::
 
-    OMP_NUM_THREADS=1 python scripts/pretrain_tiny_video.py --steps 1300 --out diffalign/assets/tiny_t2v
+    OMP_NUM_THREADS=2 python scripts/pretrain_tiny_video.py --inflate --threads 2 --steps 3000 --num-videos 16000 \
+        --lr 1e-3 --spatial-lr 1e-4 --out diffalign/assets/tiny_t2v
+
+Diagnostics (docs/vipo.md, "why the tiny video model has not learned the direction of motion"): ``--eval-every N``
+evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
+moving objects whose net displacement points the named way) and runs `direction_probe` (how much the denoising loss
+depends on the caption's direction word and on the frame order); ``--text-lr``, ``--reinit-words`` and
+``--high-t-fraction`` are the knobs the pilots recorded there varied. Everything is written to
+``pretrain_metrics.json`` next to the model.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
     from diffalign.rewards.video import VideoMotion
     from diffalign.samplers.rollout import rollout
 
-    reward, correct, tags = VideoMotion(), [], []
+    reward, correct, tags, dense, sign = VideoMotion(), [], [], [], []
     for seed in seeds:
         for s in range(0, len(rows), 32):
             chunk = rows[s:s + 32]
@@ -69,11 +77,53 @@ def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
                                eta=0.0, generator=gens)
             out = reward(traj.images, [r["prompt"] for r in chunk], chunk)
             correct += out.info["correct"].tolist()
+            dense += out.scores.tolist()
             tags += [r["tag"] for r in chunk]
+            sign += [direction_sign(tracks, r) for tracks, r in zip(out.info["tracks"], chunk)]
     acc = float(np.mean(correct))
     per_tag = {t: float(np.mean([c for c, g in zip(correct, tags) if g == t])) for t in sorted(set(tags))}
+    sign = [x for v in sign for x in v]
     return {"accuracy": acc, "se": float(np.std(correct) / math.sqrt(len(correct))), "n": len(correct),
-            "per_tag": per_tag}
+            "per_tag": per_tag, "dense": float(np.mean(dense)),
+            "direction_sign": float(np.mean(sign)) if sign else float("nan")}
+
+
+def direction_sign(tracks, row) -> list[bool]:
+    """Per moving object of `row` with a complete track: does its first→last displacement point the named way
+    (positive along the named axis and larger than across it)? A softer motion measure than the verifier's."""
+    from diffalign.world.video import VELOCITY
+
+    out = []
+    for track, e in zip(tracks, row["include"]):
+        if e["motion"] == "still" or any(p is None for p in track):
+            continue
+        vx, vy = VELOCITY[e["motion"]]
+        axis, sgn = (0, vx) if vx else (1, vy)
+        along = sgn * (track[-1][axis] - track[0][axis])
+        out.append(bool(along > 0 and along > abs(track[-1][1 - axis] - track[0][1 - axis])))
+    return out
+
+
+SWAP_DIRECTION = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+def direction_probe(unet, text_encoder, lat, ids, ids_swapped, noise_scheduler, timesteps=(300, 600, 900)) -> dict:
+    """How much the denoising loss of moving-object videos depends on the direction word and on frame order: the mean
+    ε-MSE with the true caption, with left↔right and up↓down swapped in the caption, and with the frames reversed
+    (input and target), at each timestep (fixed noise). A model that uses the direction word has swapped > true."""
+    g = torch.Generator().manual_seed(123)
+    res = {}
+    with torch.no_grad():
+        cond, swapped = text_encoder(ids)[0], text_encoder(ids_swapped)[0]
+        for t in timesteps:
+            noise = torch.randn(lat.shape, generator=g)
+            tt = torch.full((len(lat),), t)
+            x = noise_scheduler.add_noise(lat, noise, tt)
+            true = F.mse_loss(unet(x, tt, cond).sample, noise).item()
+            swap = F.mse_loss(unet(x, tt, swapped).sample, noise).item()
+            rev = F.mse_loss(unet(x.flip(2), tt, cond).sample, noise.flip(2)).item()
+            res[t] = {"true": true, "swapped_caption_gap": swap / true - 1, "reversed_frames_gap": rev / true - 1}
+    return res
 
 
 def inflate_image_model(image_dir: Path, tokenizer):
@@ -159,9 +209,24 @@ def main() -> None:
                         "text encoder extended to the video vocabulary")
     p.add_argument("--spatial-lr", type=float, default=None,
                    help="learning rate of the inflated image weights (default: --lr); the temporal layers use --lr")
+    p.add_argument("--text-lr", type=float, default=None,
+                   help="learning rate of the text encoder (default: the inflated weights' rate, --spatial-lr)")
+    p.add_argument("--reinit-words", nargs="*", default=[],
+                   help="words whose token embeddings are re-drawn at random (N(0, s²), s the rms of the trained "
+                        "colour-word embeddings) before training, e.g. the video words that --inflate copies from [UNK]")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps: evaluate the EMA weights on the held-out prompts (--checkpoint-eval-seeds) "
+                        "and run the direction probe; 0 = only at the end")
+    p.add_argument("--checkpoint-eval-seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--high-t-fraction", type=float, default=0.0,
+                   help="fraction of each batch whose timestep is drawn from [--high-t-min, 1000) instead of [0, 1000): "
+                        "the noise levels at which an object's path is still undecided, where the caption's direction "
+                        "word is the only clue (the ε-loss there is small, so uniform sampling gives it little weight)")
+    p.add_argument("--high-t-min", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler
     from diffusers.training_utils import EMAModel
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -188,6 +253,18 @@ def main() -> None:
         unet = UNet3DConditionModel.from_pretrained(Path(args.init) / "unet", torch_dtype=torch.float32)
         text_encoder = CLIPTextModel.from_pretrained(Path(args.init) / "text_encoder", torch_dtype=torch.float32)
         log(f"initialised from {args.init}")
+    if args.reinit_words:
+        emb = text_encoder.get_input_embeddings().weight
+        vocab = tokenizer.get_vocab()
+        unknown = [w for w in args.reinit_words if w not in vocab]
+        if unknown:
+            raise ValueError(f"--reinit-words: {unknown} are not in the video vocabulary {sorted(vocab)}")
+        with torch.no_grad():
+            scale = emb[[vocab[c] for c in ("red", "green", "blue", "yellow")]].pow(2).mean().sqrt()
+            g = torch.Generator().manual_seed(args.seed)
+            for w in args.reinit_words:
+                emb[vocab[w]] = torch.randn(emb.shape[1], generator=g) * scale
+        log(f"re-drew the embeddings of {args.reinit_words} (rms {scale:.3f})")
     log(f"unet3d {sum(p.numel() for p in unet.parameters()) / 1e6:.3f}M params, text encoder "
         f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M")
     rows = load_prompts("video_train")
@@ -199,20 +276,63 @@ def main() -> None:
     noise_scheduler = DDPMScheduler(**{k: v for k, v in SD15_SCHEDULER_CONFIG.items()
                                        if k not in ("set_alpha_to_one", "timestep_spacing")})
     params = list(unet.parameters()) + list(text_encoder.parameters())
-    spatial = [p for n, p in unet.named_parameters() if n in inflated] + list(text_encoder.parameters()) \
-        if inflated else []
-    spatial_ids = {id(p) for p in spatial}
+    spatial = [p for n, p in unet.named_parameters() if n in inflated]
+    text = list(text_encoder.parameters())
+    spatial_ids = {id(p) for p in spatial + text}
     temporal = [p for p in params if id(p) not in spatial_ids]
     groups = [{"params": temporal, "lr": args.lr}]
     if spatial:
         groups.append({"params": spatial, "lr": args.spatial_lr or args.lr})
+    text_lr = args.text_lr or ((args.spatial_lr or args.lr) if inflated else args.lr)
+    groups.append({"params": text, "lr": text_lr})
     opt = torch.optim.AdamW(groups, weight_decay=1e-2)
     warm = min(100, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warm)) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+    probe_rows = [r for r in load_prompts("video_train") if any(e["motion"] != "still" for e in r["include"])]
+    p_means, _, p_prompts = encode_videos(vae, probe_rows, 32, seed=2, frames=args.frames)
+    probe_lat = p_means * vae.config.scaling_factor
+
+    def _ids(texts):
+        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                         return_tensors="pt").input_ids
+
+    probe_ids = _ids(p_prompts)
+    probe_ids_swapped = _ids([" ".join(SWAP_DIRECTION.get(w, w) for w in q.split()) for q in p_prompts])
+    eval_pipe = build_tiny_t2v_pipeline(vae=vae, text_encoder=text_encoder, unet=unet)
+    eval_pipe.tokenizer = tokenizer
+    eval_pipe.scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
+    eval_policy = TextToVideoPolicy.from_video_pipeline(eval_pipe, num_frames=args.frames, lora_rank=None)
+    unet.requires_grad_(True)  # the policy freezes the text encoder (and the UNet's base weights): train them again
+    text_encoder.requires_grad_(True)
+    checkpoints = {}
+
+    def checkpoint(step: int, seeds) -> dict:
+        ema_unet.store(unet.parameters())
+        ema_text.store(text_encoder.parameters())
+        ema_unet.copy_to(unet.parameters())
+        ema_text.copy_to(text_encoder.parameters())
+        unet.eval()
+        text_encoder.eval()
+        res = {"probe": direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler),
+               "heldout": evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], seeds,
+                                   steps=args.eval_steps),
+               "minutes": (time.time() - t0) / 60}
+        ema_unet.restore(unet.parameters())
+        ema_text.restore(text_encoder.parameters())
+        unet.train()
+        text_encoder.train()
+        h = res["heldout"]
+        log(f"checkpoint {step}: accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}"
+            f" probe " + " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
+                                   for t, v in res["probe"].items()))
+        return res
+
     ema_unet, ema_text = EMAModel(unet.parameters(), decay=0.999), EMAModel(text_encoder.parameters(), decay=0.999)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(args.seed)
     t0, running, curve = time.time(), None, {}
+    unet.train()
+    text_encoder.train()
     for step in range(args.steps):
         idx = torch.randint(len(prompts), (args.batch,), generator=gen)
         lat = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen)) * vae.config.scaling_factor
@@ -220,6 +340,9 @@ def main() -> None:
         tok[torch.rand(len(idx), generator=gen) < 0.1] = empty
         noise = torch.randn(lat.shape, generator=gen)
         t = torch.randint(0, 1000, (len(idx),), generator=gen)
+        if args.high_t_fraction:
+            high = torch.rand(len(idx), generator=gen) < args.high_t_fraction
+            t = torch.where(high, torch.randint(args.high_t_min, 1000, (len(idx),), generator=gen), t)
         pred = unet(noise_scheduler.add_noise(lat, noise, t), t, text_encoder(tok)[0]).sample
         loss = F.mse_loss(pred, noise)
         opt.zero_grad(set_to_none=True)
@@ -233,20 +356,27 @@ def main() -> None:
         if step % 100 == 0 or step == args.steps - 1:
             curve[step] = running
             log(f"step {step} loss {running:.4f} ({(step + 1) / (time.time() - t0):.2f} it/s)")
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            t_eval = time.time()
+            checkpoints[step + 1] = checkpoint(step + 1, args.checkpoint_eval_seeds)
+            t0 += time.time() - t_eval  # training minutes exclude the checkpoint evaluations
     train_minutes = (time.time() - t0) / 60
     ema_unet.copy_to(unet.parameters())
     ema_text.copy_to(text_encoder.parameters())
-    pipe = build_tiny_t2v_pipeline(vae=vae, text_encoder=text_encoder.eval(), unet=unet.eval())
-    pipe.tokenizer = tokenizer
-    pipe.scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
-    policy = TextToVideoPolicy.from_video_pipeline(pipe, num_frames=args.frames, lora_rank=None)
-    held = evaluate(policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds, steps=args.eval_steps)
-    log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} {held['per_tag']}")
+    unet.eval()
+    text_encoder.eval()
+    pipe = eval_pipe
+    probe = direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler)
+    held = evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds,
+                    steps=args.eval_steps)
+    log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} direction "
+        f"{held['direction_sign']:.3f} {held['per_tag']}; probe {probe}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
-               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held,
+               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe,
+               "checkpoints": checkpoints, "args": vars(args),
                "total_minutes": (time.time() - t_start) / 60, "threads": args.threads}
     (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))
     log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 2**20:.1f} MB)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -201,6 +202,9 @@ def test_resume_latest_with_a_truncated_latest_checkpoint_stops_naming_it(tmp_pa
     file.write_bytes(file.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"checkpoint-2/optimizer.safetensors is truncated.*\['checkpoint-1'\]"):
         train(compose_cfg(smoke_overrides(tmp_path, steps=3) + ["resume=latest"]))
-    results = train(compose_cfg(smoke_overrides(tmp_path, steps=3) + [f"resume={tmp_path / 'checkpoint-1'}",
-                                                                      "trainer.checkpointing_steps=5"]))
+    # the earlier checkpoint in the same folder would run into checkpoint-2 (refused); the message's first fix works
+    with pytest.raises(ValueError, match=r"already holds later checkpoints \(checkpoint-2\)"):
+        train(compose_cfg(smoke_overrides(tmp_path, steps=3) + [f"resume={tmp_path / 'checkpoint-1'}"]))
+    shutil.rmtree(tmp_path / "checkpoint-2")
+    results = train(compose_cfg(smoke_overrides(tmp_path, steps=3) + ["resume=latest"]))
     assert results["global_step"] == 3

@@ -266,3 +266,47 @@ def test_tiny_ddspo_recipe_runs_and_dpo_trains_on_the_same_pairs(tmp_path):
         validate_train_config(missing)
     with pytest.raises(ValueError, match="data.pairs_dir"):
         validate_train_config(compose_cfg(["data=ddspo_pairs"]))
+
+
+def _write_shard(path, barrier, fill):
+    from diffalign.data import ddspo_pairs
+
+    def write(tmp):
+        tmp.write_text(fill * 1000)
+        barrier.wait(timeout=60)  # both processes hold a written temporary file before either renames it
+
+    ddspo_pairs._atomic_write(path, write)
+
+
+def test_processes_writing_the_same_shard_do_not_share_a_temporary_file(tmp_path):
+    """Every rank of a launch (and every run sharing data.pairs_dir) generates the missing shards and writes them;
+    with one shared temporary name (``shard-00000.jsonl.tmp`` before) the second writer truncated the first's file
+    and its rename failed with FileNotFoundError. Two real processes, both writes done before either rename."""
+    import multiprocessing
+    import os
+    import socket
+
+    from diffalign.data.ddspo_pairs import remove_stale_temporaries
+
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(2)
+    path = tmp_path / "shard-00000.jsonl"
+    writers = [context.Process(target=_write_shard, args=(path, barrier, fill)) for fill in "ab"]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+    assert [w.exitcode for w in writers] == [0, 0]
+    assert path.read_text() in ("a" * 1000, "b" * 1000)  # one whole copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.jsonl"]
+    # a killed writer's temporary file is removed at the next start; a live process's and another host's are kept
+    dead = context.Process(target=lambda: None)
+    dead.start()
+    dead.join()
+    host = socket.gethostname()
+    names = [f".tmp-shard-00001.jsonl-{owner}-0123abcd" for owner in (f"{host}-{dead.pid}", f"{host}-{os.getpid()}",
+                                                                        f"node-17-{dead.pid}")]
+    for name in names:
+        (tmp_path / name).write_text("partial")
+    remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == sorted(names[1:])

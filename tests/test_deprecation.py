@@ -102,9 +102,14 @@ def test_the_command_warns_about_an_old_key_and_refuses_it_beside_its_new_one(tm
                               timeout=300)
 
     old = cli("method.num_train_timesteps=3", "trainer.learning_rate=0")  # stops at the validation, after the warning
-    assert old.returncode != 0 and "trainer.learning_rate must be > 0" in old.stderr
+    assert old.returncode != 0 and "trainer.learning_rate must be a number > 0" in old.stderr
     assert "FutureWarning: method.num_train_timesteps is deprecated" in old.stderr
     assert "method.timesteps_per_epoch=3" in old.stderr
     both = cli("method.num_train_timesteps=3", "method.timesteps_per_epoch=2")
     assert both.returncode != 0
     assert "method.num_train_timesteps and method.timesteps_per_epoch are both set" in both.stderr
+
+
+def test_an_unknown_old_sde_type_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"sampler.sde_type='other' must be one of \('flow_grpo', 'dance'\)"):
+        migrated(["recipe=tiny_flow_grpo", "sampler.sde_type=other"])

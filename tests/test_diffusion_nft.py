@@ -196,9 +196,23 @@ def test_recipes_validate_and_the_paper_recipe_carries_the_released_settings(tmp
         validate_train_config(cfg)
 
 
-def test_an_eps_model_is_refused_at_setup(tiny_policy):
+def test_an_eps_model_is_refused_before_it_loads(tmp_path, monkeypatch):
+    """The flow-only check is the method's `check_config`: validation and the loop refuse an eps model before it is
+    built (building it here would fail the test)."""
+    from diffalign.models import tiny_random
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the method refused it")
+
+    monkeypatch.setattr(tiny_random, "build_tiny_random_pipeline", no_build)
+    cfg = compose_cfg(["recipe=tiny_diffusion_nft", "model=tiny_random", f"output_dir={tmp_path}",
+                       "trainer.log_with=none"])
     with pytest.raises(ValueError, match="rectified-flow"):
-        DiffusionNFT().setup(tiny_policy)
+        validate_train_config(cfg)
+    from diffalign.train.online import train
+
+    with pytest.raises(ValueError, match="rectified-flow"):
+        train(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ plan and old policy

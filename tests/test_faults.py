@@ -201,5 +201,5 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 def test_max_consecutive_nonfinite_is_checked_up_front():
     from diffalign.validation import validate_train_config
 
-    with pytest.raises(ValueError, match="trainer.max_consecutive_nonfinite must be >= 1"):
+    with pytest.raises(ValueError, match="trainer.max_consecutive_nonfinite must be an integer >= 1"):
         validate_train_config(compose_cfg(["trainer.max_consecutive_nonfinite=0"]))

@@ -153,10 +153,10 @@ def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
 
     with pytest.raises(ValueError, match="sde_type='dance' is a flow-matching SDE"):
         rollout(build_tiny_random_policy(seed=0), ["a red circle"], num_inference_steps=2, sde_type="dance")
-    with pytest.raises(ValueError, match="sampler=dance_sde is for flow-matching models"):
+    with pytest.raises(ValueError, match="sampler.model_family=flow.* is an eps/v-prediction model"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "method=vipo",
                                            "sampler=dance_sde"]))
-    with pytest.raises(ValueError, match="sampler=ddim is DDIM-eta for eps/v models"):
+    with pytest.raises(ValueError, match="sampler.model_family=eps.* is a rectified-flow model"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
                                            "sampler=ddim"]))
     validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",

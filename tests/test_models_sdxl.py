@@ -314,7 +314,7 @@ def test_flow_only_method_is_refused_on_sdxl(tmp_path):
     cfg = compose_cfg(online_overrides(tmp_path, epochs=1) + [
         "model=tiny_sdxl_random", "method=diffusion_nft", "sampler=dpm_ode", "sampler.guidance_scale=1",
         "reward=[brightness]"])
-    with pytest.raises(ValueError, match="trains rectified-flow .* the model predicts 'epsilon'"):
+    with pytest.raises(ValueError, match="trains rectified-flow .* is an eps/v-prediction model"):
         train(cfg)
 
 

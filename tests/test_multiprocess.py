@@ -222,3 +222,52 @@ def test_two_process_diffusion_nft_matches_one_process(tmp_path):
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
                        "eval.enabled=false", *common]))
     assert_same_lora(tmp_path / "one", tmp_path / "two")
+
+
+COUNT_SYNCS = """
+import atexit, json, os, sys
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+import diffalign.train.online as online
+calls = []
+prepare = online.prepare_training
+def counted(accelerator, policy, tr, total_updates):  # a DDP comm hook that counts the gradient reductions
+    out = prepare(accelerator, policy, tr, total_updates)
+    def hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+    policy.forward_module.register_comm_hook(None, hook)
+    return out
+online.prepare_training = counted
+atexit.register(lambda: open(os.path.join(os.environ["COUNT_DIR"], f"rank{os.environ['RANK']}.json"), "w").write(
+    json.dumps({"calls": len(calls), "buckets": len(set(calls))})))
+from diffalign.cli import train
+sys.argv[0] = 'diffalign-train'
+train()
+"""
+
+
+def test_the_online_loop_synchronises_gradients_once_per_update(tmp_path):
+    """Each process accumulates all micro-batches of an update (here 2 minibatches × 4 transitions = 8 per update)
+    and the gradients are reduced across the processes once per update, at its last micro-batch (`no_sync` on the
+    others): a DDP comm hook sees one reduction per bucket per update, not one per micro-batch."""
+    script = tmp_path / "train.py"
+    script.write_text(COUNT_SYNCS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "COUNT_DIR": str(tmp_path)}
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(port), str(script), "model=tiny_flow_random", "method=flow_grpo", "sampler=flow_sde",
+               "method.timestep_fraction=1.0", f"output_dir={out}", "online.num_epochs=2", "online.groups_per_epoch=2",
+               "online.group_size=4", "trainer.batch_size=2", "sampler.num_inference_steps=4",
+               "online.checkpointing_epochs=null", "trainer.cpu=true", "trainer.log_with=none", "eval.enabled=false"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    updates = json.loads((out / "results.json").read_text())["global_step"]
+    assert updates == 2  # one update per epoch, each over 2 minibatches x 4 transitions = 8 micro-batches
+    for rank in (0, 1):
+        counted = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert counted["buckets"] >= 1 and counted["calls"] == updates * counted["buckets"], counted

@@ -67,3 +67,32 @@ def test_online_loop_resumes_exactly(case, tmp_path):
     last_a = json.loads((tmp_path / "a" / "history.jsonl").read_text().splitlines()[-1])
     last_b = json.loads((tmp_path / "b" / "history.jsonl").read_text().splitlines()[-1])
     assert last_a["loss"] == last_b["loss"] and last_a["reward/mean"] == last_b["reward/mean"]
+
+
+def test_resume_from_an_earlier_checkpoint_of_the_folder_is_refused_and_branching_elsewhere_continues_it(tmp_path):
+    """``resume=<checkpoint-1>`` into a folder that holds checkpoint-2 and -3 (issue 19, a raw FileExistsError at the
+    first save before): refused before any model loads, by validation and by the loop, naming the later checkpoints
+    and the fix, with every checkpoint kept. The fix, a new output_dir with the same resume, continues step 1 exactly
+    (its checkpoint-3 equals the first run's) and carries the lineage on."""
+    from diffalign.train.preference import train
+    from diffalign.validation import validate_train_config
+
+    train(compose_cfg(smoke_overrides(tmp_path / "a", steps=3)))
+    before = sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*"))
+    earlier = tmp_path / "a" / "checkpoint-1"
+    cfg = compose_cfg(smoke_overrides(tmp_path / "a", steps=3) + [f"resume={earlier}"])
+    match = (r"resume='.*checkpoint-1' continues from step 1, but output_dir='.*a' already holds later checkpoints "
+             r"\(checkpoint-2, checkpoint-3\).*pass a new output_dir=<folder> with the same resume=")
+    with pytest.raises(ValueError, match=match):
+        validate_train_config(cfg)
+    with pytest.raises(ValueError, match=match):  # (a run started from Python, without validation)
+        train(cfg)
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == before
+    validate_train_config(compose_cfg(smoke_overrides(tmp_path / "a", steps=3) +  # the newest: fine
+                                      [f"resume={tmp_path / 'a' / 'checkpoint-3'}"]))
+    branch = compose_cfg(smoke_overrides(tmp_path / "b", steps=3) + [f"resume={earlier}"])
+    validate_train_config(branch)
+    train(branch)
+    assert_same_files(tmp_path / "a" / "checkpoint-3", tmp_path / "b" / "checkpoint-3",
+                      ["pytorch_lora_weights.safetensors", "optimizer.safetensors", "trainer_state.json"])
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == before

@@ -231,3 +231,39 @@ def test_diffalign_eval_into_a_locked_folder_is_refused(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"in use by another run: pid {os.getpid()} on host {HOST}" in done.stderr and "Traceback" not in done.stderr
     assert sorted(p.name for p in run.iterdir()) == []  # (the lock file went with the release)
+
+
+def test_a_run_inside_a_live_runs_folder_or_over_a_live_subfolder_is_refused(tmp_path):
+    """``diffalign-eval output_dir=runs/x/eval`` while ``diffalign-train`` runs in ``runs/x`` (whose evaluation writes
+    there) is refused by the lock, as is a training run into ``runs/x`` while an evaluation holds ``runs/x/eval``;
+    once the holder is gone (SIGKILL: its file is stale) both are allowed."""
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockedError, match=rf"output_dir='.*run/eval' is inside '.*run', which is in use by "
+                                                 rf"another run: pid {holder.pid} on host {HOST}"):
+            acquire(run / "eval", "diffalign-eval")
+        code = ("import sys; from diffalign.cli import evaluate; sys.argv = ['diffalign-eval'] + sys.argv[1:]; "
+                "evaluate()")
+        done = subprocess.run([sys.executable, "-c", code, f"output_dir={run / 'eval'}", "model=tiny_random"],
+                              cwd=REPO, env=ENV, check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "is inside" in done.stderr and f"pid {holder.pid}" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and not (run / "eval").exists()  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    assert acquire(run / "eval", "diffalign-eval")  # the holder is gone
+    release(run / "eval")
+    evaluation = subprocess.Popen([sys.executable, "-c", HOLD, str(run / "eval")], env=ENV, stdout=subprocess.PIPE,
+                                  text=True)
+    try:
+        assert evaluation.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockedError, match=rf"output_dir='.*run' holds '.*run/eval', which is in use by another "
+                                                 rf"run: pid {evaluation.pid}"):
+            acquire(run, "diffalign-train")
+    finally:
+        evaluation.kill()
+        evaluation.wait()
+    assert acquire(run, "diffalign-train")
+    release(run)

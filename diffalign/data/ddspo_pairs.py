@@ -31,6 +31,8 @@ import hashlib
 import json
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,9 +119,31 @@ def set_scheduler(pipeline, scheduler: str) -> None:
 
 
 def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """`write(tmp)` into a temporary file of this process alone, fsync, then rename it to `path`. Several processes
+    (the ranks of a launch, or runs sharing ``data.pairs_dir``) may write the same shard at once: each writes its
+    own temporary file and the renames are atomic, so `path` is always one whole copy."""
+    tmp = path.with_name(f".tmp-{path.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Removes the temporary files that processes of this host killed while writing a shard left in `out` (a live
+    process's are kept; files of other hosts are left alone)."""
+    import re
+
+    from diffalign.runlock import process_alive
+
+    mine = re.compile(rf"^\.tmp-.+-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]{{8}}$")
+    for leftover in out.glob(".tmp-*"):
+        match = mine.match(leftover.name)
+        if match and not process_alive(int(match.group(1))):
+            leftover.unlink(missing_ok=True)
 
 
 def shard_name(k: int) -> str:
@@ -198,6 +222,7 @@ def generate_pairs(
     if not jobs:
         raise ValueError("no prompt could be degraded; nothing to generate.")
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     num_shards = -(-len(jobs) // shard_size)
     _atomic_write(manifest_path, lambda p: p.write_text(json.dumps(
         {"settings": settings, "num_pairs": len(jobs), "num_shards": num_shards, "skipped_prompts": skipped},
@@ -293,6 +318,16 @@ class DDSPOPairs:
         Raises:
             ValueError, FileNotFoundError: naming ``data.prompts`` or ``data.pairs_dir`` and the fix.
         """
+        from diffalign.config_checks import choice, integer, number, seed
+
+        d = cfg.data
+        for key in ("num_variants", "samples_per_prompt", "num_inference_steps", "shard_size", "batch_size"):
+            integer(d, key, "data", ge=1)
+        integer(d, "max_pairs", "data", ge=1, nullable=True)
+        number(d, "guidance_scale", "data", ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+        choice(d, "scheduler", "data", list(SCHEDULERS))
+        choice(d, "degradation", "data", list(DEGRADATIONS))
+        seed(d, "seed", "data")
         load_prompts(cfg.data.prompts, field="data.prompts")
         if OmegaConf.is_missing(cfg.data, "pairs_dir"):
             raise ValueError("data.pairs_dir is required for data=ddspo_pairs; pass data.pairs_dir=<folder> (made by "

@@ -135,6 +135,17 @@ class PreparedPairs:
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
+        from diffalign.config_checks import choice, integer, number, seed
+
+        d = cfg.data
+        integer(d, "num_prompts", "data", ge=1, nullable=True)  # (null: every prompt, failure_pairs)
+        integer(d, "samples_per_prompt", "data", ge=1)
+        integer(d, "num_inference_steps", "data", ge=1)
+        number(d, "guidance_scale", "data", ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+        number(d, "eta", "data", ge=0)
+        integer(d, "batch_size", "data", ge=1)
+        seed(d, "seed", "data")
+        choice(d, "losers", "data", ("failures", "all"))
         load_prompts(cfg.data.prompts, field="data.prompts")
         if isinstance(cfg.data.reward, str) and cfg.data.reward not in (cfg.reward or {}):
             raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not "

@@ -98,6 +98,12 @@ class PickAPicPairs:
         Raises:
             ValueError, FileNotFoundError: naming ``data.path``.
         """
+        from diffalign.config_checks import boolean, integer
+
+        integer(cfg.data, "resolution", "data", ge=8, nullable=True, hint="null: the model's pixel size")
+        integer(cfg.data, "max_rows", "data", ge=1, nullable=True)
+        boolean(cfg.data, "keep_ties", "data")
+        boolean(cfg.data, "winners_only", "data")
         require_path(cfg.data, "path")
 
 

@@ -47,6 +47,10 @@ class ShapesPairs:
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
+        from diffalign.config_checks import integer, seed
+
+        integer(cfg.data, "num_pairs", "data", ge=1)
+        seed(cfg.data, "seed", "data")
         load_prompts(cfg.data.prompts, field="data.prompts")
         if cfg.data.num_pairs is not None and cfg.trainer.batch_size > cfg.data.num_pairs:
             raise ValueError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than data.num_pairs="

@@ -57,6 +57,9 @@ class WinnerFolder:
         Raises:
             ValueError, FileNotFoundError: naming ``data.captions``.
         """
+        from diffalign.config_checks import integer
+
+        integer(cfg.data, "resolution", "data", ge=8, nullable=True, hint="null: the model's pixel size")
         require_path(cfg.data, "captions")
 
 
@@ -150,6 +153,10 @@ class ShapesWinners:
         Raises:
             ValueError, FileNotFoundError: naming ``data.prompts``.
         """
+        from diffalign.config_checks import integer, seed
+
+        integer(cfg.data, "num_samples", "data", ge=1)
+        seed(cfg.data, "seed", "data")
         load_prompts(cfg.data.prompts, field="data.prompts")
 
 

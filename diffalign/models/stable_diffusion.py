@@ -30,6 +30,7 @@ from diffalign.models.pipeline_policy import (  # noqa: F401 (LORA_WEIGHT_NAME, 
     check_pipeline_folder,
     load_pipeline,
 )
+from diffalign.text_context import TruncationWarner
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class StableDiffusionPolicy(NoisePredictionMixin, PipelinePolicy):
         self.text_encoder = text_encoder.requires_grad_(False).eval()
         self.unet = unet.requires_grad_(False)
         self.tokenizer = tokenizer
-        self._warned_truncated: set[str] = set()  # prompts already reported as too long
+        self._truncation = TruncationWarner("the text encoder", logger)  # reports each too-long prompt once
         self.scheduler = DDIMScheduler.from_config(scheduler.config)
         self._init_lora(lora_rank, lora_alpha, lora_target_modules, lora_seed)
 
@@ -239,12 +240,7 @@ class StableDiffusionPolicy(NoisePredictionMixin, PipelinePolicy):
 
     def _encode_text(self, texts: list[str]) -> torch.Tensor:
         # prompts longer than the text encoder's context are truncated, as in diffusers; say so once per prompt
-        max_length = self.tokenizer.model_max_length
-        for text, n in zip(texts, (len(ids) for ids in self.tokenizer(texts).input_ids)):
-            if n > max_length and text not in self._warned_truncated:
-                self._warned_truncated.add(text)
-                logger.warning("prompt %r has %d tokens; the text encoder reads only the first %d, the rest is "
-                               "ignored", text, n, max_length)
+        self._truncation.check(self.tokenizer, texts, self.tokenizer.model_max_length)
         ids = self.tokenizer(
             texts,
             padding="max_length",

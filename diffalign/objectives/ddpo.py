@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
 from diffalign.schemas import config_schema
 
 
@@ -21,6 +21,8 @@ class DDPOConfig:
     timestep_fraction: float = 1.0
     timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch (ddpo-pytorch: one per
                                         # sample); first: in order
+    logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 
 class DDPO(ClippedPolicyGradient):
@@ -32,7 +34,9 @@ class DDPO(ClippedPolicyGradient):
     (`timestep_selection="random"`), not one per sample."""
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, timestep_fraction: float = 1.0,
-                 timestep_selection: str = "random"):
+                 timestep_selection: str = "random", logprob_check: str = "stop",
+                 logprob_tolerance: float = LOGPROB_TOLERANCE):
         super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form="exact", detach_unconditional=False,
                          advantage="per_prompt", timestep_fraction=timestep_fraction,
-                         timestep_selection=timestep_selection)
+                         timestep_selection=timestep_selection, logprob_check=logprob_check,
+                         logprob_tolerance=logprob_tolerance)

@@ -247,9 +247,16 @@ class DiffusionNFT:
         accepted, ODE or SDE (the method never reads log-probs).
 
         Raises:
-            ValueError: naming the field and the fix.
+            ValueError: naming the field and the fix; also for a model that is not a rectified-flow one (its class's
+                ``flow_matching`` attribute), before it loads.
         """
+        from diffalign.validation import target_attribute
+
         on, sp, m = cfg.online, cfg.sampler, cfg.method
+        if target_attribute(cfg.model.get("_target_"), "flow_matching") is False:
+            raise ValueError(f"method=diffusion_nft trains rectified-flow (velocity) models, but model="
+                             f"{cfg.model._target_} is an eps/v-prediction model; use a flow model (model=tiny_sd3, "
+                             "model=sd35_medium)")
         if sp.guidance_scale != 1:
             raise ValueError(f"method=diffusion_nft is CFG-free: its rollouts must come from the old policy v_old "
                              f"itself (arXiv:2509.16117; released config sample.guidance_scale=1.0), but "
@@ -264,15 +271,9 @@ class DiffusionNFT:
                              "online.advantage_clip >= method.advantage_max (both 5 in the released config)")
 
     def setup(self, policy) -> None:
-        """Adds v_old (`SoftUpdateOldPolicy`) to the policy.
-
-        Raises:
-            ValueError: for a policy that does not predict a flow velocity (the x_0-space weighting and the
-                forward process x_t = (1 − σ) x_0 + σ ε are the rectified-flow ones).
-        """
-        if policy.prediction_type != "flow":
-            raise ValueError(f"method=diffusion_nft trains rectified-flow (velocity) models, but the model predicts "
-                             f"{policy.prediction_type!r}; use a flow model (model=tiny_sd3, model=sd35_medium)")
+        """Adds v_old (`SoftUpdateOldPolicy`) to the policy (a rectified-flow one: `check_config` refuses other models
+        before they load, as the x_0-space weighting and the forward process x_t = (1 − σ) x_0 + σ ε are the flow
+        ones)."""
         self.rollout_policy = SoftUpdateOldPolicy(self.old_policy_decay_max, self.old_policy_decay_rate,
                                                   self.old_policy_flat_steps)
         self.rollout_policy.setup(policy)

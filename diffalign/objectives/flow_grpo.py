@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffalign.objectives.policy_gradient import ClippedPolicyGradient
+from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
 from diffalign.schemas import config_schema
 
 
@@ -23,6 +23,8 @@ class FlowGRPOConfig:
     detach_unconditional: bool = True
     timestep_fraction: float = 0.99     # int(10 * 0.99) = 9 of 10 transitions [CODE]
     timestep_selection: str = "first"   # first: transitions 0..8 in order [CODE scripts/train_sd3.py]; random: a random 9
+    logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 
 class FlowGRPO(ClippedPolicyGradient):
@@ -33,7 +35,9 @@ class FlowGRPO(ClippedPolicyGradient):
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.04, kl_form: str = "code",
                  detach_unconditional: bool = True, timestep_fraction: float = 0.99,
-                 timestep_selection: str = "first"):
+                 timestep_selection: str = "first", logprob_check: str = "stop",
+                 logprob_tolerance: float = LOGPROB_TOLERANCE):
         super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form=kl_form,
                          detach_unconditional=detach_unconditional, advantage="group",
-                         timestep_fraction=timestep_fraction, timestep_selection=timestep_selection)
+                         timestep_fraction=timestep_fraction, timestep_selection=timestep_selection,
+                         logprob_check=logprob_check, logprob_tolerance=logprob_tolerance)

@@ -152,10 +152,101 @@ def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
     return torch.randperm(num_steps, generator=generator)[:n_train].sort().values.tolist()
 
 
+LOGPROB_CHECKS = ("stop", "warn", "off")
+LOGPROB_TOLERANCE = 1e-3
+"""Default of ``method.logprob_tolerance``: the largest |recomputed − stored| step log-prob accepted before the first
+update of an epoch. Measured in the tiny world on CPU in float32 (docs/reliability.md#trainrollout-consistency): 0 when
+rollout and training batch the rows alike, at most 1.4e-6 when they do not; a stored guidance scale off by 0.5 gives
+5e-2, off by 0.01 6.5e-4. The default sits about 700 times above the float noise, with room for GPU kernels."""
+
+CAUSES = ("the guidance scale differs between the rollout and the training forward (sampler.guidance_scale is what "
+          "both should use; a custom plugin may guide differently); the noise level differs (sampler.eta: DDIM's eta, "
+          "sampler.noise_level: the flow SDE's, or the sampler option); dtype (trainer.mixed_precision autocasts the training forward but not "
+          "the rollout, or the frozen weights are float16/bfloat16: model.torch_dtype); the prompt embeddings are not "
+          "in the order of the latents (a data or model plugin); timestep indexing (the trajectory's timesteps/sigmas "
+          "and the scheduler's disagree, e.g. a scheduler whose set_timesteps changed)")
+
+
 class StoredTransitionMethod:
     """The contract members every method that trains on stored stochastic transitions shares (the clipped policy
-    gradients here and ViPO): stochastic rollouts with log-probs, no set-up or extra checkpoint state, and
-    ``num_inner_epochs`` passes of ``updates_per_epoch`` updates per epoch."""
+    gradients here and ViPO): stochastic rollouts with log-probs, no set-up or extra checkpoint state,
+    ``num_inner_epochs`` passes of ``updates_per_epoch`` updates per epoch, and the train/rollout consistency alarm.
+
+    The alarm: before the first optimizer update of every epoch the policy is the one that made the epoch's rollouts,
+    so the log-prob each unit recomputes for training must equal the stored one up to float noise (ratio 1). During
+    that update `check_logprobs` compares them (max |Δ| over the unit's rows, agreed over processes); beyond
+    ``logprob_tolerance`` the run stops (`diffalign.faults.RolloutMismatchError`, ``logprob_check="stop"``) naming
+    the likely causes, or warns once per epoch (``"warn"``); ``"off"`` skips it. A subclass sets ``logprob_check``,
+    ``logprob_tolerance`` (`init_logprob_check`) and wraps its updates with `checked_updates`.
+    """
+
+    logprob_check: str = "stop"
+    logprob_tolerance: float = LOGPROB_TOLERANCE
+    _checking: bool = False
+    _epoch: int = 0
+    _worst: float = 0.0
+
+    def init_logprob_check(self, logprob_check: str, logprob_tolerance: float) -> None:
+        """Stores the alarm's settings.
+
+        Raises:
+            ValueError: for an unknown ``method.logprob_check`` or a tolerance that is not > 0.
+        """
+        if logprob_check not in LOGPROB_CHECKS:
+            raise ValueError(f"method.logprob_check={logprob_check!r} must be one of {LOGPROB_CHECKS}.")
+        if not logprob_tolerance > 0:
+            raise ValueError(f"method.logprob_tolerance={logprob_tolerance} must be > 0 (default "
+                             f"{LOGPROB_TOLERANCE}).")
+        self.logprob_check, self.logprob_tolerance = logprob_check, float(logprob_tolerance)
+
+    def checked_updates(self, epoch: OnlineEpoch, updates: Iterator[list]) -> Iterator[list]:
+        """Yields `updates`, comparing log-probs (`check_logprobs`) while the first one is trained; in "warn" mode
+        prints one line for the epoch when they differ beyond the tolerance."""
+        self._checking, self._epoch, self._worst = self.logprob_check != "off", epoch.epoch, 0.0
+        for n, update in enumerate(updates):
+            yield update
+            if n == 0 and self._checking:
+                self._checking = False
+                if self._worst > self.logprob_tolerance:  # ("warn"; "stop" raised already)
+                    epoch.note(f"[diffalign] warning: epoch {epoch.epoch}: {self._mismatch_text(self._worst)}")
+        self._checking = False
+
+    def _mismatch_text(self, worst: float, where: str = "the epoch") -> str:
+        return (f"the log-probs recomputed for training differ from the rollout's stored ones before the first update "
+                f"of {where}: max |Δ log π| = {worst:.3g} > method.logprob_tolerance="
+                f"{self.logprob_tolerance:g} (the ratio π_θ / π_old should be 1 there, up to float noise). Likely "
+                f"causes: {CAUSES}")
+
+    def check_logprobs(self, new: torch.Tensor, old: torch.Tensor, k: int) -> None:
+        """During the first update of an epoch: the largest |`new` − `old`| of one unit (agreed over processes),
+        checked against the tolerance.
+
+        Args:
+            new (`torch.Tensor`): the recomputed log-probs of the unit's rows at transition `k`.
+            old (`torch.Tensor`): the stored ones, same shape.
+
+        Raises:
+            RolloutMismatchError: in "stop" mode, beyond the tolerance.
+        """
+        if not self._checking:
+            return
+        import torch.distributed as dist
+
+        worst = (new.detach().float() - old.float()).abs().max().reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        worst = float(worst)
+        if math.isnan(worst):  # a non-finite log-prob: the non-finite guard skips the update (diffalign.faults)
+            return
+        self._worst = max(self._worst, worst)
+        if self._worst > self.logprob_tolerance and self.logprob_check == "stop":
+            from diffalign.faults import RolloutMismatchError
+
+            self._checking = False
+            raise RolloutMismatchError(
+                f"{self._mismatch_text(self._worst, f'epoch {self._epoch} (transition {k})')}. The run stopped before "
+                "training on it; pass method.logprob_check=warn to train anyway, or raise method.logprob_tolerance "
+                "if this is float noise of your hardware")
 
     @classmethod
     def check_config(cls, cfg, num_processes: int | None = None) -> None:
@@ -184,10 +275,13 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         advantage (`str`): how the loop normalises rewards: "group" (GRPO) or "per_prompt" (DDPO's stat tracker).
         timestep_fraction (`float`, defaults to 1.0): fraction of each rollout's transitions trained per epoch.
         timestep_selection (`str`, defaults to "random"): which of them, "first" or "random" (`train_transitions`).
+        logprob_check (`str`, defaults to "stop"): the train/rollout consistency alarm (`StoredTransitionMethod`):
+            "stop", "warn" or "off".
+        logprob_tolerance (`float`, defaults to `LOGPROB_TOLERANCE`): its tolerance on |Δ log π|.
 
     Raises:
         ValueError: for a non-positive clip range, negative β_KL, an unknown `kl_form`/`advantage`/
-            `timestep_selection`, or a fraction outside (0, 1].
+            `timestep_selection`/`logprob_check`, a fraction outside (0, 1] or a tolerance that is not > 0.
     """
 
     data_flow = "online_trajectories"
@@ -198,7 +292,9 @@ class ClippedPolicyGradient(StoredTransitionMethod):
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, kl_form: str = "code",
                  detach_unconditional: bool = False, advantage: str = "group", timestep_fraction: float = 1.0,
-                 timestep_selection: str = "random"):
+                 timestep_selection: str = "random", logprob_check: str = "stop",
+                 logprob_tolerance: float = LOGPROB_TOLERANCE):
+        self.init_logprob_check(logprob_check, logprob_tolerance)
         if clip_range <= 0:
             raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in DDPO/Flow-GRPO).")
         if beta_kl < 0:
@@ -219,8 +315,8 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         return {}
 
     def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[TransitionUnit]]:
-        """The epoch's updates (`transition_plan`)."""
-        return transition_plan(epoch, self.timestep_fraction, self.timestep_selection)
+        """The epoch's updates (`transition_plan`), the first one checked for train/rollout consistency."""
+        return self.checked_updates(epoch, transition_plan(epoch, self.timestep_fraction, self.timestep_selection))
 
     def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one unit: `__call__` on rows ``unit.rows`` of the epoch at transition ``unit.k``."""
@@ -243,6 +339,7 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         """
         step = recompute_step(policy, trajectory, k, detach_unconditional=self.detach_unconditional)
         old = trajectory.log_probs[:, k].to(step.log_prob.device)
+        self.check_logprobs(step.log_prob, old, k)
         adv = advantages.to(step.log_prob.device).float()
         ratio = torch.exp(step.log_prob - old)
         unclipped = -adv * ratio

@@ -29,6 +29,7 @@ import torch
 
 from diffalign.methods import CurrentPolicy, OnlineEpoch
 from diffalign.objectives.policy_gradient import (
+    LOGPROB_TOLERANCE,
     TIMESTEP_SELECTIONS,
     StoredTransitionMethod,
     TransitionUnit,
@@ -37,7 +38,8 @@ from diffalign.objectives.policy_gradient import (
 from diffalign.samplers.rollout import recompute_step
 from diffalign.schemas import config_schema
 from diffalign.types import Trajectory
-from diffalign.vipo.psm import PADDINGS, PerceptualStructuring, advantage_maps
+from diffalign.vipo.backbones import check_backbone_spec
+from diffalign.vipo.psm import AGGREGATIONS, ORIENTATIONS, PADDINGS, PerceptualStructuring, advantage_maps
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
@@ -66,6 +68,8 @@ class ViPOConfig:
     timestep_selection: str = "random"  # random: one random 60% for the batch (released: one per sample) | first
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
+    logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
 
 class ViPO(StoredTransitionMethod):
@@ -90,10 +94,14 @@ class ViPO(StoredTransitionMethod):
             smoothing_truncate: the PSM's options (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3,
             weighted, σ = 1, temporal σ = 0.3; released code: `scipy.ndimage.gaussian_filter`, i.e. padding
             "reflect" and truncate 4).
+        logprob_check (`str`, defaults to "stop"), logprob_tolerance (`float`): the train/rollout consistency alarm
+            (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off", and its
+            tolerance on |Δ log π| (per position here).
 
     Raises:
-        ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection, or a fraction
-            outside (0, 1], an unknown smoothing padding or a non-positive truncate.
+        ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection/aggregation/
+            orientation/smoothing padding/backbone form, a fraction outside (0, 1], a non-positive truncate or advantage
+            clip, fewer than 1 component or a negative smoothing sigma.
     """
 
     data_flow = "online_trajectories"
@@ -106,7 +114,9 @@ class ViPO(StoredTransitionMethod):
                  backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
                  orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
                  advantage_per_reward: bool = False, timestep_selection: str = "random",
-                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0):
+                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0, logprob_check: str = "stop",
+                 logprob_tolerance: float = LOGPROB_TOLERANCE):
+        self.init_logprob_check(logprob_check, logprob_tolerance)
         if clip_range <= 0:
             raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
         if reduction not in REDUCTIONS:
@@ -121,6 +131,19 @@ class ViPO(StoredTransitionMethod):
             raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
         if smoothing_truncate <= 0:
             raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
+        if orientation not in ORIENTATIONS:
+            raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
+        if num_components < 1:
+            raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+        if spatial_sigma < 0 or temporal_sigma < 0:
+            raise ValueError(f"method.spatial_sigma={spatial_sigma} and method.temporal_sigma={temporal_sigma} must be "
+                             ">= 0 (0: no smoothing).")
+        if advantage_clip is not None and advantage_clip <= 0:
+            raise ValueError(f"method.advantage_clip={advantage_clip} must be > 0 (5 in the released code) or null.")
+        if map == "psm" and isinstance(backbone, str):
+            check_backbone_spec(backbone)  # (the backbone itself loads at the first epoch)
         self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
         self.timestep_selection = timestep_selection
         self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
@@ -148,8 +171,9 @@ class ViPO(StoredTransitionMethod):
         return {f"vipo/{k}": v for k, v in self.prepare_epoch(policy, epoch.trajectory, epoch.advantages).items()}
 
     def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[TransitionUnit]]:
-        """The epoch's updates, as the other policy-gradient methods (`transition_plan`)."""
-        return transition_plan(epoch, self.timestep_fraction, self.timestep_selection)
+        """The epoch's updates, as the other policy-gradient methods (`transition_plan`), the first one checked for
+        train/rollout consistency (`StoredTransitionMethod.checked_updates`)."""
+        return self.checked_updates(epoch, transition_plan(epoch, self.timestep_fraction, self.timestep_selection))
 
     def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one unit, with the advantage maps `prepare` built for its rows."""
@@ -207,6 +231,7 @@ class ViPO(StoredTransitionMethod):
                               detach_unconditional=self.detach_unconditional)
         device = step.log_prob.device
         old = trajectory.log_probs[:, k].to(device)
+        self.check_logprobs(step.log_prob, old, k)
         # (B, R, *grid) per reward vs (B, *grid); the latents are (B, K + 1, C, *grid)
         per_reward = adv_map.ndim == trajectory.latents.ndim - 1
         columns = [adv_map[:, r] for r in range(adv_map.shape[1])] if per_reward else [adv_map]

@@ -12,6 +12,7 @@ its ``.pt`` weights itself with ``torch.load``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,11 @@ import torch
 from PIL import Image
 
 from diffalign.rewards.preprocess import ImageInput, to_pixels
+from diffalign.text_context import TruncationWarner
 from diffalign.types import RewardOutput
+
+logger = logging.getLogger(__name__)
+BLIP_CONTEXT = 35  # ImageReward.score tokenises with max_length=35, truncation=True
 
 EXTRA = ('reward \'image_reward\' needs the ImageReward package: pip install "diffalign[imagereward]". Note: '
          "image-reward 1.5 pins timm==0.6.13, which conflicts with open_clip_torch>=3 (timm>=1.0.17) used by "
@@ -63,6 +68,8 @@ class ImageRewardScore:
             raise ImportError(f"{EXTRA} ({type(err).__name__}: {err})") from err
         self.value_range = list(value_range)
         self.model = RM.load(model, device=device)
+        self._truncation = TruncationWarner("reward.image_reward's text encoder (BLIP)", logger,
+                                            "the rest is ignored (the score judges the truncated prompt)")
 
     @torch.no_grad()
     def __call__(self, images: ImageInput, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
@@ -74,5 +81,8 @@ class ImageRewardScore:
         pil = [Image.fromarray((p.permute(1, 2, 0).cpu().numpy() * 255 + 0.5).astype(np.uint8)) for p in pixels]
         if len(prompts) != len(pil):
             raise ValueError(f"got {len(pil)} images and {len(prompts)} prompts; pass one prompt per image")
+        tokenizer = getattr(getattr(self.model, "blip", None), "tokenizer", None)  # ImageReward pads/cuts to 35
+        if tokenizer is not None:
+            self._truncation.check(tokenizer, prompts, BLIP_CONTEXT)
         scores = [float(self.model.score(prompt, [image])) for prompt, image in zip(prompts, pil)]
         return RewardOutput(torch.tensor(scores, dtype=torch.float32))

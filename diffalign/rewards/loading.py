@@ -8,10 +8,13 @@ every built-in reward's weights.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
+
+logger = logging.getLogger(__name__)
 
 
 def offline() -> bool:
@@ -123,7 +126,8 @@ def load_open_clip(model_name: str, pretrained: str | None, field: str, where: s
         from diffalign.world.tokenizer import build_tokenizer
 
         word_tokenizer = build_tokenizer()
-        tokenize = lambda prompts: tiny_clip.tokenize(word_tokenizer, prompts)
+        tokenize = _warning_tokenize(lambda prompts: tiny_clip.tokenize(word_tokenizer, prompts), word_tokenizer,
+                                     word_tokenizer.model_max_length, field)
         size, mean, std = tiny_clip.MODEL_CONFIG["vision_cfg"]["image_size"], tiny_clip.IMAGE_MEAN, tiny_clip.IMAGE_STD
         return model.eval().requires_grad_(False), tokenize, (int(size), mean, std)
     if model_name not in open_clip.list_models():
@@ -152,5 +156,21 @@ def load_open_clip(model_name: str, pretrained: str | None, field: str, where: s
         model = open_clip.create_model(model_name, pretrained=pretrained, device="cpu")
     cfg = model.visual.preprocess_cfg
     size = cfg["size"] if isinstance(cfg["size"], int) else cfg["size"][0]
-    return model.eval().requires_grad_(False), open_clip.get_tokenizer(model_name), (int(size), tuple(cfg["mean"]),
-                                                                                     tuple(cfg["std"]))
+    tokenizer = open_clip.get_tokenizer(model_name)
+    tokenize = _warning_tokenize(tokenizer, tokenizer, tokenizer.context_length, field)
+    return model.eval().requires_grad_(False), tokenize, (int(size), tuple(cfg["mean"]), tuple(cfg["std"]))
+
+
+def _warning_tokenize(tokenize, tokenizer, context: int, field: str):
+    """`tokenize` that first warns once per prompt longer than the text encoder's `context` tokens
+    (`diffalign.text_context.TruncationWarner`; the encoder reads the truncated prompt)."""
+    from diffalign.text_context import TruncationWarner
+
+    warner = TruncationWarner(f"{field}'s text encoder", logger,
+                              "the rest is ignored (the score judges the truncated prompt)")
+
+    def warned(prompts):
+        warner.check(tokenizer, list(prompts), context)
+        return tokenize(prompts)
+
+    return warned

@@ -11,6 +11,7 @@ image transform is re-done with tensor ops (`diffalign.rewards.preprocess.clip_p
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,11 @@ import torch.nn.functional as F
 
 from diffalign.rewards.loading import looks_local, missing_weights_error
 from diffalign.rewards.preprocess import ImageInput, center_crop, resize_shorter_side, to_pixels
+from diffalign.text_context import TruncationWarner
 from diffalign.types import RewardOutput
+
+logger = logging.getLogger(__name__)
+TEXT_CONTEXT = 77  # CLIP's text positions (PickScore_v1 is a CLIP-H)
 
 WHERE = ("Save the model with transformers as a folder holding config.json and model.safetensors (e.g. "
          "CLIPModel.from_pretrained('yuvalkirstain/PickScore_v1').save_pretrained('/models/pickscore') on a machine "
@@ -98,6 +103,8 @@ class PickScore:
                              f"shortest_edge and a square crop_size, got size={size}, crop_size={crop}")
         self.resize, self.crop = int(size["shortest_edge"]), int(crop["height"])
         self.mean, self.std = tuple(image_processor.image_mean), tuple(image_processor.image_std)
+        self._truncation = TruncationWarner("reward.pickscore's text encoder", logger,
+                                            "the rest is ignored (the score judges the truncated prompt)")
 
     def __call__(self, images: ImageInput, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         if isinstance(images, torch.Tensor) and images.ndim == 5:
@@ -111,7 +118,9 @@ class PickScore:
             x = self._transform(pixels.to(self.device))
         if len(prompts) != x.shape[0]:
             raise ValueError(f"got {x.shape[0]} images and {len(prompts)} prompts; pass one prompt per image")
-        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=77, return_tensors="pt")
+        self._truncation.check(self.tokenizer, prompts, TEXT_CONTEXT)  # (CLIP reads 77 tokens; say when it cuts)
+        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=TEXT_CONTEXT,
+                              return_tensors="pt")
         with contextlib.nullcontext() if self.differentiable else torch.no_grad():
             image_embeds = _features(self.model.get_image_features(pixel_values=x.to(self.device, self.dtype)))
             text_embeds = _features(self.model.get_text_features(input_ids=text.input_ids.to(self.device),

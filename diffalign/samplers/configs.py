@@ -61,10 +61,18 @@ def _legacy_name(value: Any, node: dict, cfg) -> str | None:
 
 def _sde_type_to_name(value: Any, node: dict, cfg) -> str:
     """The ``sampler.name`` meant by a deprecated ``sampler.sde_type``: ``dance`` → ``dance_sde``; ``flow_grpo``
-    (the old default, which only flow models read) → ``flow_sde`` for a flow SDE option, else the option's name."""
+    (the old default, which only flow models read) → ``flow_sde`` for a flow SDE option, else the option's name.
+
+    Raises:
+        ValueError: for another value.
+    """
+    if value not in ("flow_grpo", "dance"):
+        raise ValueError(f"sampler.sde_type={value!r} must be one of ('flow_grpo', 'dance') (a deprecated key: select "
+                         "the SDE with sampler=flow_sde or sampler=dance_sde)")
     if value == "dance":
         return "dance_sde"
-    return "flow_sde" if node.get("name") in FLOW_SDES else node.get("name")
+    name = node.get("name")
+    return "flow_sde" if name in FLOW_SDES else name
 
 
 _NAME_NOTE = "; select the SDE with sampler=flow_sde or sampler=dance_sde"
@@ -77,6 +85,7 @@ class DDIMSamplerConfig:
     η = 0: deterministic DDIM)."""
 
     name: str = deprecated_values(_legacy_name, "ddim")
+    model_family: str = "eps"  # the models it steps: eps | flow | any (diffalign/samplers/checks.py)
     num_inference_steps: int = 20
     guidance_scale: float = 4.0
     eta: float = 1.0
@@ -90,6 +99,7 @@ class FlowSDESamplerConfig:
     (Flow-GRPO config/grpo.py: 0.7, 10 steps, CFG 4.5); a = 0 is the Euler ODE."""
 
     name: str = deprecated_values(_legacy_name, "flow_sde")
+    model_family: str = "flow"  # the models it steps: eps | flow | any (diffalign/samplers/checks.py)
     num_inference_steps: int = 10
     guidance_scale: float = 4.5
     noise_level: float = 0.7
@@ -104,6 +114,7 @@ class DanceSDESamplerConfig:
     η·sqrt(σ_k − σ_{k+1}) with η = ``noise_level`` (the ViPO Wan script: 0.25, 16 steps, CFG 5.0)."""
 
     name: str = deprecated_values(_legacy_name, "dance_sde")
+    model_family: str = "flow"  # the models it steps: eps | flow | any (diffalign/samplers/checks.py)
     num_inference_steps: int = 16
     guidance_scale: float = 5.0
     noise_level: float = 0.25
@@ -118,6 +129,7 @@ class DPMSolverSamplerConfig:
     flow models, DPM-Solver++ 2M for ε/v models), no log-probs; 10 steps, CFG 4.5."""
 
     name: str = deprecated_values(_legacy_name, "dpm_ode")
+    model_family: str = "any"  # the models it steps: eps | flow | any (diffalign/samplers/checks.py)
     num_inference_steps: int = 10
     guidance_scale: float = 4.5
     eta: float | None = deprecated(note="an ODE solver draws no noise, so it had no effect")
@@ -131,32 +143,11 @@ class EulerSamplerConfig:
     flow models only, no log-probs; 10 steps, CFG 4.5."""
 
     name: str = deprecated_values(_legacy_name, "euler_ode")
+    model_family: str = "flow"  # the models it steps: eps | flow | any (diffalign/samplers/checks.py)
     num_inference_steps: int = 10
     guidance_scale: float = 4.5
     eta: float | None = deprecated(note="an ODE solver draws no noise, so it had no effect")
     sde_type: str | None = deprecated(note="an ODE solver draws no noise, so it had no effect")
-
-
-def check_sampler(cfg) -> None:
-    """A run's ``sampler`` before any model loads: a known option, of the model's family when the model says it
-    (``flow_matching`` of what ``model._target_`` builds).
-
-    Raises:
-        ValueError: naming ``sampler=<option>``, the model and the option to use.
-    """
-    from diffalign.validation import target_attribute
-
-    name = cfg.sampler.get("name")
-    if name not in SAMPLERS:
-        raise ValueError(f"sampler.name={name!r} must be one of {SAMPLERS} (select the sampler with sampler=<option>)")
-    flow = target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching")
-    if flow is False and name in (*FLOW_SDES, "euler_ode"):
-        raise ValueError(f"sampler={name} is for flow-matching models but model={cfg.model._target_} is an eps/v "
-                         "model; use sampler=ddim (stochastic, sampler.eta > 0) or sampler=dpm_ode (deterministic)")
-    if flow is True and name == "ddim":
-        raise ValueError(f"sampler=ddim is DDIM-eta for eps/v models but model={cfg.model._target_} is a flow model; "
-                         "use sampler=flow_sde or dance_sde (stochastic) or sampler=dpm_ode / euler_ode "
-                         "(deterministic)")
 
 
 def noise_scale(sampler) -> float:

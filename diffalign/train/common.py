@@ -21,6 +21,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from diffalign.checkpoint import (
+    check_resume_target,
     latest_checkpoint,
     load_checkpoint,
     new_lineage,
@@ -83,8 +84,10 @@ def start_trackers(accelerator: Accelerator, cfg: DictConfig) -> None:
 
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
     """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
-    if kind not in ("constant_with_warmup", "cosine"):
-        raise ValueError(f"trainer.lr_scheduler must be 'constant_with_warmup' or 'cosine', got {kind!r}")
+    from diffalign.train.checks import LR_SCHEDULERS
+
+    if kind not in LR_SCHEDULERS:
+        raise ValueError(f"trainer.lr_scheduler={kind!r} must be one of {LR_SCHEDULERS}")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -249,6 +252,8 @@ class Checkpoints:
         if ckpt is None:
             log(f"[diffalign] resume=latest: no checkpoint in {self.output_dir}, starting from scratch")
             return None
+        if resume != "latest":  # later checkpoints here: refused (validation says so first; this for Python callers)
+            check_resume_target(self.output_dir, ckpt)
         state = load_checkpoint(ckpt, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
         self.policy.load_lora_weights(ckpt)
         self.lineage = state.get("lineage") or self.lineage

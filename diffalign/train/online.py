@@ -17,7 +17,8 @@ Each epoch:
    or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered
    from every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
 5. hands the epoch to the method (`OnlineEpoch`): ``method.prepare`` once, then one optimizer update per list of
-   units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number).
+   units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number;
+   under DDP the processes synchronise once per update, `Accelerator.no_sync` on the other units).
 
 Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` continues from a checkpoint's epoch
 exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, the method's ``checkpoint_states`` (e.g. θ⁻),
@@ -29,6 +30,7 @@ models are evaluated on ``eval.prompts`` as in the preference loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -341,11 +343,14 @@ def _updates(run: _Run, data: OnlineEpoch) -> dict:
     for update in run.objective.plan(run.policy, data):
         # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
         with run.updates.update(run.global_step) as losses:
-            for unit in update:
-                with accelerator.autocast():
+            for i, unit in enumerate(update):
+                # the processes synchronise the accumulated gradients once per update, at its last unit (DDP no_sync)
+                last = i == len(update) - 1
+                with (contextlib.nullcontext() if last else accelerator.no_sync(run.policy.forward_module)), \
+                        accelerator.autocast():
                     loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
-                losses.add(loss)
-                accelerator.backward(loss / len(update))
+                    losses.add(loss)
+                    accelerator.backward(loss / len(update))
                 n_units += 1
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)

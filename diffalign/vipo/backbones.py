@@ -100,23 +100,40 @@ class Dinov2Backbone:
         return out[:, self.num_prefix:].float().reshape(len(x), gh, gw, -1)
 
 
-def build_backbone(spec: str | None, device: str | torch.device = "cpu") -> VisionBackbone:
-    """The backbone named by `spec`: "tiny_clip" (default), "dinov2:<folder or hub id>", or
-    "python:<module>:<factory>" (called with ``device=``).
+def check_backbone_spec(spec: str | None) -> None:
+    """Checks a backbone spec without loading anything (`build_backbone` does it first; ViPO's constructor too, so a
+    bad ``method.backbone`` fails before any model loads).
 
     Raises:
-        ValueError: for another spec, or a DINOv2 folder that does not exist.
+        ValueError: for an unknown form, a local DINOv2 folder that does not exist, or a ``python:`` spec without
+            ``<module>:<factory>``.
     """
     spec = spec or "tiny_clip"
     if spec == "tiny_clip":
-        return TinyClipBackbone(device=device)
+        return
     if spec.startswith("dinov2:"):
         path = spec.split(":", 1)[1]
         if path.startswith((".", "/")) and not Path(path).is_dir():
             raise ValueError(f"method.backbone={spec!r}: {path} is not a folder; point it at a local DINOv2 folder "
                              "(config.json + model.safetensors)")
-        return Dinov2Backbone(path, device=device)
-    if spec.startswith("python:"):
-        _, module, factory = spec.split(":", 2)
-        return getattr(importlib.import_module(module), factory)(device=device)
+        return
+    if spec.startswith("python:") and len(spec.split(":")) == 3 and all(spec.split(":")[1:]):
+        return
     raise ValueError(f"method.backbone={spec!r} must be 'tiny_clip', 'dinov2:<folder>' or 'python:<module>:<factory>'")
+
+
+def build_backbone(spec: str | None, device: str | torch.device = "cpu") -> VisionBackbone:
+    """The backbone named by `spec`: "tiny_clip" (default), "dinov2:<folder or hub id>", or
+    "python:<module>:<factory>" (called with ``device=``).
+
+    Raises:
+        ValueError: for another spec, or a DINOv2 folder that does not exist (`check_backbone_spec`).
+    """
+    check_backbone_spec(spec)
+    spec = spec or "tiny_clip"
+    if spec == "tiny_clip":
+        return TinyClipBackbone(device=device)
+    if spec.startswith("dinov2:"):
+        return Dinov2Backbone(spec.split(":", 1)[1], device=device)
+    _, module, factory = spec.split(":", 2)
+    return getattr(importlib.import_module(module), factory)(device=device)

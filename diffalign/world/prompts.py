@@ -94,12 +94,17 @@ def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
 
     Raises:
         FileNotFoundError: when the path does not exist (the message says which splits ship with the package).
-        ValueError: when the file holds no prompts, is not UTF-8, a jsonl line is not JSON or lacks a ``prompt``
-            field, a jsonl prompt is not a string or is empty/whitespace, or a CSV/TSV has no prompt column; the
-            message names the file and line.
+        ValueError: when the path is a folder (the message names a few prompt files in it), the file holds no
+            prompts, is not UTF-8, a jsonl line is not JSON or lacks a ``prompt`` field, a jsonl prompt is not a
+            string or is empty/whitespace, or a CSV/TSV has no prompt column; the message names the file and line.
     """
     shipped = ("train", "heldout", "video_train", "video_heldout")  # video_*: diffalign.world.video
     path = PROMPT_DIR / f"{split_or_path}.jsonl" if split_or_path in shipped else Path(split_or_path)
+    if path.is_dir():
+        inside = sorted(str(f) for f in path.iterdir() if f.suffix in (".jsonl", ".txt", ".csv", ".tsv"))[:3]
+        raise ValueError(f"{field}={split_or_path!r} is a folder, not a prompt file; set {field} to one file "
+                         f"(.jsonl/.csv/.tsv/.txt){', e.g. ' + ' or '.join(inside) if inside else ''}, or to a "
+                         "shipped split ('train' / 'heldout'; video: 'video_train' / 'video_heldout')")
     if not path.is_file():
         raise FileNotFoundError(f"{field}={split_or_path!r}: prompt file {str(path)!r} does not exist; set {field} to a "
                                 "jsonl/csv/tsv/txt file or to one of the shipped splits 'train' / 'heldout' (video: "

@@ -1,0 +1,56 @@
+"""Prompts longer than a text encoder's context: counted, truncated by the caller as diffusers does, and reported once
+per prompt.
+
+The diffusion models' text encoders (`diffalign.models.stable_diffusion.StableDiffusionPolicy`) and every
+text-conditioned reward (CLIP score, HPSv2, PickScore, ImageReward) read at most their context's tokens (77 for
+CLIP, 35 for ImageReward's BLIP, 12 in the tiny world) and drop the rest. A `TruncationWarner` per encoder logs one
+warning the first time it sees each such prompt, naming the prompt, its length, the context and who truncates.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+def token_count(tokenizer, text: str) -> int | None:
+    """The number of tokens `tokenizer` makes of `text` before truncation, special tokens included; None for a
+    tokenizer it does not know.
+
+    Knows Hugging Face tokenizers (``tokenizer(text).input_ids``), open_clip's `SimpleTokenizer` (``encode`` plus the
+    start and end tokens) and open_clip's `HFTokenizer` / `SigLipTokenizer` (their ``.tokenizer``).
+    """
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and callable(inner) and hasattr(tokenizer, "context_length"):  # open_clip's HFTokenizer
+        return len(inner(text).input_ids)
+    if hasattr(tokenizer, "encode") and hasattr(tokenizer, "context_length") and not callable(inner):
+        return len(tokenizer.encode(text)) + 2  # open_clip's SimpleTokenizer: <start> ... <end>
+    if callable(tokenizer) and hasattr(tokenizer, "model_max_length"):  # transformers
+        return len(tokenizer(text).input_ids)
+    return None
+
+
+class TruncationWarner:
+    """Warns once per prompt that a text encoder reads only the first `max_length` tokens of it.
+
+    Args:
+        who (`str`): the encoder, named in the message: "the text encoder" (a diffusion model), or e.g.
+            "reward.clip_score's text encoder".
+        logger (`logging.Logger`): where the warning goes (the caller's module logger).
+        consequence (`str`): what the truncation means, appended to the message (e.g. "the rest is ignored").
+    """
+
+    def __init__(self, who: str, logger: logging.Logger, consequence: str = "the rest is ignored"):
+        self.who, self.logger, self.consequence = who, logger, consequence
+        self.warned: set[str] = set()
+
+    def check(self, tokenizer, prompts, max_length: int) -> None:
+        """Logs the warning for every prompt of `prompts` longer than `max_length` tokens of `tokenizer` (each prompt
+        once per warner). Prompts already reported are not tokenised again."""
+        for text in prompts:
+            if text in self.warned:
+                continue
+            n = token_count(tokenizer, text)
+            if n is not None and n > max_length:
+                self.warned.add(text)
+                self.logger.warning("prompt %r has %d tokens; %s reads only the first %d, %s", text, n, self.who,
+                                    max_length, self.consequence)

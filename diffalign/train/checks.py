@@ -1,0 +1,139 @@
+"""The training loops' own settings, checked before any work: the ``trainer`` node (both loops) and the ``online`` node
+(the online loop), with the options a loop would ignore refused rather than dropped.
+
+`diffalign.validation.validate_train_config` calls `check_trainer_config` and, for online methods,
+`check_online_config`; every error names the field and the fix (`diffalign.config_checks.ConfigError`).
+"""
+
+from __future__ import annotations
+
+from diffalign.config_checks import ConfigError, boolean, choice, integer, number, text
+from diffalign.world.prompts import load_prompts
+
+LR_SCHEDULERS = ("constant_with_warmup", "cosine")
+"""The LR schedules `diffalign.train.common.build_lr_scheduler` builds (both with a linear warmup)."""
+MIXED_PRECISION = ("no", "fp16", "bf16")
+ADVANTAGE_STDS = ("group", "global", "none")
+SPLITS = ("groups", "members")
+ONLINE_IGNORED_TRAINER_KEYS = {
+    "max_steps": "the online loop runs online.num_epochs epochs of online.updates_per_epoch optimizer steps; set "
+                 "online.num_epochs",
+    "checkpointing_steps": "the online loop checkpoints every online.checkpointing_epochs epochs; set that",
+    "cache_latents": "the online loop samples its own latents; nothing is cached",
+}
+"""``trainer`` keys the online loop does not read, with what to set instead (refused when set on the command line)."""
+
+
+def _trackers() -> list[str]:
+    """The experiment trackers accelerate can use here (their packages are installed)."""
+    from accelerate.tracking import get_available_trackers
+
+    return [str(t) for t in get_available_trackers()]
+
+
+def check_trainer_config(cfg, *, online: bool) -> None:
+    """Checks the ``trainer`` node: sizes and steps are integers in range, the optimizer's numbers, the LR schedule
+    and mixed precision are known names, ``max_grad_norm`` is positive or null, ``keep_last`` is -1 or >= 1, the
+    tracker's package is installed. For an online run (`online`), ``gradient_accumulation_steps`` must be 1: the
+    online loop accumulates the micro-batches of an update itself (``online.updates_per_epoch`` sets the updates).
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    t, p = cfg.trainer, "trainer"
+    integer(t, "max_steps", p, ge=1)
+    integer(t, "batch_size", p, ge=1)
+    integer(t, "gradient_accumulation_steps", p, ge=1)
+    number(t, "learning_rate", p, gt=0)
+    choice(t, "lr_scheduler", p, LR_SCHEDULERS)
+    integer(t, "lr_warmup_steps", p, ge=0)
+    number(t, "adam_beta1", p, ge=0, lt=1)
+    number(t, "adam_beta2", p, ge=0, lt=1)
+    number(t, "adam_weight_decay", p, ge=0)
+    number(t, "adam_epsilon", p, gt=0)
+    if t.get("max_grad_norm") is not None and t.max_grad_norm == 0 and not isinstance(t.max_grad_norm, bool):
+        # torch's clip_grad_norm_ with max_norm 0 scales every gradient to 0 (the diffusers scripts clip
+        # unconditionally, so 0 trains nothing there too); transformers' Trainer reads 0 as "no clipping". Refuse.
+        raise ConfigError("trainer.max_grad_norm=0 would scale every gradient to zero (torch.nn.utils.clip_grad_norm_"
+                          "), so nothing would train; pass trainer.max_grad_norm=null to turn clipping off, or a "
+                          "positive norm such as 1.0")
+    number(t, "max_grad_norm", p, gt=0, nullable=True, hint="null turns clipping off")
+    choice(t, "mixed_precision", p, MIXED_PRECISION)
+    if "log_with" in t and t.log_with not in (None, "none"):
+        choice(t, "log_with", p, ("tensorboard", "wandb", "trackio", "aim", "comet_ml", "mlflow", "clearml",
+                                  "dvclive", "swanlab", "all", "none"), nullable=True)
+        if t.log_with != "all" and t.log_with not in _trackers():
+            raise ConfigError(f"trainer.log_with={t.log_with} but its package is not installed here (accelerate would "
+                              f"log nothing); pip install {t.log_with}, or pass trainer.log_with=none (installed "
+                              f"trackers: {_trackers() or 'none'})")
+    integer(t, "checkpointing_steps", p, ge=1, nullable=True, hint="null: only the final checkpoint")
+    integer(t, "keep_last", p, ge=-1, hint="-1 keeps every checkpoint, N >= 1 the newest N")
+    if "keep_last" in t and t.keep_last == 0:
+        raise ConfigError("trainer.keep_last=0 would delete every checkpoint, the one just written included; pass "
+                          "trainer.keep_last=-1 to keep all, or N >= 1 to keep the newest N")
+    boolean(t, "cpu", p)
+    integer(t, "max_consecutive_nonfinite", p, ge=1,
+            hint="the non-finite updates skipped in a row before the run stops with a checkpoint")
+    boolean(t, "cache_latents", p)
+    if online and t.get("gradient_accumulation_steps", 1) != 1:
+        raise ConfigError(f"trainer.gradient_accumulation_steps={t.gradient_accumulation_steps} is not used by the "
+                          "online loop: an optimizer update there already accumulates the gradients of all its "
+                          "micro-batches (the epoch's rows / online.updates_per_epoch rows, in micro-batches of "
+                          "trainer.batch_size), and the processes synchronise once per update. Set the number of "
+                          "optimizer steps per epoch with online.updates_per_epoch and keep "
+                          "trainer.gradient_accumulation_steps=1")
+
+
+def check_ignored_overrides(overrides: list[str], *, online: bool) -> None:
+    """Refuses command-line overrides of settings the chosen loop does not read (they would be dropped silently):
+    ``trainer.max_steps`` / ``checkpointing_steps`` / ``cache_latents`` for an online method, ``online.*`` for a
+    preference method.
+
+    Args:
+        overrides (`list[str]`): the command line's ``key=value`` overrides (Hydra's task overrides).
+
+    Raises:
+        ConfigError: naming the override and what to set instead.
+    """
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if online and key.startswith("trainer.") and key.split(".", 1)[1] in ONLINE_IGNORED_TRAINER_KEYS:
+            raise ConfigError(f"{override}: {ONLINE_IGNORED_TRAINER_KEYS[key.split('.', 1)[1]]} (the method is an "
+                              "online one, which does not read this trainer setting)")
+        if not online and key.startswith("online."):
+            raise ConfigError(f"{override}: the online settings are read by the online methods only (dgpo, flow_grpo, "
+                              "ddpo, vipo, diffusion_nft); this method trains on a data set (the preference loop: "
+                              "trainer.max_steps optimizer steps over data=...). Drop the override")
+
+
+def check_online_config(cfg) -> None:
+    """Checks the ``online`` node of an online run: integer sizes in range, the advantage options, the split, the
+    prompt file.
+
+    Raises:
+        ConfigError / FileNotFoundError: naming the field and the fix.
+    """
+    on, p = cfg.online, "online"
+    for key in ("num_epochs", "groups_per_epoch", "rollout_batch_size", "updates_per_epoch", "num_inner_epochs",
+                "tracker_buffer_size", "tracker_min_count"):
+        integer(on, key, p, ge=1)
+    integer(on, "group_size", p, ge=2, hint="group-relative advantages need at least 2 samples per prompt (DGPO and "
+                                            "Flow-GRPO use 16-24)")
+    integer(on, "checkpointing_epochs", p, ge=0, nullable=True, hint="0 or null: only the final checkpoint")
+    boolean(on, "shared_initial_noise", p)
+    choice(on, "advantage_std", p, ADVANTAGE_STDS)
+    choice(on, "advantage_std_correction", p, (0, 1),
+           hint="0: population std (flow_grpo, DGPO); 1: sample std (DanceGRPO, ViPO)")
+    number(on, "advantage_eps", p, gt=0, hint="flow_grpo 1e-4, ViPO 1e-8")
+    number(on, "advantage_clip", p, gt=0, nullable=True)
+    choice(on, "split", p, SPLITS, hint="groups: whole groups per process; members: every group spread over them")
+    integer(on, "best_of_n", p, ge=2, nullable=True)
+    best = on.get("best_of_n")
+    if best is not None and best % 2:
+        raise ConfigError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per group), "
+                          "or null")
+    if on.get("prompts") is None:
+        raise ConfigError("online.prompts is required by this recipe (it trains on your prompts, not the tiny "
+                          "world's); pass online.prompts=<prompt file: .jsonl with GenEval metadata, .txt or .csv>")
+    text(on, "prompts", p)
+    load_prompts(on.prompts, field="online.prompts")
