@@ -73,12 +73,12 @@ def train_cli(tmp_path, monkeypatch, capsys):
                                   r"trainer.max_grad_norm=null to turn clipping off")),
     (["trainer.max_grad_norm=-1"], r"trainer.max_grad_norm must be a number > 0 or null, got -1"),
     # integers must be integers (trainer is a structured config: Hydra refuses the override while composing)
-    (["trainer.max_steps=2.5"], r"Value '2.5' of type 'float' could not be converted to Integer\s+full_key: "
-                                r"trainer.max_steps"),
-    (["trainer.max_steps=1e3"], r"Value '1000.0' of type 'float' could not be converted to Integer\s+full_key: "
-                                r"trainer.max_steps"),
-    (["trainer.batch_size=true"], r"Value 'True' of type 'bool' could not be converted to Integer\s+full_key: "
-                                  r"trainer.batch_size"),
+    (["trainer.max_steps=2.5"], (r"Value '2.5' of type 'float' could not be converted to Integer\s+full_key: "
+                                r"trainer.max_steps")),
+    (["trainer.max_steps=1e3"], (r"Value '1000.0' of type 'float' could not be converted to Integer\s+full_key: "
+                                r"trainer.max_steps")),
+    (["trainer.batch_size=true"], (r"Value 'True' of type 'bool' could not be converted to Integer\s+full_key: "
+                                  r"trainer.batch_size")),
     (["trainer.keep_last=0"], r"trainer.keep_last=0 would delete every checkpoint.*trainer.keep_last=-1"),
     (["trainer.keep_last=-2"], r"trainer.keep_last must be an integer >= -1, got -2"),
     (["model.lora_rank=0"], r"model.lora_rank must be an integer >= 1 or null, got 0"),
@@ -112,8 +112,8 @@ def train_cli(tmp_path, monkeypatch, capsys):
     (["method.beta=-1"], r"method.beta=-1.0 must be > 0"),
     (["reference=ema", "reference.decay=1.0"], r"reference.decay=1.0 must be in \[0, 1\)"),
     (["recipe=tiny_dgpo", "online.group_size=1"], r"online.group_size must be an integer >= 2, got 1"),
-    (["recipe=tiny_dgpo", "online.num_epochs=2.5"], r"Value '2.5' of type 'float' could not be converted to "
-                                                    r"Integer\s+full_key: online.num_epochs"),
+    (["recipe=tiny_dgpo", "online.num_epochs=2.5"], (r"Value '2.5' of type 'float' could not be converted to "
+                                                    r"Integer\s+full_key: online.num_epochs")),
     (["recipe=tiny_dgpo", "online.advantage_std=batch"], r"online.advantage_std='batch' must be one of"),
 ])
 def test_a_bad_setting_is_refused_naming_the_field(train_cli, overrides, expected):
