@@ -19,6 +19,7 @@ The renames (until 0.3; docs/algorithms.md#renamed-config-keys):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterable
 
@@ -61,10 +62,26 @@ def migrate_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> DictConfig
         _migrate_values(group, fields, values, cfg)
         for f in aliases:
             _migrate_alias(group, f, values, cfg, given)
-        if aliases:  # the node without its aliases (they would reach the component's constructor)
+        if aliases:  # the node without its aliases (they would reach the component's constructor), still typed
             with open_dict(cfg):
-                cfg[group] = OmegaConf.create(values)
+                cfg[group] = OmegaConf.merge(OmegaConf.structured(_current(schema)), values)
     return cfg
+
+
+@functools.cache
+def _current(schema: type) -> type:
+    """`schema` without its deprecated aliases: a dataclass of the same name, module, fields (types and defaults) in
+    the same order, so the migrated node keeps Hydra's type checks."""
+    fields = []
+    for f in dataclasses.fields(schema):
+        if "deprecated" in f.metadata:
+            continue
+        default = (dataclasses.field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                   and f.default_factory is not dataclasses.MISSING else dataclasses.field(default=f.default))
+        fields.append((f.name, f.type, default))
+    return dataclasses.make_dataclass(schema.__name__, fields, namespace={"__module__": schema.__module__,
+                                                                         "__qualname__": schema.__qualname__,
+                                                                         "__doc__": schema.__doc__})
 
 
 def _warn(message: str) -> None:

@@ -113,3 +113,16 @@ def test_the_command_warns_about_an_old_key_and_refuses_it_beside_its_new_one(tm
 def test_an_unknown_old_sde_type_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"sampler.sde_type='other' must be one of \('flow_grpo', 'dance'\)"):
         migrated(["recipe=tiny_flow_grpo", "sampler.sde_type=other"])
+
+
+def test_a_migrated_node_keeps_its_types_and_loses_only_the_old_keys():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from diffalign.objectives.dgpo import DGPOConfig
+
+    cfg, _ = migrated(["recipe=tiny_dgpo", "method.num_train_timesteps=3"])
+    assert OmegaConf.get_type(cfg.method).__name__ == DGPOConfig.__name__
+    assert list(cfg.method) == [k for k in DGPOConfig.__dataclass_fields__ if k != "num_train_timesteps"]
+    with pytest.raises(ValidationError):  # still type-checked, as before the migration
+        cfg.method.beta = "large"
