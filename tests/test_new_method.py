@@ -96,5 +96,5 @@ def test_the_preference_loop_trains_the_new_method(search_path, tmp_path):
     assert results["global_step"] == 2 and results["history_tail"][-1]["dummy_weight"] == 2.0
     bad = compose_cfg([search_path, *overrides, "method=dummy_denoise", "method.timestep=1000",
                        f"output_dir={tmp_path / 'bad'}"])
-    with pytest.raises(ValueError, match="method.timestep=1000"):  # its own check_config, run by the loop
-        train(bad)
+    with pytest.raises(ValueError, match="method.timestep=1000"):  # its own check_config, before any model loads
+        validate_train_config(bad)
