@@ -84,10 +84,13 @@ def _command_line_overrides() -> list[str]:
 
 
 def _train_main(cfg: DictConfig) -> None:
+    from diffalign.deprecation import migrate_config
     from diffalign.init_lora import adopt_init_lora, command_line_model_keys
     from diffalign.validation import validate_train_config
 
     try:
+        # old config keys → new ones, a FutureWarning each; an old key beside its new one is an error
+        migrate_config(cfg, _command_line_overrides())  # (diffalign.deprecation)
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
         # command line is an error), read before any model is loaded (diffalign/init_lora.py); then every setting,
         # the adopted ones included, is checked
@@ -105,6 +108,7 @@ def _train_main(cfg: DictConfig) -> None:
     else:
         from diffalign.train.preference import train as run
     from diffalign.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
+    from diffalign.rewards.base import RewardError
     from diffalign.runlock import RunLockedError
 
     try:
@@ -114,7 +118,7 @@ def _train_main(cfg: DictConfig) -> None:
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
-    except (NonFiniteError, RolloutMismatchError) as err:
+    except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
         raise SystemExit(f"diffalign: error: {err}") from None
 
 
@@ -153,6 +157,7 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
 def _eval_main(cfg: DictConfig) -> None:
     from diffalign.config_checks import boolean
+    from diffalign.deprecation import migrate_config
     from diffalign.evaluate import resolve_checkpoints
     from diffalign.validation import (
         check_output_dir,
@@ -162,6 +167,7 @@ def _eval_main(cfg: DictConfig) -> None:
     )
 
     try:
+        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.deprecation)
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):
             boolean(cfg, key, "")
@@ -205,11 +211,11 @@ def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
     from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
-    from diffalign.plugins import build_selected_rewards
+    from diffalign.plugins import build_checked_rewards
     from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts
 
-    rewards = build_selected_rewards(cfg.reward)
+    rewards = build_checked_rewards(cfg.reward)  # build → guard, as the training loops' evaluation
     ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts, field="eval.prompts"), ecfg.prompts_per_tag)
     policy = instantiate(cfg.model)

@@ -30,7 +30,9 @@ from tqdm.auto import tqdm
 
 from diffalign.faults import stop_received
 from diffalign.media import VIDEO_FORMATS, save_png, save_video
+from diffalign.rewards.guard import checked_rewards
 from diffalign.samplers.rollout import rollout
+from diffalign.schemas import config_schema
 from diffalign.stats import bootstrap_ci, paired_wins
 
 TAG_ORDER = ("single_object", "colors", "counting", "two_object", "color_attr", "position")
@@ -71,6 +73,19 @@ class EvalConfig:
     bootstrap_seed: int = 0
     video_format: str = "gif"
     reuse_base: bool = True
+
+
+@config_schema("eval", "heldout")
+@dataclass
+class EvalGroupConfig(EvalConfig):
+    """The ``eval`` group (``configs/eval/``): `EvalConfig`, and whether the training loops evaluate at the end.
+
+    Attributes:
+        enabled: evaluate the base and the fine-tuned model after training (``diffalign-train``; ``diffalign-eval``
+            ignores it).
+    """
+
+    enabled: bool = True
 
 
 def eval_config_from(node) -> EvalConfig:
@@ -192,8 +207,10 @@ def score(rewards: dict, images: torch.Tensor, rows: list[dict], records: list[d
 
 
 def _score(rewards: dict, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, dict]:
+    """Every reward's scores (and correctness) of a batch, each call checked (`diffalign.rewards.guard.CheckedReward`;
+    rewards given unguarded are wrapped, guarded ones keep the step they name in errors)."""
     out = {}
-    for name, reward in rewards.items():
+    for name, reward in checked_rewards(rewards).items():
         res = reward(images, prompts, metadata)
         entry = {"scores": res.scores.float().tolist()}
         if "correct" in res.info:

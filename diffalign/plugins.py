@@ -25,7 +25,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import CheckedReward, checked_rewards
 from diffalign.rewards.python_function import PREFIX, PythonFunctionConfig, parse_spec
+from diffalign.schemas import register_schemas
 
 GROUPS = {"diffalign.rewards": "reward", "diffalign.models": "model", "diffalign.methods": "method"}
 """Entry-point group → Hydra config group."""
@@ -33,39 +35,6 @@ REWARD_GROUPS = ("reward", "eval_reward")
 """Hydra config groups holding every reward (training set, evaluation set)."""
 COMBINE_FIELDS = {"weight": 1.0, "normalize": "none"}
 """Fields added to every reward option, consumed by `build_rewards` (not passed to the reward)."""
-SCHEMAS = {
-    "method": {
-        "ddpo": "diffalign.objectives.ddpo:DDPOConfig",
-        "ddspo": "diffalign.objectives.ddspo:DDSPOConfig",
-        "dgpo": "diffalign.objectives.dgpo:DGPOConfig",
-        "diffusion_nft": "diffalign.objectives.diffusion_nft:DiffusionNFTConfig",
-        "diffusion_dpo": "diffalign.objectives.diffusion_dpo:DiffusionDPOConfig",
-        "flow_grpo": "diffalign.objectives.flow_grpo:FlowGRPOConfig",
-        "seppo": "diffalign.objectives.seppo:SePPOConfig",
-        "sft": "diffalign.objectives.sft:WinnerSFTConfig",
-        "vipo": "diffalign.objectives.vipo:ViPOConfig",
-    },
-    "data": {
-        "ddspo_pairs": "diffalign.data.ddspo_pairs:DDSPOPairsConfig",
-        "failure_pairs": "diffalign.data.failure_pairs:FailurePairsConfig",
-        "pickapic": "diffalign.data.pickapic:PickAPicPairsConfig",
-        "ranked_pairs": "diffalign.data.ranked_pairs:RankedPairsConfig",
-        "shapes_pairs": "diffalign.data.shapes_pairs:ShapesPairsConfig",
-        "shapes_winners": "diffalign.data.winners:ShapesWinnersConfig",
-        "winner_folder": "diffalign.data.winners:WinnerFolderConfig",
-    },
-    "reference": {
-        "checkpoint": "diffalign.reference:CheckpointReferenceConfig",
-        "ema": "diffalign.reference:EmaReferenceConfig",
-        "frozen_base": "diffalign.reference:FrozenBaseReferenceConfig",
-        "pool": "diffalign.reference:PoolReferenceConfig",
-    },
-}
-"""The structured configs of diffalign's own YAML options: ``configs/<group>/<option>.yaml`` extends
-``schema/<group>/<option>`` (the first entry of its defaults list), so the dataclass beside the component holds every
-field's type and default, Hydra checks overrides against it, and the YAML holds only what differs from it."""
-
-
 def _entry_points(group: str) -> dict[str, importlib.metadata.EntryPoint]:
     """Entry points of `group` by name; raises ValueError when two distributions declare the same name."""
     found: dict[str, importlib.metadata.EntryPoint] = {}
@@ -122,19 +91,9 @@ def _reward_node(config_class: type, name: str) -> type:
                                        ("normalize", str, COMBINE_FIELDS["normalize"])], bases=(config_class,))
 
 
-def register_schemas() -> None:
-    """Stores every `SCHEMAS` dataclass in Hydra's `ConfigStore` as ``schema/<group>/<option>``."""
-    store = ConfigStore.instance()
-    for group, options in SCHEMAS.items():
-        for name, path in options.items():
-            module, attr = path.split(":")
-            store.store(group=f"schema/{group}", name=name, node=getattr(importlib.import_module(module), attr),
-                        provider="diffalign")
-
-
 def register_configs() -> dict[str, list[str]]:
     """Stores every reward, model and method config in Hydra's `ConfigStore` (and diffalign's own structured configs,
-    `register_schemas`); returns `{config group: [names]}`.
+    `diffalign.schemas.register_schemas`); returns `{config group: [names]}`.
 
     Rewards are stored with ``package="reward.<name>"`` so that the multi-select ``reward=[a,b]`` composes to
     ``cfg.reward.a`` and ``cfg.reward.b`` (and likewise in the ``eval_reward`` group), each with the extra fields
@@ -230,8 +189,15 @@ def build_selected_rewards(cfg_reward: Mapping[str, Any]) -> dict[str, Any]:
     return rewards
 
 
+def build_checked_rewards(cfg_reward: Mapping[str, Any]) -> dict[str, CheckedReward]:
+    """Build → guard: ``{name: CheckedReward}`` for every reward selected in a reward config node
+    (`build_selected_rewards`, each wrapped by `diffalign.rewards.guard.CheckedReward`, which checks every output)."""
+    return checked_rewards(build_selected_rewards(cfg_reward))
+
+
 def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> WeightedSum:
-    """Builds the `WeightedSum` of the selected rewards from ``cfg.reward`` (`{name: config node}`).
+    """Build → guard → combine: the `WeightedSum` of the selected rewards of ``cfg.reward`` (`{name: config node}`),
+    each component guarded (`build_checked_rewards`), the one path every reward of a run takes.
 
     Each node is merged onto the registered config dataclass of its name (so a plain dict, a partial dict or `None`
     works, and unknown fields raise), then instantiated. The weights are `weights` when given, else each node's
@@ -245,7 +211,7 @@ def build_rewards(cfg_reward: Mapping[str, Any], weights: Mapping[str, float] | 
     """
     if not cfg_reward:
         raise ValueError("no reward selected; set e.g. reward=[jpeg_compressibility].")
-    rewards = build_selected_rewards(cfg_reward)
+    rewards = build_checked_rewards(cfg_reward)
     nodes = {name: dict(node or {}) for name, node in cfg_reward.items()}
     if weights is None:
         weights = {name: float(nodes[name].get("weight", COMBINE_FIELDS["weight"])) for name in rewards}

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from diffalign.schemas import config_schema
+
 if TYPE_CHECKING:
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
 
@@ -222,6 +224,7 @@ def _check_strategy(state: dict[str, Any], strategy: str) -> None:
 # ---------------------------------------------------------------------------------------------------- strategies
 
 
+@config_schema("reference", "frozen_base")
 @dataclass
 class FrozenBaseReferenceConfig:
     """Config of `FrozenBaseReference` (no fields)."""
@@ -271,6 +274,7 @@ class FrozenBaseReference:
         self.samples.load_state_dict(state["samples"])
 
 
+@config_schema("reference", "checkpoint")
 @dataclass
 class CheckpointReferenceConfig:
     """Config of `CheckpointReference`; the fields mirror its `__init__`."""
@@ -364,6 +368,7 @@ class CheckpointReference:
         self.samples.load_state_dict(state["samples"])
 
 
+@config_schema("reference", "ema")
 @dataclass
 class EmaReferenceConfig:
     """Config of `EmaReference`; the fields mirror its `__init__`."""
@@ -459,6 +464,7 @@ def _resolve_selection(selection: str) -> Callable[[int, list[int], torch.Genera
     return func
 
 
+@config_schema("reference", "pool")
 @dataclass
 class PoolReferenceConfig:
     """Config of `PoolReference`; the fields mirror its `__init__`."""

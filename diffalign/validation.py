@@ -45,11 +45,16 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         cfg (`DictConfig`): the composed ``train`` config.
         overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
             override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
+
+    The config's deprecated keys are moved to their new names first (`diffalign.deprecation.migrate_config`, in
+    place), so the checks read only the current names.
     """
+    from diffalign.deprecation import migrate_config
     from diffalign.models.checks import check_model_config
     from diffalign.samplers.checks import check_sampler_config
     from diffalign.train.checks import check_ignored_overrides, check_online_config, check_trainer_config
 
+    migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
     check_run_settings(cfg)
     check_trainer_config(cfg, online=online)

@@ -28,7 +28,7 @@ ONLINE = ["online.num_epochs=2", "online.groups_per_epoch=2", "online.group_size
           "online.checkpointing_epochs=1", "trainer.batch_size=8", "sampler.num_inference_steps=4"]
 OFFLINE = ["trainer.max_steps=3", "trainer.batch_size=2", "trainer.checkpointing_steps=2"]
 COMMON = ["eval.enabled=false", "trainer.log_with=none", "trainer.keep_last=-1", "seed=3"]
-DGPO = ["method.timestep_max_index=2", "method.num_train_timesteps=2", "method.old_policy_switch_step=1"]
+DGPO = ["method.timestep_max_index=2", "method.timesteps_per_epoch=2", "method.old_policy_switch_step=1"]
 
 # (loop, overrides); `{tmp}` is the case's scratch folder
 CASES: dict[str, tuple[str, list[str]]] = {

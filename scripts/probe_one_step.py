@@ -38,6 +38,7 @@ def main() -> None:
 
     from diffalign.advantages import group_advantages
     from diffalign.cli import CONFIG_DIR, _setup, check_reward_overrides
+    from diffalign.deprecation import migrate_config
     from diffalign.init_lora import build_policy
     from diffalign.objectives.policy_gradient import train_transitions
     from diffalign.plugins import build_selected_rewards
@@ -49,6 +50,7 @@ def main() -> None:
     check_reward_overrides(args.overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/probe", *args.overrides])
+    migrate_config(cfg, args.overrides)
     torch.manual_seed(cfg.seed)
     policy = build_policy(cfg)
     objective = instantiate(cfg.method)
@@ -68,9 +70,9 @@ def main() -> None:
         traj, group_ids = group_rollout(
             policy, [r["prompt"] for r in epoch_rows], on.group_size,
             group_indices=list(range(on.groups_per_epoch)), seed=cfg.seed, epoch=args.epoch,
-            shared_initial_noise=on.shared_initial_noise, sampler="sde", num_inference_steps=sp.num_inference_steps,
-            guidance_scale=sp.guidance_scale, eta=sp.eta, rollout_batch_size=on.rollout_batch_size,
-            reduction=getattr(objective, "log_prob_reduction", "mean"), sde_type=sp.get("sde_type", "flow_grpo"))
+            shared_initial_noise=on.shared_initial_noise, sampler=sp.name, num_inference_steps=sp.num_inference_steps,
+            guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0), noise_level=sp.get("noise_level", 0.0),
+            rollout_batch_size=on.rollout_batch_size, reduction=getattr(objective, "log_prob_reduction", "mean"))
     scores = reward(traj.images, traj.prompts, [r for r in epoch_rows for _ in range(on.group_size)]).scores.float()
     advantages, stats = group_advantages(scores, group_ids, std=on.advantage_std, clip=on.advantage_clip,
                                          correction=on.advantage_std_correction, eps=on.advantage_eps)

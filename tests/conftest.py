@@ -104,9 +104,9 @@ def online_overrides(tmp_path, epochs: int = 2) -> list[str]:
 
 ONLINE_CASES = {
     "dgpo_flow": ["model=tiny_flow_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-                  "method.num_train_timesteps=2", "method.old_policy_switch_step=1"],
+                  "method.timesteps_per_epoch=2", "method.old_policy_switch_step=1"],
     "dgpo_sd": ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-                "method.num_train_timesteps=2"],
+                "method.timesteps_per_epoch=2"],
     "flow_grpo_flow": ["model=tiny_flow_random", "method=flow_grpo", "sampler=flow_sde"],
     "flow_grpo_sd": ["model=tiny_random", "method=flow_grpo", "sampler=ddim"],
     "ddpo_sd": ["model=tiny_random", "method=ddpo", "sampler=ddim", "online.tracker_min_count=2"],

@@ -95,18 +95,18 @@ def test_initial_noise_shared_inside_a_group_only_and_rollouts_reproduce_bit_for
 
     policy = build_tiny_flow_policy(seed=0)
     kwargs = {"group_indices": [5, 6], "seed": 1, "epoch": 3, "num_inference_steps": 3, "guidance_scale": 2.0}
-    a, ids = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="sde", eta=0.7,
+    a, ids = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
                            rollout_batch_size=4, **kwargs)
-    b, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="sde", eta=0.7,
+    b, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
                          rollout_batch_size=4, **kwargs)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
     # another chunking draws the same noise streams; only float rounding of the batched forward differs
-    e, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="sde", eta=0.7,
+    e, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
                          rollout_batch_size=1, **kwargs)
     torch.testing.assert_close(e.latents, a.latents, rtol=1e-4, atol=1e-4)
     assert ids.tolist() == [5, 5, 6, 6]
-    c, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_solver", **kwargs)
-    d, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_solver", **kwargs)
+    c, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_ode", **kwargs)
+    d, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_ode", **kwargs)
     assert torch.equal(c.latents, d.latents)
 
 
@@ -114,7 +114,7 @@ def test_timestep_clip_draws_distinct_high_noise_timesteps():
     schedule = torch.tensor([999, 963, 922, 874, 817, 749, 666, 562, 428, 249])
     chosen = select_train_timesteps(schedule, 4, 4, generator=torch.Generator().manual_seed(0))
     assert len(set(chosen.tolist())) == 4 and set(chosen.tolist()) <= set(schedule[:5].tolist())
-    with pytest.raises(ValueError, match="num_train_timesteps"):
+    with pytest.raises(ValueError, match="timesteps_per_epoch"):
         select_train_timesteps(schedule, 6, 4)
 
 

@@ -156,8 +156,8 @@ def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
     with pytest.raises(ValueError, match="sampler.model_family=flow.* is an eps/v-prediction model"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "method=vipo",
                                            "sampler=dance_sde"]))
-    with pytest.raises(ValueError, match="sampler.sde_type='other' must be one of"):
+    with pytest.raises(ValueError, match="sampler.model_family=eps.* is a rectified-flow model"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
-                                           "sampler=dance_sde", "sampler.sde_type=other"]))
+                                           "sampler=ddim"]))
     validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
                                        "sampler=dance_sde"]))

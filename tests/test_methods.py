@@ -78,7 +78,7 @@ def epoch(n: int = 8, group_size: int = 4, steps: int = 4, batch_size: int = 4, 
 
 
 def test_dgpo_plans_its_timesteps_times_whole_group_micro_batches():
-    plan = list(DGPO(num_train_timesteps=2, timestep_max_index=2).plan(None, epoch()))
+    plan = list(DGPO(timesteps_per_epoch=2, timestep_max_index=2).plan(None, epoch()))
     assert len(plan) == 2 and sum(len(u) for u in plan) == 2 * 2  # 2 timesteps x 2 micro-batches of 4 rows
     units = [u for update in plan for u in update]
     assert [(u.timestep_index, u.start) for u in units] == [(0, 0), (0, 4), (1, 0), (1, 4)]

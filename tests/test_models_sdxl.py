@@ -286,7 +286,7 @@ def test_a_resumed_sdxl_run_ends_with_the_same_weights(tmp_path):
 
 ONLINE = {
     "ddpo": ["method=ddpo", "sampler=ddim", "online.tracker_min_count=2"],
-    "dgpo": ["method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=1", "method.num_train_timesteps=1"],
+    "dgpo": ["method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=1", "method.timesteps_per_epoch=1"],
     "flow_grpo": ["method=flow_grpo", "sampler=ddim"],
     "vipo": ["method=vipo", "sampler=ddim", "online.shared_initial_noise=true"],
 }

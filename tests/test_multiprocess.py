@@ -172,7 +172,7 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     from diffalign.train.online import train
 
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-              "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=2",
+              "method.timesteps_per_epoch=2", "online.num_epochs=2", "online.groups_per_epoch=2",
               "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
               *LINEAR_UPDATES]
     res = launch_two_processes([f"output_dir={tmp_path / 'two'}", "trainer.batch_size=4", *common], tmp_path)
@@ -191,7 +191,7 @@ def test_dgpo_groups_spanning_two_processes_match_one_process(tmp_path):
     from diffalign.train.online import train
 
     common = ["model=tiny_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-              "method.num_train_timesteps=2", "online.num_epochs=2", "online.groups_per_epoch=1",
+              "method.timesteps_per_epoch=2", "online.num_epochs=2", "online.groups_per_epoch=1",
               "online.group_size=4", "online.checkpointing_epochs=2", "sampler.num_inference_steps=4",
               "online.split=members", "method.beta=1e4", "reward=[jpeg_compressibility]", *LINEAR_UPDATES]
     # (a reward that varies within the group and a beta that puts z_g near 1: the group sum changes the weight)

@@ -19,6 +19,7 @@ from diffalign import plugins
 from diffalign.rewards.base import Reward
 from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
+from diffalign.rewards.guard import CheckedReward
 
 REAL_ENTRY_POINTS = importlib.metadata.entry_points
 # built-in rewards whose defaults need downloaded weights, and what their error says
@@ -145,7 +146,8 @@ def test_multiselect_rewards_nest_under_their_names(config_dir):
 
     combined = plugins.build_rewards(both.reward, weights={"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5})
     assert isinstance(combined, WeightedSum)
-    assert isinstance(combined.rewards["jpeg_incompressibility"], JpegIncompressibility)
+    guarded = combined.rewards["jpeg_incompressibility"]  # build -> guard -> combine
+    assert isinstance(guarded, CheckedReward) and isinstance(guarded.reward, JpegIncompressibility)
     assert combined.rewards["jpeg_incompressibility"].quality == 80
     expected = (
         JpegCompressibility()(IMAGES, ["a", "b"]).scores + 0.5 * JpegIncompressibility(80)(IMAGES, ["a", "b"]).scores

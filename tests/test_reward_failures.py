@@ -106,6 +106,41 @@ def test_nan_gold_reward_stops_mid_run_after_saving_that_step(tmp_path):
     assert_loadable(cfg, info.value.checkpoint, 2)
 
 
+@pytest.mark.parametrize("which", ["reward", "eval_reward"])
+def test_online_loop_guards_its_training_and_evaluation_rewards(which, tmp_path):
+    """One reward path in both loops: a NaN training reward stops the online run at its first scoring (step 0) with
+    checkpoint-0; a NaN evaluation reward stops it in the final evaluation, after the run's last checkpoint."""
+    from conftest import online_overrides
+
+    from diffalign.train.online import train
+
+    spec = "python:test_reward_failures:nan_on_second_row"
+    plugins.register_configs()
+    plugins.register_python_reward(spec)
+    evaluation = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0,1]", "eval.num_inference_steps=2"]
+    cfg = compose_cfg(online_overrides(tmp_path, epochs=1) + ["model=tiny_random", "method=flow_grpo",
+                                                              "sampler=ddim", f"{which}=[{spec}]", *evaluation])
+    with pytest.raises(RewardError, match=r"reward 'nan_on_second_row': returned non-finite scores") as info:
+        train(cfg)
+    step = 0 if which == "reward" else 1
+    assert info.value.step == step and info.value.checkpoint == tmp_path / f"checkpoint-{step}"
+    assert latest_checkpoint(tmp_path) == tmp_path / f"checkpoint-{step}"
+
+
+def test_the_weighted_sum_guards_its_components_with_the_step_set_by_the_loop():
+    """Build → guard → combine: every component of `build_rewards` is a `CheckedReward`; an unguarded component
+    given to `WeightedSum` is wrapped; the failure names the step the loop set (`set_reward_step`)."""
+    from diffalign.rewards.guard import set_reward_step
+
+    combined = WeightedSum({"ok": JpegCompressibility(), "nan": NanReward()}, {"ok": 1.0, "nan": 2.0})
+    assert all(isinstance(r, CheckedReward) for r in combined.rewards.values())
+    assert isinstance(plugins.build_rewards({"jpeg_compressibility": {}}).rewards["jpeg_compressibility"],
+                      CheckedReward)
+    set_reward_step(combined, 4)
+    with pytest.raises(RewardError, match=r"reward 'nan'.*step 4; batch 0; prompt 'b'"):
+        combined(torch.rand(2, 3, 8, 8), ["a", "b"])
+
+
 def test_score_or_raise_names_reward_step_batch_and_prompt():
     images = torch.rand(3, 3, 8, 8)
     prompts = ["p0", "p1", "p2"]

@@ -31,9 +31,11 @@ def _release_run_locks():
 
 
 @pytest.fixture
-def train_cli(tmp_path, monkeypatch):
+def train_cli(tmp_path, monkeypatch, capsys):
     """Runs ``diffalign-train <overrides>`` in-process into a fresh folder; returns the refusal message, or None when
-    validation lets the config through (the loops are stubbed: nothing is built or trained)."""
+    validation lets the config through (the loops are stubbed: nothing is built or trained). A value of the wrong type
+    for a field of a structured config (``trainer``, ``online``, ``eval``, ``sampler``, ``method``, ...) is refused
+    earlier, by Hydra while composing (exit 1; its message names ``full_key``), and that message is returned."""
     from diffalign.train import online, preference
 
     reached = []
@@ -49,6 +51,10 @@ def train_cli(tmp_path, monkeypatch):
         try:
             cli.train()
         except SystemExit as refused:
+            if refused.code == 1:  # Hydra refused the override while composing (a typed field)
+                message = capsys.readouterr().err
+                assert "full_key" in message and not reached, message
+                return message
             message = str(refused.code)
             assert message.startswith("diffalign: error: ") and not reached, message
             return message
@@ -66,11 +72,13 @@ def train_cli(tmp_path, monkeypatch):
     (["trainer.max_grad_norm=0"], (r"trainer.max_grad_norm=0 would scale every gradient to zero.*"
                                   r"trainer.max_grad_norm=null to turn clipping off")),
     (["trainer.max_grad_norm=-1"], r"trainer.max_grad_norm must be a number > 0 or null, got -1"),
-    # integers must be integers
-    (["trainer.max_steps=2.5"], r"trainer.max_steps must be an integer >= 1, got 2.5 \(float\)"),
-    (["trainer.max_steps=1e3"], (r"trainer.max_steps must be an integer >= 1, got 1000.0 \(a float\); write "
-                                r"trainer.max_steps=1000")),
-    (["trainer.batch_size=true"], r"trainer.batch_size must be an integer >= 1, got True"),
+    # integers must be integers (trainer is a structured config: Hydra refuses the override while composing)
+    (["trainer.max_steps=2.5"], (r"Value '2.5' of type 'float' could not be converted to Integer\s+full_key: "
+                                r"trainer.max_steps")),
+    (["trainer.max_steps=1e3"], (r"Value '1000.0' of type 'float' could not be converted to Integer\s+full_key: "
+                                r"trainer.max_steps")),
+    (["trainer.batch_size=true"], (r"Value 'True' of type 'bool' could not be converted to Integer\s+full_key: "
+                                  r"trainer.batch_size")),
     (["trainer.keep_last=0"], r"trainer.keep_last=0 would delete every checkpoint.*trainer.keep_last=-1"),
     (["trainer.keep_last=-2"], r"trainer.keep_last must be an integer >= -1, got -2"),
     (["model.lora_rank=0"], r"model.lora_rank must be an integer >= 1 or null, got 0"),
@@ -83,7 +91,7 @@ def train_cli(tmp_path, monkeypatch):
                                       r"'cosine'\)")),
     (["trainer.mixed_precision=fp8"], r"trainer.mixed_precision='fp8' must be one of \('no', 'fp16', 'bf16'\)"),
     (["trainer.log_with=tensorbord"], r"trainer.log_with='tensorbord' must be one of \('tensorboard', 'wandb'"),
-    (["trainer.cpu=yes"], r"trainer.cpu must be true or false, got 'yes'"),
+    (["trainer.cpu=maybe"], r"Value 'maybe' is not a valid bool.*\s+full_key: trainer.cpu"),
     (["recipe=tiny_ddpo", "sampler.guidance_scale=0.5"], r"sampler.guidance_scale must be a number >= 1, got 0.5"),
     (["eval.guidance_scale=0.5"], r"eval.guidance_scale must be a number >= 1, got 0.5"),
     (["data.guidance_scale=0.5"], r"data.guidance_scale must be a number >= 1, got 0.5"),
@@ -104,7 +112,8 @@ def train_cli(tmp_path, monkeypatch):
     (["method.beta=-1"], r"method.beta=-1.0 must be > 0"),
     (["reference=ema", "reference.decay=1.0"], r"reference.decay=1.0 must be in \[0, 1\)"),
     (["recipe=tiny_dgpo", "online.group_size=1"], r"online.group_size must be an integer >= 2, got 1"),
-    (["recipe=tiny_dgpo", "online.num_epochs=2.5"], r"online.num_epochs must be an integer >= 1, got 2.5"),
+    (["recipe=tiny_dgpo", "online.num_epochs=2.5"], (r"Value '2.5' of type 'float' could not be converted to "
+                                                    r"Integer\s+full_key: online.num_epochs")),
     (["recipe=tiny_dgpo", "online.advantage_std=batch"], r"online.advantage_std='batch' must be one of"),
 ])
 def test_a_bad_setting_is_refused_naming_the_field(train_cli, overrides, expected):
@@ -212,7 +221,7 @@ def _online_base(stochastic: bool, video: bool):
     """A composed online run to put each shipped model and sampler config into: Flow-GRPO for a stochastic sampler,
     DGPO for an ODE solver; a video reward and prompts for a video model."""
     method = ["method=flow_grpo"] if stochastic else ["method=dgpo", "method.timestep_max_index=2",
-                                                       "method.num_train_timesteps=2"]
+                                                       "method.timesteps_per_epoch=2"]
     extra = ["model=tiny_t2v", "reward=[video_motion]", "online.prompts=video_train", "eval.enabled=false"] if video \
         else []
     return compose_cfg(["output_dir=unused", *method, *extra, "trainer.batch_size=8", "online.group_size=8"])
@@ -224,7 +233,7 @@ def _check_pair(sampler: str, model: str, tmp_path) -> None:
     cfg = _online_base(sampler in ("ddim", "flow_sde", "dance_sde"), model in VIDEO).copy()
     cfg.output_dir = str(tmp_path)
     cfg.model = OmegaConf.load(f"{CONFIG_DIR}/model/{model}.yaml")  # (the shipped configs, as Hydra composes them)
-    cfg.sampler = OmegaConf.load(f"{CONFIG_DIR}/sampler/{sampler}.yaml")
+    cfg.sampler = compose_cfg([f"sampler={sampler}"]).sampler  # (a structured option: composed from its schema)
     if SAMPLERS[sampler] != "any" and SAMPLERS[sampler] != MODELS[model]:
         with pytest.raises(ValueError) as refused:
             validate_train_config(cfg)
@@ -255,7 +264,7 @@ def test_every_shipped_sampler_and_model_pair(sampler, model, tmp_path):
 def test_the_issue_case_tiny_sd3_with_ddim_and_flow_grpo_is_refused(train_cli):
     message = train_cli("model=tiny_sd3", "sampler=ddim", "method=flow_grpo")
     assert "sampler.model_family=eps" in message and "is a rectified-flow model" in message
-    assert "sampler.eta=1.0 as its noise level" in message and "sampler=flow_sde" in message
+    assert "sampler=ddim eta=1.0" in message and "sampler=flow_sde" in message
 
 
 def test_a_preference_method_does_not_check_the_unused_samplers_family(tmp_path):
@@ -362,7 +371,7 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
 
 @pytest.mark.parametrize("overrides,expected", [
     (["eval.seeds=[0,-1]"], "eval.seeds=[0, -1]: every entry must be an integer >= 0, got -1"),
-    (["eval.num_inference_steps=2.5"], "eval.num_inference_steps must be an integer >= 1, got 2.5"),
+    (["eval.num_inference_steps=2.5"], "Value '2.5' of type 'float' could not be converted to Integer"),
     (["include_base=maybe"], "include_base must be true or false, got 'maybe'"),
     (["reward.geneval_shapes.weight=x"], "Value 'x' of type 'str' could not be converted to Float"),
 ])

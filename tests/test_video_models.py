@@ -109,7 +109,7 @@ CASES = {
     "vipo_wan": ["model=tiny_wan_random", "method=vipo", "sampler=flow_sde", "online.shared_initial_noise=true"],
     "flow_grpo_wan": ["model=tiny_wan_random", "method=flow_grpo", "sampler=flow_sde"],
     "dgpo_t2v": ["model=tiny_t2v_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
-                 "method.num_train_timesteps=2"],
+                 "method.timesteps_per_epoch=2"],
 }
 
 

@@ -274,8 +274,10 @@ def test_vipo_runs_in_the_online_loop(case, tmp_path):
 def test_vipo_recipes_compose(recipe, tmp_path):
     from conftest import compose_cfg
 
+    from diffalign.samplers.configs import noise_scale
+
     cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}"])
-    assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and cfg.sampler.eta > 0
+    assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and noise_scale(cfg.sampler) > 0
     assert cfg.online.shared_initial_noise and cfg.method.clip_range == 1e-4 and cfg.method.timestep_fraction == 0.6
     assert cfg.method.smoothing_padding == "reflect" and cfg.method.smoothing_truncate == 4.0  # scipy's defaults
     if recipe == "tiny_vipo_image":

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from diffalign.data.degrade import DEGRADATIONS, degrade_prompt, load_rewriter
+from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 
 logger = logging.getLogger(__name__)
@@ -261,6 +262,7 @@ def generate_pairs(
 # ------------------------------------------------------------------------------------------------------ the data set
 
 
+@config_schema("data", "ddspo_pairs")
 @dataclass
 class DDSPOPairsConfig:
     """Config of `DDSPOPairs` (fields mirror its ``__init__``)."""

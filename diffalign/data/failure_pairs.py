@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
+from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 
 
+@config_schema("data", "failure_pairs")
 @dataclass
 class FailurePairsConfig:
     """Config of `FailurePairs` (fields mirror its ``__init__``)."""

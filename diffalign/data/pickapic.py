@@ -26,8 +26,10 @@ import torch
 
 from diffalign.data.images import load_image, require_path
 from diffalign.data.preference import PreferencePairs
+from diffalign.schemas import config_schema
 
 
+@config_schema("data", "pickapic")
 @dataclass
 class PickAPicPairsConfig:
     """Config of `PickAPicPairs`; the fields mirror its `__init__`."""

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
+from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 
 
+@config_schema("data", "ranked_pairs")
 @dataclass
 class RankedPairsConfig:
     """Config of `RankedPairs` (fields mirror its ``__init__``)."""

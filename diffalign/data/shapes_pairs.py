@@ -12,10 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts, sample_train_specs
 from diffalign.world.render import corrupt_spec, render_spec, to_tensor
 
 
+@config_schema("data", "shapes_pairs")
 @dataclass
 class ShapesPairsConfig:
     """Config of `ShapesPairs` (fields mirror its ``__init__``)."""

@@ -15,10 +15,12 @@ import numpy as np
 import torch
 
 from diffalign.data.images import load_image, require_path
+from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts, sample_train_specs
 from diffalign.world.render import render_spec, to_tensor
 
 
+@config_schema("data", "winner_folder")
 @dataclass
 class WinnerFolderConfig:
     """Config of `WinnerFolder`; the fields mirror its `__init__`."""
@@ -121,6 +123,7 @@ class WinnerFolder:
                 "images_w": torch.stack([image for _, image in items])}
 
 
+@config_schema("data", "shapes_winners")
 @dataclass
 class ShapesWinnersConfig:
     """Config of `ShapesWinners` (fields mirror its ``__init__``)."""

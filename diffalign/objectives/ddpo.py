@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
+from diffalign.schemas import config_schema
 
 
+@config_schema("method", "ddpo")
 @dataclass
 class DDPOConfig:
     """Config of `DDPO` (``method=ddpo`` extends it); the fields mirror its `__init__` arguments."""

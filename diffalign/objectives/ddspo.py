@@ -43,6 +43,7 @@ from torch import nn
 from diffalign.data.degrade import random_word_removal
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, rand, randint
 from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
+from diffalign.schemas import config_schema
 from diffalign.types import PreferenceBatch, PromptEmbeds
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class TargetPolicyAdapters:
             self.unet.train(was_training)
 
 
+@config_schema("method", "ddspo")
 @dataclass
 class DDSPOConfig:
     """Config of `DDSPO`; the fields mirror its `__init__` arguments."""

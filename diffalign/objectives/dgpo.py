@@ -43,7 +43,9 @@ from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, sp
 from diffalign.objectives.common import per_sample_mse
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference
+from diffalign.samplers.configs import describe, noise_scale
 from diffalign.samplers.groups import stream_seed
+from diffalign.schemas import config_schema, deprecated
 from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")
@@ -97,11 +99,12 @@ def select_train_timesteps(schedule: torch.Tensor, num: int, max_index: int, gen
     if not 0 <= max_index < len(schedule):
         raise ValueError(f"method.timestep_max_index={max_index} must index the {len(schedule)}-step rollout schedule.")
     if not 1 <= num <= max_index + 1:
-        raise ValueError(f"method.num_train_timesteps={num} must be in [1, timestep_max_index + 1 = {max_index + 1}].")
+        raise ValueError(f"method.timesteps_per_epoch={num} must be in [1, timestep_max_index + 1 = {max_index + 1}].")
     perm = torch.randperm(max_index + 1, generator=generator)[:num]
     return schedule[perm.sort().values]
 
 
+@config_schema("method", "dgpo")
 @dataclass
 class DGPOConfig:
     """Config of `DGPO` (``method=dgpo`` extends it); the fields mirror its `__init__` arguments. [PAPER] =
@@ -112,12 +115,14 @@ class DGPOConfig:
     beta_kl: float = 0.0                    # velocity L2 to the KL reference; method=dgpo: 0.02 (GenEval/OCR) [CODE]
     clip_range: float | None = None         # PPO-style clip of the DSM loss vs theta^-; method=dgpo: 0.01 [CODE]
     reference_guidance_scale: float = 1.0   # mode 1; the CFG-free mode 2 uses 4.5 with sampler.guidance_scale=1
-    num_train_timesteps: int = 4            # M timesteps per epoch, shared by all samples [CODE]
+    timesteps_per_epoch: int = 4            # M timesteps per epoch, shared by all samples [CODE num_train_timesteps]
     timestep_max_index: int = 4             # timestep clip: rollout-schedule indices 0..4 of 10 (GenEval) [CODE]
     old_policy_switch_step: int = 200       # theta^- = theta for the first 200 updates (500 GenEval) [PAPER+CODE]
     old_policy_decay: float = 0.3
     old_policy_ramp: float = 0.001
     kl_reference: str = "base"              # KL to the adapter-disabled base even with reference=ema [CODE] | reference
+    # the old name, until 0.3 (diffusers' num_train_timesteps is the 1000-step training schedule)
+    num_train_timesteps: int | None = deprecated("timesteps_per_epoch")
 
 
 class DGPO:
@@ -132,7 +137,8 @@ class DGPO:
         kl_reference (`str`, defaults to "base"): the model of the KL term's v_ref: "base" (the adapter-disabled
             base, as the released code also with an EMA DPO reference) or "reference" (the DPO term's reference
             strategy).
-        num_train_timesteps (`int`, defaults to 4): M timesteps per epoch.
+        timesteps_per_epoch (`int`, defaults to 4): M, the timesteps trained per epoch (the released code's
+            ``num_train_timesteps``; the config key ``method.num_train_timesteps`` is accepted until 0.3).
         timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
         old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.old_policy`).
 
@@ -148,7 +154,7 @@ class DGPO:
     rollout_policy: EmaRolloutPolicy | None = None  # θ⁻, made by `setup`
 
     def __init__(self, beta: float = 100.0, beta_kl: float = 0.0, clip_range: float | None = None,
-                 reference_guidance_scale: float = 1.0, num_train_timesteps: int = 4, timestep_max_index: int = 4,
+                 reference_guidance_scale: float = 1.0, timesteps_per_epoch: int = 4, timestep_max_index: int = 4,
                  old_policy_switch_step: int = 200, old_policy_decay: float = 0.3, old_policy_ramp: float = 0.001,
                  kl_reference: str = "base"):
         if beta <= 0:
@@ -164,7 +170,7 @@ class DGPO:
                              "adapter-disabled base, released code) or 'reference' (the reference strategy).")
         self.beta, self.beta_kl, self.clip_range = beta, beta_kl, clip_range
         self.reference_guidance_scale = reference_guidance_scale
-        self.num_train_timesteps, self.timestep_max_index = num_train_timesteps, timestep_max_index
+        self.timesteps_per_epoch, self.timestep_max_index = timesteps_per_epoch, timestep_max_index
         self.old_policy_switch_step, self.old_policy_decay = old_policy_switch_step, old_policy_decay
         self.old_policy_ramp = old_policy_ramp
         self.kl_reference = kl_reference
@@ -184,18 +190,17 @@ class DGPO:
         if on.get("best_of_n") is not None:
             raise ValueError("online.best_of_n selects samples for the policy-gradient methods (DanceGRPO/ViPO); DGPO "
                              "trains on whole groups: set online.best_of_n=null")
-        if sp.get("name", "sde") == "sde" and sp.eta > 0:
+        if noise_scale(sp) > 0:
             raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
-                             f"docs/algorithms.md#dgpo), but sampler.name='sde' with sampler.eta={sp.eta} is "
-                             "stochastic. "
-                             "Use sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler.eta=0 for "
-                             "deterministic DDIM")
+                             f"docs/algorithms.md#dgpo), but sampler={describe(sp)} is stochastic. Use "
+                             "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler=ddim sampler.eta=0 "
+                             "for deterministic DDIM")
         if m.timestep_max_index >= sp.num_inference_steps:
             raise ValueError(f"method.timestep_max_index={m.timestep_max_index} must index the "
                              f"{sp.num_inference_steps}-step rollout schedule; lower it below "
                              f"sampler.num_inference_steps")
-        if not 1 <= m.num_train_timesteps <= m.timestep_max_index + 1:
-            raise ValueError(f"method.num_train_timesteps={m.num_train_timesteps} must be in [1, "
+        if not 1 <= m.timesteps_per_epoch <= m.timestep_max_index + 1:
+            raise ValueError(f"method.timesteps_per_epoch={m.timesteps_per_epoch} must be in [1, "
                              f"method.timestep_max_index + 1 = {m.timestep_max_index + 1}]")
         batch_size, split = cfg.trainer.batch_size, on.get("split", "groups")
         if split == "groups" and batch_size % on.group_size:
@@ -224,7 +229,7 @@ class DGPO:
         return {}
 
     def plan(self, policy, epoch: OnlineEpoch) -> Iterator[list[_GroupUnit]]:
-        """The epoch's updates: `num_train_timesteps` timesteps drawn from the clipped rollout schedule (one draw per
+        """The epoch's updates: `timesteps_per_epoch` timesteps drawn from the clipped rollout schedule (one draw per
         epoch, `select_train_timesteps`), each over micro-batches of ``epoch.batch_size`` rows (whole groups), all
         (timestep, micro-batch) units cut into ``epoch.updates`` contiguous updates (`split_updates`)."""
         traj = epoch.trajectory
@@ -232,7 +237,7 @@ class DGPO:
         embeds = traj.prompt_embeds
         if self.reference_guidance_scale > 1 and embeds.negative_prompt_embeds is None:
             embeds = policy.encode_prompts(traj.prompts, do_classifier_free_guidance=True)  # CFG-free mode 2
-        chosen = select_train_timesteps(traj.timesteps, self.num_train_timesteps, self.timestep_max_index,
+        chosen = select_train_timesteps(traj.timesteps, self.timesteps_per_epoch, self.timestep_max_index,
                                         generator=epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS))
         units = [_GroupUnit(epoch, x0, embeds, chosen, ti, start)
                  for ti in range(len(chosen)) for start in range(0, len(x0), epoch.batch_size)]

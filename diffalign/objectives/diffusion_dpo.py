@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
+from diffalign.schemas import config_schema
 from diffalign.types import PreferenceBatch
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def diffusion_dpo_loss(
     return loss, metrics
 
 
+@config_schema("method", "diffusion_dpo")
 @dataclass
 class DiffusionDPOConfig:
     """Config of `DiffusionDPO`; the fields mirror its `__init__` arguments."""

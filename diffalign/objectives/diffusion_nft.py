@@ -40,6 +40,7 @@ from diffalign.objectives.policy_gradient import trajectory_minibatches
 from diffalign.old_policy import OLD_ADAPTER
 from diffalign.reference import ReferenceAdapter
 from diffalign.samplers.groups import stream_seed
+from diffalign.schemas import config_schema
 
 LOSS_WEIGHTINGS = ("adaptive", "uniform")
 WEIGHT_FLOOR = 1e-5  # the released code's clip(min=0.00001) of the adaptive weight
@@ -174,6 +175,7 @@ class SoftUpdateOldPolicy:
         self.adapter.load(state["weights"], "the checkpoint's old policy")
 
 
+@config_schema("method", "diffusion_nft")
 @dataclass
 class DiffusionNFTConfig:
     """Config of `DiffusionNFT` (``method=diffusion_nft`` extends it); the fields mirror its `__init__` arguments, the

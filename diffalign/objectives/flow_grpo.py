@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
+from diffalign.schemas import config_schema
 
 
+@config_schema("method", "flow_grpo")
 @dataclass
 class FlowGRPOConfig:
     """Config of `FlowGRPO` (``method=flow_grpo`` extends it); the fields mirror its `__init__` arguments, the defaults

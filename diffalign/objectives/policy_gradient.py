@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from diffalign.methods import SHUFFLE, TIMESTEPS, CurrentPolicy, OnlineEpoch, epoch_generator, split_updates
+from diffalign.samplers.configs import describe, noise_scale
 from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
@@ -37,13 +38,14 @@ def check_stochastic_sampler(cfg) -> None:
     """A policy-gradient method trains on stored step log-probs, so it needs stochastic rollouts that keep them.
 
     Raises:
-        ValueError: unless ``sampler.name="sde"`` with ``sampler.eta > 0``.
+        ValueError: unless the sampler is one of `diffalign.samplers.configs.STOCHASTIC` with a noise scale > 0
+            (``sampler.eta`` for ``ddim``, ``sampler.noise_level`` for the flow SDEs).
     """
-    name, eta = cfg.sampler.get("name", "sde"), cfg.sampler.eta
-    if name != "sde" or eta <= 0:
+    if noise_scale(cfg.sampler) <= 0:
         raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
-                         f"stochastic sampler with log-probs, but sampler.name={name!r}, sampler.eta={eta}. Use "
-                         "sampler=flow_sde (flow models) or sampler=ddim (eps-models) with eta > 0")
+                         f"stochastic sampler with log-probs, but sampler={describe(cfg.sampler)}. Use "
+                         "sampler=flow_sde (flow models, sampler.noise_level > 0) or sampler=ddim (eps-models, "
+                         "sampler.eta > 0)")
 
 
 def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
@@ -158,8 +160,8 @@ rollout and training batch the rows alike, at most 1.4e-6 when they do not; a st
 5e-2, off by 0.01 6.5e-4. The default sits about 700 times above the float noise, with room for GPU kernels."""
 
 CAUSES = ("the guidance scale differs between the rollout and the training forward (sampler.guidance_scale is what "
-          "both should use; a custom plugin may guide differently); the noise level differs (sampler.eta: DDIM eta / "
-          "the SDE's a, or sampler.sde_type); dtype (trainer.mixed_precision autocasts the training forward but not "
+          "both should use; a custom plugin may guide differently); the noise level differs (sampler.eta: DDIM's eta, "
+          "sampler.noise_level: the flow SDE's, or the sampler option); dtype (trainer.mixed_precision autocasts the training forward but not "
           "the rollout, or the frozen weights are float16/bfloat16: model.torch_dtype); the prompt embeddings are not "
           "in the order of the latents (a data or model plugin); timestep indexing (the trajectory's timesteps/sigmas "
           "and the scheduler's disagree, e.g. a scheduler whose set_timesteps changed)")

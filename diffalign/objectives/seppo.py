@@ -40,6 +40,7 @@ from torch import nn
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.samplers.rollout import rollout
+from diffalign.schemas import config_schema
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:
@@ -175,6 +176,7 @@ def reference_sample_seed(sample_seed: int, version: int, prompt: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+@config_schema("method", "seppo")
 @dataclass
 class SePPOConfig:
     """Config of `SePPO`; the fields mirror its `__init__` arguments."""

@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
+from diffalign.schemas import config_schema
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:
     from diffalign.models.base import DiffusionPolicy
 
 
+@config_schema("method", "sft")
 @dataclass
 class WinnerSFTConfig:
     """Config of `WinnerSFT`; the fields mirror its `__init__` arguments."""

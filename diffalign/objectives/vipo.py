@@ -36,6 +36,7 @@ from diffalign.objectives.policy_gradient import (
     transition_plan,
 )
 from diffalign.samplers.rollout import recompute_step
+from diffalign.schemas import config_schema
 from diffalign.types import Trajectory
 from diffalign.vipo.backbones import check_backbone_spec
 from diffalign.vipo.psm import AGGREGATIONS, ORIENTATIONS, PADDINGS, PerceptualStructuring, advantage_maps
@@ -44,6 +45,7 @@ REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
 
 
+@config_schema("method", "vipo")
 @dataclass
 class ViPOConfig:
     """Config of `ViPO` (``method=vipo`` extends it); the fields mirror its `__init__` arguments. [CODE] = the released

@@ -1,19 +1,19 @@
 """Weighted sum of several rewards (the multi-select ``reward=[a,b]`` of the configs, with
-``reward.<name>.weight`` and ``reward.<name>.normalize``)."""
+``reward.<name>.weight`` and ``reward.<name>.normalize``).
+
+The last stage of the one path every reward takes (`diffalign.plugins.build_rewards`): build → guard
+(`diffalign.rewards.guard.CheckedReward`, which alone checks what a reward returns) → combine (`WeightedSum`).
+"""
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
-from diffalign.rewards.base import Reward, RewardError
+from diffalign.rewards.base import Reward
 from diffalign.types import RewardOutput
-
-logger = logging.getLogger(__name__)
-
 
 NORMALIZE = ("none", "zscore")
 ZSCORE_EPS = 1e-6
@@ -41,9 +41,10 @@ class WeightedSum:
     r"""Combines rewards as $s = \sum_k w_k\, n_k(s_k)$, where $n_k$ is the identity (``"none"``) or the batch
     z-score (``"zscore"``, `zscore`) chosen per reward.
 
-    Each component is called on the full batch. A component that raises, returns scores of the wrong shape or
-    returns non-finite scores makes the call raise `RewardError` naming that component (after logging it), so a run
-    never trains on a silently missing or NaN reward; the caller decides whether to skip the batch or stop.
+    Each component is called on the full batch through its guard (`diffalign.rewards.guard.CheckedReward`; a
+    component given unguarded is wrapped): a component that raises, returns scores of the wrong shape or returns
+    non-finite scores makes the call raise `RewardError` naming that component (after logging it), so a run never
+    trains on a silently missing or NaN reward; the caller decides whether to skip the batch or stop.
 
     Args:
         rewards (`dict[str, Reward]`): the components by name (the keys of ``cfg.reward``); at least one.
@@ -52,6 +53,8 @@ class WeightedSum:
             ``"none"``); applied before weighting.
 
     Attributes:
+        rewards (`dict[str, CheckedReward]`): the guarded components (their ``step`` is the one named in errors,
+            `diffalign.rewards.guard.set_reward_step`).
         differentiable (`bool`): true when every component is differentiable.
         name (`str`): ``"weighted_sum"``.
 
@@ -79,7 +82,9 @@ class WeightedSum:
                 raise ValueError(f"normalisation given for '{name}', which is not among the rewards {sorted(rewards)}")
             if mode not in NORMALIZE:
                 raise ValueError(f"reward.{name}.normalize={mode!r} must be one of {NORMALIZE}")
-        self.rewards = dict(rewards)
+        from diffalign.rewards.guard import checked_rewards  # (guard → futures → combine: imported here)
+
+        self.rewards = checked_rewards(rewards)
         self.weights = {name: float(weights[name]) for name in rewards}
         self.normalize = {name: normalize.get(name, "none") for name in rewards}
         self.differentiable = all(reward.differentiable for reward in self.rewards.values())
@@ -111,26 +116,12 @@ class WeightedSum:
         Raises:
             RewardError: naming the component that raised, returned scores not of shape `(B,)`, or non-finite scores.
         """
-        batch_size = images.shape[0]
         total: torch.Tensor | None = None
         info: dict[str, Any] = {}
         maps: dict[str, torch.Tensor] = {}
         for name, reward in self.rewards.items():
-            try:
-                out = reward(images, prompts, metadata)
-            except Exception as err:
-                logger.exception("reward '%s' raised on a batch of %d", name, batch_size)
-                raise RewardError(name, f"raised {type(err).__name__}: {err}") from err
+            out = reward(images, prompts, metadata)  # checked: (B,) finite float32 scores, or RewardError
             scores = out.scores
-            if scores.shape != (batch_size,):
-                raise RewardError(name, f"returned scores of shape {tuple(scores.shape)}, expected ({batch_size},).")
-            scores = scores.float()
-            bad = ~torch.isfinite(scores)
-            if bad.any():
-                logger.error("reward '%s' returned non-finite scores at batch rows %s", name, bad.nonzero().flatten())
-                raise RewardError(
-                    name, f"returned non-finite scores at batch rows {bad.nonzero().flatten().tolist()}."
-                )
             info[f"scores/{name}"] = scores
             if self.normalize[name] == "zscore":
                 scores = zscore(scores)

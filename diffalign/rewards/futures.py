@@ -147,6 +147,11 @@ class Resolved:
         return self.future.result()
 
 
+def _unguarded(reward: Any) -> Any:
+    """The reward a `diffalign.rewards.guard.CheckedReward` guards (any other reward: itself)."""
+    return getattr(reward, "reward", reward)
+
+
 class ChunkScorer:
     """Scores an online epoch's rollouts chunk by chunk as they are made, so that a reward server scores chunk k while
     the policy samples chunk k + 1; the result equals one `WeightedSum` call on the whole epoch.
@@ -156,8 +161,10 @@ class ChunkScorer:
         scored = scorer.result(traj.images, traj.prompts)   # raises RewardError like rewards(...) would
 
     Args:
-        rewards (`WeightedSum`): the run's rewards; components with a ``submit`` (`diffalign.rewards.http`) are
-            submitted per chunk, the others are called once on the whole epoch by `result`.
+        rewards (`WeightedSum`): the run's rewards (guarded components, `diffalign.rewards.guard.CheckedReward`);
+            components whose reward has a ``submit`` (`diffalign.rewards.http`) are submitted per chunk and checked
+            once on the whole epoch (rows and the step the loop set named as for a call), the others are called once
+            on the whole epoch by `result`.
         metadata (`list[dict]`, *optional*): the epoch's `N` per-sample records (rows of the rollout order).
 
     Once a chunk's request has failed (e.g. the server is down), later chunks are not sent; `result` then raises.
@@ -166,7 +173,7 @@ class ChunkScorer:
     def __init__(self, rewards: WeightedSum, metadata: list[dict[str, Any]] | None = None):
         self.rewards, self.metadata = rewards, metadata
         self.pending: dict[str, list[Future]] = {name: [] for name, reward in rewards.rewards.items()
-                                                 if has_submit(reward)}
+                                                 if has_submit(_unguarded(reward))}
 
     def add(self, part: Any, start: int, stop: int) -> None:
         """Submits rows ``start:stop`` of the epoch (``part.images`` `(n, 3, H, W)` or `(n, F, 3, H, W)` in [0, 1],
@@ -176,7 +183,7 @@ class ChunkScorer:
                 continue  # a request failed: `result` reports it; sending more is pointless
             metadata = None if self.metadata is None else self.metadata[start:stop]
             try:
-                future = self.rewards.rewards[name].submit(part.images, list(part.prompts), metadata)
+                future = _unguarded(self.rewards.rewards[name]).submit(part.images, list(part.prompts), metadata)
             except Exception as err:  # noqa: BLE001 - raised by `result`, through the WeightedSum's checks
                 future = Future()
                 future.set_exception(err)
@@ -201,9 +208,18 @@ class ChunkScorer:
         """
         if not self.pending:
             return self.rewards(images, prompts, self.metadata)
+        from diffalign.rewards.guard import CheckedReward  # (the guard imports this module)
+
         try:
-            components = {name: Resolved(gather(self.pending[name], concat_outputs), reward.differentiable)
-                          if name in self.pending else reward for name, reward in self.rewards.rewards.items()}
+            components = {}
+            for name, reward in self.rewards.rewards.items():
+                if name not in self.pending:
+                    components[name] = reward
+                    continue
+                checked = CheckedReward(name, Resolved(gather(self.pending[name], concat_outputs),
+                                                       reward.differentiable))
+                checked.step = getattr(reward, "step", None)  # the step the loop set (named in errors)
+                components[name] = checked
             return WeightedSum(components, self.rewards.weights, self.rewards.normalize)(images, prompts,
                                                                                          self.metadata)
         finally:

@@ -67,8 +67,9 @@ def score_or_raise(
     for name, reward in rewards.items():
         try:
             out = reward(images, prompts, metadata)
-        except RewardError as err:  # e.g. a WeightedSum component: keep its name, add where
-            raise RewardError(err.reward_name, err.detail, step=step, batch_index=batch_index,
+        except RewardError as err:  # e.g. a WeightedSum component: keep its name (and where, unless given here)
+            raise RewardError(err.reward_name, err.detail, step=err.step if step is None else step,
+                              batch_index=err.batch_index if batch_index is None else batch_index,
                               prompts=err.prompts or list(prompts)) from err
         except Exception as err:
             logger.exception("reward '%s' raised at step %s, batch %s", name, step, batch_index)
@@ -104,12 +105,18 @@ class CheckedReward:
 
     def __init__(self, name: str, reward: Reward):
         self.name, self.reward = name, reward
-        self.differentiable = reward.differentiable
+        self.differentiable = getattr(reward, "differentiable", False)  # (a plain callable: not differentiable)
         self.step: int | None = None
         self.calls = 0
 
     def __repr__(self) -> str:
         return f"CheckedReward({self.name!r}, {self.reward!r})"
+
+    def __getattr__(self, attribute: str) -> Any:
+        """Other attributes are the wrapped reward's (e.g. ``check_prompts``, a reward's own settings)."""
+        if attribute == "reward":  # (not set yet, e.g. while unpickling)
+            raise AttributeError(attribute)
+        return getattr(self.reward, attribute)
 
     def __call__(self, images: Any, prompts: list[str], metadata: list[dict[str, Any]] | None = None) -> RewardOutput:
         batch_index, self.calls = self.calls, self.calls + 1
@@ -134,13 +141,15 @@ class CheckedReward:
 
 
 def checked_rewards(rewards: Mapping[str, Reward]) -> dict[str, CheckedReward]:
-    """``{name: CheckedReward(name, reward)}`` for every reward."""
-    return {name: CheckedReward(name, reward) for name, reward in rewards.items()}
+    """``{name: CheckedReward(name, reward)}`` for every reward (a reward already guarded is kept as it is)."""
+    return {name: reward if isinstance(reward, CheckedReward) else CheckedReward(name, reward)
+            for name, reward in rewards.items()}
 
 
-def set_reward_step(rewards: Mapping[str, CheckedReward], step: int, reset_calls: bool = False) -> None:
-    """Sets the step named in errors on every `CheckedReward` (and restarts their batch count if `reset_calls`)."""
-    for reward in rewards.values():
+def set_reward_step(rewards, step: int, reset_calls: bool = False) -> None:
+    """Sets the step named in errors on every `CheckedReward` of `rewards` (a ``{name: CheckedReward}`` mapping, or a
+    `diffalign.rewards.combine.WeightedSum`: its components), and restarts their batch count if `reset_calls`."""
+    for reward in getattr(rewards, "rewards", rewards).values():
         reward.step = step
         if reset_calls:
             reward.calls = 0
@@ -157,8 +166,10 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callab
         log (`Callable[[str], None]`, defaults to `print`): where the stop message goes.
 
     Raises:
-        RewardError: the original error, with ``checkpoint`` set to the saved folder; the message names the reward,
-            the step, the batch and the prompt(s). If saving itself fails, that error is raised from the reward's.
+        RewardError: the reward's error with the saved folder as ``checkpoint`` and in the message ("— checkpoint
+            saved to <folder>; fix or deselect the reward, then resume with resume=latest"); the message names the
+            reward, the step, the batch and the prompt(s) (the original error chained; re-raised as it is where this
+            process wrote no checkpoint). If saving itself fails, that error is raised from the reward's.
     """
     try:
         yield
@@ -169,4 +180,9 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callab
             raise RuntimeError(f"{err}; saving a checkpoint before stopping also failed: {save_err}") from err
         where = f"checkpoint saved to {err.checkpoint}" if err.checkpoint is not None else "no checkpoint written"
         log(f"[diffalign] stopping: {err}; {where}. Fix or deselect the reward, then resume with resume=latest.")
-        raise
+        if err.checkpoint is None:
+            raise
+        stop = RewardError(err.reward_name, f"{err.detail} — {where}; fix or deselect the reward, then resume with "
+                           "resume=latest", step=err.step, batch_index=err.batch_index, prompts=err.prompts)
+        stop.checkpoint = err.checkpoint
+        raise stop from err

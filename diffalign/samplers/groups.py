@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from diffalign.models.base import DiffusionPolicy
-from diffalign.samplers.ode import SOLVERS, ode_rollout
+from diffalign.samplers.configs import FLOW_SDES, ODE_SOLVERS, SAMPLERS
+from diffalign.samplers.ode import ode_rollout
 from diffalign.samplers.rollout import rollout
 from diffalign.types import PromptEmbeds, Trajectory
 
@@ -84,13 +85,13 @@ def group_rollout(
     seed: int,
     epoch: int,
     shared_initial_noise: bool = False,
-    sampler: str = "sde",
+    sampler: str = "flow_sde",
     num_inference_steps: int = 10,
     guidance_scale: float = 4.5,
-    eta: float = 0.7,
+    eta: float = 1.0,
+    noise_level: float = 0.7,
     rollout_batch_size: int = 32,
     reduction: str = "mean",
-    sde_type: str = "flow_grpo",
     members: list[int] | None = None,
     on_chunk: Callable[[Trajectory, int, int], None] | None = None,
 ) -> tuple[Trajectory, torch.Tensor]:
@@ -103,15 +104,15 @@ def group_rollout(
         group_indices (`list[int]`): `P` global group indices (seed the noise; distinct across processes).
         seed, epoch (`int`): the run's seed and the epoch.
         shared_initial_noise (`bool`): one initial noise per group (GRPO/DanceGRPO) instead of one per sample (DGPO).
-        sampler (`str`): "sde" (stochastic, with log-probs: DDIM-η for ε/v models, the Flow-GRPO SDE for flow
-            models, noise level `eta`), or a deterministic solver of `diffalign.samplers.ode` ("dpm_solver", "euler",
-            "ddim").
+        sampler (`str`): a sampler option (`diffalign.samplers.configs.SAMPLERS`): "ddim" (DDIM-η with log-probs,
+            ε/v models), "flow_sde" / "dance_sde" (Flow-GRPO's / DanceGRPO's SDE with log-probs, flow models), or the
+            deterministic "dpm_ode" / "euler_ode" (`diffalign.samplers.ode`, no log-probs).
         num_inference_steps (`int`): K.
         guidance_scale (`float`): the rollout CFG scale (separate from any training-time guidance).
-        eta (`float`): DDIM η or flow SDE noise level a for `sampler="sde"`.
+        eta (`float`): DDIM's η, for ``sampler="ddim"``.
+        noise_level (`float`): the flow SDE's noise scale (Flow-GRPO's a, DanceGRPO's η), for "flow_sde" / "dance_sde".
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
         reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
-        sde_type (`str`): the flow models' SDE for `sampler="sde"`: "flow_grpo" or "dance" (`rollout`).
         members (`list[int]`, *optional*): sample only these member indices of every group (a group spanning several
             processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
         on_chunk (*optional*): called as ``on_chunk(part, start, stop)`` after each forward batch with its
@@ -123,14 +124,23 @@ def group_rollout(
         global group indices, one per row).
 
     Raises:
-        ValueError: for `group_size < 1`, mismatched `group_indices`, or an unknown sampler.
+        ValueError: for `group_size < 1`, mismatched `group_indices`, an unknown sampler, or a sampler of the other
+            model family ("ddim" for a flow model, a flow SDE for an ε/v model).
     """
     if group_size < 1:
         raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
     if len(group_indices) != len(prompts):
         raise ValueError(f"{len(group_indices)} group indices for {len(prompts)} prompts; pass one per prompt.")
-    if sampler != "sde" and sampler not in SOLVERS:
-        raise ValueError(f"`sampler` must be 'sde' or one of {SOLVERS}, got {sampler!r}.")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"`sampler` must be one of {SAMPLERS}, got {sampler!r}.")
+    flow = policy.prediction_type == "flow"
+    if sampler == "ddim" and flow:
+        raise ValueError("sampler=ddim is DDIM-η for eps/v models, but the policy is a flow model; use "
+                         "sampler=flow_sde (or dance_sde) for stochastic rollouts, sampler=dpm_ode / euler_ode for "
+                         "deterministic ones")
+    if sampler in FLOW_SDES and not flow:
+        raise ValueError(f"sampler={sampler} is a flow-matching SDE, but the policy is an eps/v model; use "
+                         "sampler=ddim (sampler.eta > 0) for stochastic rollouts")
     member_ids = list(range(group_size)) if members is None else list(members)
     if any(not 0 <= m < group_size for m in member_ids):
         raise ValueError(f"members {member_ids} must lie in [0, {group_size}).")
@@ -142,15 +152,17 @@ def group_rollout(
     for start in range(0, len(all_prompts), rollout_batch_size):
         stop = min(start + rollout_batch_size, len(all_prompts))
         chunk = all_prompts[start:stop]
-        if sampler == "sde":
+        if sampler in ODE_SOLVERS:
+            parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
+                                     guidance_scale=guidance_scale, solver=ODE_SOLVERS[sampler],
+                                     latents=noise[start:stop]))
+        else:
             gens = [torch.Generator(device=policy.device).manual_seed(stream_seed(seed, epoch, g, m, _STEP))
                     for g, m in members[start:stop]]
             parts.append(rollout(policy, chunk, num_inference_steps=num_inference_steps,
-                                 guidance_scale=guidance_scale, eta=eta, generator=gens, latents=noise[start:stop],
-                                 reduction=reduction, sde_type=sde_type))
-        else:
-            parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
-                                     guidance_scale=guidance_scale, solver=sampler, latents=noise[start:stop]))
+                                 guidance_scale=guidance_scale, eta=noise_level if sampler in FLOW_SDES else eta,
+                                 generator=gens, latents=noise[start:stop], reduction=reduction,
+                                 sde_type=FLOW_SDES.get(sampler, "flow_grpo")))
         if on_chunk is not None:
             on_chunk(parts[-1], start, stop)
     group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)

@@ -1,5 +1,6 @@
 """What both training loops share, written once: the accelerator and trackers, the optimizer and LR schedule, the
-guarded optimizer step, checkpoints (write, stop, resume), the stop on SIGTERM / SIGINT, and the final evaluation.
+optimizer updates (reference stepping, the non-finite guard: `Updates`), checkpoints (write, stop, resume), the stop on
+SIGTERM / SIGINT, the reward set, and the final evaluation.
 
 The loops stay unrolled (`diffalign.train.online`, `diffalign.train.preference`); these are the blocks they would
 otherwise each write out.
@@ -7,9 +8,10 @@ otherwise each write out.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +31,11 @@ from diffalign.checkpoint import (
     write_state,
 )
 from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
-from diffalign.faults import NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
-from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
+from diffalign.plugins import build_checked_rewards, build_rewards
+from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
 from diffalign.world.prompts import load_prompts
 
 
@@ -123,6 +127,73 @@ def apply_update(accelerator: Accelerator, guard: NonFiniteGuard, optimizer, lr_
     optimizer.zero_grad(set_to_none=True)
 
 
+class UpdateLosses:
+    """The micro-batch losses of one optimizer update, as far as the guard needs them: whether all were finite."""
+
+    def __init__(self):
+        self.finite = True
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Records one micro-batch's scalar loss (before its backward pass)."""
+        self.finite = self.finite and bool(torch.isfinite(loss))
+
+
+class Updates:
+    """The optimizer updates of a run, taken the same way by both loops.
+
+    The reference is stepped here and nowhere else: ``reference.on_step(policy, n)`` runs before every update with
+    ``n`` = the number of updates already done (0 before the first; docs/algorithms.md#reference-stepping). Every
+    reference strategy is written for that call (`diffalign.reference`): the pool snapshots θ_n when ``n %
+    save_every == 0``, so θ_0 is in the pool before the first update, and an EMA reference takes its step once the
+    policy has had ``n`` updates. A resumed run at step ``n`` makes the next call with ``n``, so no call is repeated
+    or skipped (each strategy also ignores a second call for the same ``n``).
+
+    Args:
+        accelerator (`Accelerator`), policy, reference: the run's.
+        guard (`NonFiniteGuard`): decides whether an update is applied.
+        optimizer, lr_scheduler, params: what `apply_update` steps.
+        max_grad_norm (`float`, *optional*): ``trainer.max_grad_norm``.
+    """
+
+    def __init__(self, accelerator: Accelerator, policy, reference, guard: NonFiniteGuard, optimizer, lr_scheduler,
+                 params, max_grad_norm: float | None):
+        self.accelerator, self.policy, self.reference, self.guard = accelerator, policy, reference, guard
+        self.optimizer, self.lr_scheduler, self.params = optimizer, lr_scheduler, params
+        self.max_grad_norm = max_grad_norm
+
+    @contextlib.contextmanager
+    def update(self, done: int) -> Iterator[UpdateLosses]:
+        """One optimizer update after `done` updates: steps the reference (``on_step(policy, done)``), then runs the
+        body, which computes and backpropagates the update's micro-batches and records each loss with
+        ``losses.add(loss)``, then applies the accumulated gradients (`apply_update`: skipped when a loss or gradient
+        is non-finite on any process)."""
+        self.reference.on_step(self.policy, done)
+        losses = UpdateLosses()
+        yield losses
+        apply_update(self.accelerator, self.guard, self.optimizer, self.lr_scheduler, self.params, self.max_grad_norm,
+                     losses.finite)
+
+    def stop_if_exhausted(self, checkpoint: Callable[[], Path], where: str, note: str = "") -> None:
+        """After ``trainer.max_consecutive_nonfinite`` skipped updates in a row: `checkpoint()`, then
+        `NonFiniteError`.
+
+        Args:
+            where (`str`): the run's position, e.g. "step 3" or "epoch 1, step 2".
+            note (`str`): said after the checkpoint's folder, e.g. how a resume continues.
+
+        Raises:
+            NonFiniteError: naming the count, `where`, the setting, the checkpoint and the fixes.
+        """
+        if not self.guard.exhausted:
+            return
+        ckpt = checkpoint()
+        raise NonFiniteError(
+            f"{self.guard.consecutive} updates in a row had a non-finite loss or gradient ({where}, "
+            f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. "
+            "Lower trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or "
+            "use trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
+
+
 class Checkpoints:
     """A run's checkpoints: ``checkpoint-<step>`` folders (`diffalign.checkpoint.save_checkpoint`) holding the LoRA,
     the optimizer and LR scheduler, every object of `states` as ``<name>.{json,safetensors}`` and the loop's own
@@ -192,6 +263,19 @@ class Checkpoints:
         return state
 
 
+def build_reward_sets(cfg: DictConfig) -> tuple[WeightedSum, dict[str, CheckedReward]]:
+    """The run's rewards, built the one way (build → guard → combine, `diffalign.plugins.build_rewards`).
+
+    Returns:
+        (the training set ``reward=[...]`` as a `WeightedSum` of guarded components, the evaluation set
+        ``eval_reward=[...]`` as ``{name: CheckedReward}``, used by the final evaluation and the monitors; without
+        ``eval_reward`` the training set's own guarded components, not a second copy of the reward models).
+    """
+    rewards = build_rewards(cfg.reward)
+    eval_rewards = build_checked_rewards(cfg.eval_reward) if cfg.get("eval_reward") else rewards.rewards
+    return rewards, eval_rewards
+
+
 def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: Callable[[], Path], where: str) -> None:
     """On SIGTERM / SIGINT (on any process): a checkpoint (`checkpoint()`), a message, then `TrainingInterrupted`.
 
@@ -216,7 +300,7 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     the HTML report; a failing reward stops the run after `checkpoint()` (`stop_on_reward_error`).
 
     Args:
-        eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`diffalign.rewards.guard.checked_rewards`).
+        eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`build_reward_sets`).
         step (`int`): the global step, named in reward errors.
 
     Returns:

@@ -9,12 +9,13 @@ Each epoch:
 2. samples ``online.group_size`` images per prompt with the method's ``rollout_policy`` (θ, or θ⁻ for a method that
    samples with an old policy) using ``sampler``, storing step log-probs as the method's ``log_prob_reduction`` asks,
    with initial noise shared inside a group when ``online.shared_initial_noise`` (`diffalign.samplers.groups`);
-3. scores them with the selected rewards (`WeightedSum`; a failing or non-finite reward stops the run after a
-   checkpoint, naming the reward, batch and prompts); a reward served over HTTP (``reward=[http]``) scores each
-   rollout batch of ``online.rollout_batch_size`` while the next one is sampled (`diffalign.rewards.futures`);
+3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
+   stops the run after a checkpoint, naming the reward, step and prompts); a reward served over HTTP
+   (``reward=[http]``) scores each rollout batch of ``online.rollout_batch_size`` while the next one is sampled
+   (`diffalign.rewards.futures`);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
-   or DDPO's per-prompt tracker; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered from
-   every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
+   or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered
+   from every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
 5. hands the epoch to the method (`OnlineEpoch`): ``method.prepare`` once, then one optimizer update per list of
    units of ``method.plan`` (gradients of its units accumulated, each unit's ``method.loss`` divided by their number;
    under DDP the processes synchronise once per update, `Accelerator.no_sync` on the other units).
@@ -43,7 +44,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.deprecation import migrate_config
+from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.init_lora import build_policy
 from diffalign.methods import (
     ONLINE_FLOWS,
@@ -56,16 +58,16 @@ from diffalign.methods import (
 )
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
-from diffalign.plugins import build_rewards, build_selected_rewards
-from diffalign.rewards.base import RewardError
-from diffalign.rewards.combine import reward_metrics
+from diffalign.rewards.combine import WeightedSum, reward_metrics
 from diffalign.rewards.futures import ChunkScorer
-from diffalign.rewards.guard import checked_rewards
+from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
+from diffalign.samplers.configs import describe
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
-    apply_update,
+    Updates,
+    build_reward_sets,
     final_evaluation,
     make_accelerator,
     prepare_training,
@@ -87,6 +89,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
+    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)
@@ -107,15 +110,14 @@ class _Run:
     objective: OnlineMethod
     policy: object
     reference: object
-    rewards: object
+    rewards: WeightedSum
     eval_rewards: dict
     monitor: object
     rows: list[dict]
     advantages: EpochAdvantages
-    params: list
-    optimizer: object
     lr_scheduler: object
     guard: NonFiniteGuard
+    updates: Updates
     checkpoints: Checkpoints
     epoch: int = 0
     global_step: int = 0
@@ -143,7 +145,7 @@ def _check_split(on: DictConfig, num_proc: int) -> None:
     """The online config's checks that depend on the number of processes (the generic ones; a method adds its own)."""
     if on.group_size < 2:
         raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
-                         "prompt; set online.group_size >= 2 (DGPO/Flow-GRPO use 16-24).")
+                         "prompt; set online.group_size >= 2 (the released online methods use 16-24).")
     split = on.get("split", "groups")
     if split not in ("groups", "members"):
         raise ValueError(f"online.split={split!r} must be 'groups' (whole groups per process) or 'members' (every "
@@ -174,8 +176,7 @@ def _setup(cfg: DictConfig) -> _Run:
     reference = instantiate(cfg.reference)
     reference.setup(policy)
     objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
-    rewards = build_rewards(cfg.reward)
-    eval_rewards = checked_rewards(build_selected_rewards(cfg.get("eval_reward") or cfg.reward))
+    rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     rows = load_prompts(on.prompts, field="online.prompts")
     advantages = EpochAdvantages(objective.advantage, std=on.advantage_std, clip=on.advantage_clip,
@@ -184,21 +185,18 @@ def _setup(cfg: DictConfig) -> _Run:
     total_updates = on.num_epochs * objective.epoch_updates(on.updates_per_epoch, on.num_inner_epochs)
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, total_updates)
     start_trackers(accelerator, cfg)
-    name = sp.get("name", "sde")
-    flow_sde_label = "DanceGRPO SDE eta" if sp.get("sde_type", "flow_grpo") == "dance" else "flow SDE a"
-    sampler_label = name if name != "sde" else (
-        f"{flow_sde_label if policy.prediction_type == 'flow' else 'DDIM eta'}={sp.eta}")
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
-        f"({sampler_label}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
+        f"({describe(sp)}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
         f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
+    updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
     checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
                               {"reference_state": reference, **objective.checkpoint_states()})
     return _Run(cfg, accelerator, objective, policy, reference, rewards, eval_rewards, monitor, rows, advantages,
-                params, optimizer, lr_scheduler, guard, checkpoints)
+                lr_scheduler, guard, updates, checkpoints)
 
 
 def _resume(run: _Run) -> list[dict]:
@@ -278,29 +276,23 @@ def _epoch(run: _Run) -> dict:
     metadata = [r for r in epoch_rows for _ in range(share)]
     # 2. rollouts with the method's rollout policy (θ, or θ⁻); a reward server scores each rollout batch while the
     # next one is sampled (other rewards are called on the whole epoch in 3., as before)
+    set_reward_step(run.rewards, run.global_step, reset_calls=True)
     scorer = ChunkScorer(run.rewards, metadata)
     policy.denoiser.eval()
     with torch.no_grad(), run.objective.rollout_policy.use(policy):
         traj, group_ids = group_rollout(
             policy, [r["prompt"] for r in epoch_rows], on.group_size,
             group_indices=[epoch * on.groups_per_epoch + j for j in mine], seed=cfg.seed, epoch=epoch,
-            shared_initial_noise=on.shared_initial_noise, sampler=sp.get("name", "sde"),
-            num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.eta,
+            shared_initial_noise=on.shared_initial_noise, sampler=sp.name, num_inference_steps=sp.num_inference_steps,
+            guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0), noise_level=sp.get("noise_level", 0.0),
             rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
-            sde_type=sp.get("sde_type", "flow_grpo"),
             members=list(range(rank * share, (rank + 1) * share)) if members_split else None,
             on_chunk=scorer.add)
     policy.denoiser.train()
-    # 3. rewards
-    try:
+    # 3. rewards (a failing or non-finite one stops the run after a checkpoint)
+    with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch)),
+                              log=accelerator.print):
         scored = scorer.result(traj.images, traj.prompts)
-    except RewardError as err:  # the checkpoint of this step (the epoch-end one, when it was just written)
-        err.checkpoint = run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch))
-        stop = RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix the reward "
-                           f"and resume with resume=latest", step=run.global_step, batch_index=epoch,
-                           prompts=sorted(set(traj.prompts)))
-        stop.checkpoint = err.checkpoint
-        raise stop from err
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
     scores = scored.scores.detach().cpu()
@@ -343,36 +335,30 @@ def _advantages(run: _Run, scored, group_ids: torch.Tensor, prompts: list[str]) 
 
 
 def _updates(run: _Run, data: OnlineEpoch) -> dict:
-    """One optimizer update per list of units of ``method.plan``; returns the units' mean metrics."""
-    accelerator, tr = run.accelerator, run.cfg.trainer
+    """One optimizer update per list of units of ``method.plan`` (`Updates.update`: the reference is stepped before
+    each); returns the units' mean metrics."""
+    accelerator = run.accelerator
     sums: dict[str, float] = {}
     n_units = 0
     for update in run.objective.plan(run.policy, data):
-        loss_finite = True
-        for i, unit in enumerate(update):
-            # the processes synchronise the accumulated gradients once per update, at its last unit (DDP no_sync)
-            last = i == len(update) - 1
-            with (contextlib.nullcontext() if last else accelerator.no_sync(run.policy.forward_module)), \
-                    accelerator.autocast():
-                loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
-                loss_finite = loss_finite and bool(torch.isfinite(loss))
-                accelerator.backward(loss / len(update))
-            n_units += 1
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
         # a non-finite loss or gradient (on any process) skips the update; the step still counts (LR schedule, θ⁻)
-        apply_update(accelerator, run.guard, run.optimizer, run.lr_scheduler, run.params, tr.max_grad_norm,
-                     loss_finite)
+        with run.updates.update(run.global_step) as losses:
+            for i, unit in enumerate(update):
+                # the processes synchronise the accumulated gradients once per update, at its last unit (DDP no_sync)
+                last = i == len(update) - 1
+                with (contextlib.nullcontext() if last else accelerator.no_sync(run.policy.forward_module)), \
+                        accelerator.autocast():
+                    loss, metrics = run.objective.loss(run.policy, unit, reference=run.reference)
+                    losses.add(loss)
+                    accelerator.backward(loss / len(update))
+                n_units += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
         run.global_step += 1
-        run.reference.on_step(run.policy, run.global_step)
         run.objective.rollout_policy.after_update()
-        if run.guard.exhausted:
-            ckpt = run.stop_with_checkpoint(run.epoch)
-            raise NonFiniteError(
-                f"{run.guard.consecutive} updates in a row had a non-finite loss or gradient (epoch {run.epoch}, step "
-                f"{run.global_step}, trainer.max_consecutive_nonfinite={run.guard.max_consecutive}); checkpoint saved "
-                f"to {ckpt} (mid-epoch: it restarts epoch {run.epoch}). Lower trainer.learning_rate, set "
-                "trainer.max_grad_norm, or use trainer.mixed_precision=no", checkpoint=ckpt)
+        run.updates.stop_if_exhausted(lambda: run.stop_with_checkpoint(run.epoch),
+                                      f"epoch {run.epoch}, step {run.global_step}",
+                                      f" (mid-epoch: it restarts epoch {run.epoch})")
     return {k: v / max(1, n_units) for k, v in sums.items()}
 
 

@@ -1,4 +1,4 @@
-"""Training loop for offline and semi-online preference data (Diffusion-DPO, SePPO; DDSPO plugs in here too).
+"""Training loop for offline and semi-online preference data: every method whose data flow is "pairs" or "winners".
 
 ``main(cfg)`` → setup → train → evaluate. The loop is written out (no Trainer class): one optimizer step per
 ``trainer.gradient_accumulation_steps`` micro-batches of ``trainer.batch_size`` items, gradient clipping, an LR
@@ -12,14 +12,16 @@ The method (any whose ``data_flow`` is in `diffalign.methods.PREFERENCE_FLOWS`; 
 contract of `diffalign.methods`) says which batches it is called with (`diffalign.methods.BATCH_TYPES`):
 
 - ``"pairs"``: the data yields ``images_w`` and ``images_l`` (VAE-encoded here), or ``latents_w`` and ``latents_l``
-  directly (e.g. DDSPO pairs), and optionally ``degraded_prompts`` (encoded too); the method gets a `PreferenceBatch`;
+  directly (data sets that store latents), and optionally ``degraded_prompts`` (encoded too); the method gets a
+  `PreferenceBatch`;
 - ``"winners"``: only ``images_w`` is used (a pairs data set works too; its losers are ignored, and not read when it
   has ``winners_only``); the method gets a `WinnerBatch`.
 
 The reference strategy (``cfg.reference``, `diffalign.reference`) is set up on the policy before the optimizer is
-built (then the method's ``setup``), gets ``on_step(policy, u)`` before every update ``u`` (0-based), is passed to the
-objective as ``reference=``, and its state is written as ``reference_state.{json,safetensors}`` into every checkpoint
-and read back on resume, with the method's ``checkpoint_states``.
+built (then the method's ``setup``), gets ``on_step(policy, n)`` before every update, ``n`` being the updates already
+done (`diffalign.train.common.Updates`, as in the online loop), is passed to the objective as ``reference=``, and its
+state is written as ``reference_state.{json,safetensors}`` into every checkpoint and read back on resume, with the
+method's ``checkpoint_states``.
 
 Rewards: ``reward=[...]`` is the training set (used by on-policy data such as ``data=ranked_pairs``), ``eval_reward=[...]``
 the evaluation set (evaluation and the hacking monitors; the training set when unset). Every reward call is checked
@@ -44,19 +46,21 @@ from tqdm.auto import tqdm
 
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals
+from diffalign.deprecation import migrate_config
+from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.init_lora import build_policy
 from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
 from diffalign.models.base import bare_forward
 from diffalign.monitors import build_monitor
-from diffalign.plugins import build_selected_rewards
-from diffalign.rewards.guard import checked_rewards, set_reward_step, stop_on_reward_error
+from diffalign.rewards.combine import WeightedSum
+from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
 from diffalign.runlock import run_lock
 from diffalign.samplers.groups import stream_seed
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
-    apply_update,
+    Updates,
     build_lr_scheduler,
+    build_reward_sets,
     final_evaluation,
     make_accelerator,
     prepare_training,
@@ -81,7 +85,7 @@ def sample_generators(seed: int, step: int, micro: int, start: int, count: int) 
 
 def data_latents(policy, batch_data: dict, side: str, device) -> torch.Tensor:
     """The clean latents of one side (`side` "w" or "l") of a data batch: ``latents_<side>`` as given (data sets that
-    store latents, e.g. DDSPO pairs), else ``images_<side>`` encoded with `policy.encode_images`. Float32 on
+    store latents), else ``images_<side>`` encoded with `policy.encode_images`. Float32 on
     `device`."""
     if f"latents_{side}" in batch_data:
         return batch_data[f"latents_{side}"].to(device=device, dtype=torch.float32)
@@ -93,7 +97,7 @@ class LatentCache:
 
     Valid because every built-in data set returns the same item for the same index each time it is read (renders and
     crops are seeded by the index; no random augmentation). Keyed by (side, index); float32, on the device. Data
-    that carries latents itself (``latents_<side>``, e.g. DDSPO pairs) passes through. `enabled` is False for a data
+    that carries latents itself (``latents_<side>``) passes through. `enabled` is False for a data
     set whose latents would need more than `max_bytes` (then every batch is encoded as it comes).
     """
 
@@ -124,6 +128,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
+    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
         t_start = time.time()
         run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
@@ -146,13 +151,13 @@ class _Run:
     policy: object
     reference: object
     dataset: PreferenceData
-    rewards: dict
+    rewards: WeightedSum
     eval_rewards: dict
     monitor: object
     params: list
-    optimizer: object
     lr_scheduler: object
     guard: NonFiniteGuard
+    updates: Updates
     checkpoints: Checkpoints
     pixel_size: tuple[int, int]
     sampler: ResumableSampler | None = None  # made once the data is prepared
@@ -181,7 +186,7 @@ def _setup(cfg: DictConfig) -> _Run:
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
-    objective.setup(policy)  # e.g. DDSPO's DD-CPP target adapters, for the same reason
+    objective.setup(policy)  # e.g. a method's own adapters, for the same reason
     latent_h, latent_w = policy.latent_shape[1:]
     pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
     data_kwargs = {}
@@ -191,16 +196,16 @@ def _setup(cfg: DictConfig) -> _Run:
         data_kwargs["resolution"] = pixel_size[0]
     dataset = instantiate(cfg.data, **data_kwargs)
     # every reward call is checked (RewardError names reward, step, batch, prompt; nothing becomes 0 silently)
-    rewards = checked_rewards(build_selected_rewards(cfg.reward))
-    eval_rewards = checked_rewards(build_selected_rewards(cfg.eval_reward)) if cfg.get("eval_reward") else rewards
+    rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=Path(cfg.output_dir) / "logs" / "samples")
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, tr.max_steps)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
+    updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
     start_trackers(accelerator, cfg)
     checkpoints = Checkpoints(accelerator, Path(cfg.output_dir), policy, optimizer, lr_scheduler, tr.keep_last,
                               {"reference_state": reference, **objective.checkpoint_states()})
     return _Run(cfg, accelerator, objective, policy, reference, dataset, rewards, eval_rewards, monitor, params,
-                optimizer, lr_scheduler, guard, checkpoints, pixel_size)
+                lr_scheduler, guard, updates, checkpoints, pixel_size)
 
 
 def _prepare_data(run: _Run, stop: StopSignals) -> None:
@@ -211,7 +216,7 @@ def _prepare_data(run: _Run, stop: StopSignals) -> None:
     set_reward_step(run.rewards, 0)
     with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
         # (nothing for static data; on-policy data resumable in <output_dir>/prepared, diffalign.data.resumable)
-        prepare_dataset(dataset, run.policy, run.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
+        prepare_dataset(dataset, run.policy, run.rewards.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
     run.data_seconds = time.time() - t_data
     if dataset.stats:
         accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {dataset.stats}")
@@ -285,33 +290,25 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
         stop_if_requested(stop, accelerator, lambda: run.checkpoints.stop(
             run.global_step, lambda: run.trainer_state(run.global_step)), f"at step {run.global_step}")
         sums: dict[str, float] = {}
-        loss_finite = True
-        run.reference.on_step(policy, run.global_step)
-        for micro in range(tr.gradient_accumulation_steps):
-            batch, count = _batch(run)
-            with accelerator.accumulate(policy.forward_module), accelerator.autocast():
-                # one generator per sample, keyed by its position in the global batch (`sample_generators`)
-                generators = sample_generators(run.cfg.seed, run.global_step, micro, rank * tr.batch_size, count)
-                loss, metrics = run.objective(policy, batch, generator=generators, reference=run.reference)
-                loss_finite = loss_finite and bool(torch.isfinite(loss))
-                accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
-            for k, v in metrics.items():
-                if torch.is_tensor(v) and v.numel() == 1:
-                    sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
         # a non-finite loss or gradient (on any process) skips the update; the step still counts (data, LR schedule)
-        apply_update(accelerator, run.guard, run.optimizer, run.lr_scheduler, run.params, tr.max_grad_norm,
-                     loss_finite)
+        with run.updates.update(run.global_step) as losses:
+            for micro in range(tr.gradient_accumulation_steps):
+                batch, count = _batch(run)
+                with accelerator.accumulate(policy.forward_module), accelerator.autocast():
+                    # one generator per sample, keyed by its position in the global batch (`sample_generators`)
+                    generators = sample_generators(run.cfg.seed, run.global_step, micro, rank * tr.batch_size, count)
+                    loss, metrics = run.objective(policy, batch, generator=generators, reference=run.reference)
+                    losses.add(loss)
+                    accelerator.backward(loss)  # also when non-finite: every process must take part in the all-reduce
+                for k, v in metrics.items():
+                    if torch.is_tensor(v) and v.numel() == 1:
+                        sums[k] = sums.get(k, 0.0) + float(v) / tr.gradient_accumulation_steps
         run.global_step += 1
         step = run.global_step
         sums["nonfinite_skips"] = run.guard.skips
         sums["lr"] = run.lr_scheduler.get_last_lr()[0]
-        if run.guard.exhausted:
-            ckpt = run.checkpoints.stop(step, lambda step=step: run.trainer_state(step))
-            raise NonFiniteError(
-                f"{run.guard.consecutive} updates in a row had a non-finite loss or gradient (step {step}, "
-                f"trainer.max_consecutive_nonfinite={run.guard.max_consecutive}); checkpoint saved to {ckpt}. Lower "
-                "trainer.learning_rate or method.beta, set trainer.max_grad_norm, or use trainer.mixed_precision=no, "
-                "then resume with resume=latest", checkpoint=ckpt)
+        run.updates.stop_if_exhausted(lambda step=step: run.checkpoints.stop(step, lambda: run.trainer_state(step)),
+                                      f"step {step}")
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)
         if run.monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps

@@ -1,0 +1,70 @@
+"""The structured configs of the training loops' own config groups, ``trainer`` (both loops) and ``online`` (the online
+loop), registered as ``schema/trainer/default`` and ``schema/online/default`` (`diffalign.schemas`); the YAML options
+``configs/trainer/default.yaml`` and ``configs/online/default.yaml`` only extend them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffalign.schemas import config_schema
+
+
+@config_schema("trainer", "default")
+@dataclass
+class TrainerConfig:
+    """The ``trainer`` group: optimisation, precision, logging and checkpoints of both loops (``configs/trainer/``).
+
+    The preference loop takes ``max_steps`` optimizer steps of ``gradient_accumulation_steps`` micro-batches of
+    ``batch_size`` items per process and checkpoints every ``checkpointing_steps``; the online loop sizes its
+    micro-batches with ``batch_size`` and counts epochs instead (``online``).
+    """
+
+    max_steps: int = 100
+    batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1.0e-4
+    lr_scheduler: str = "constant_with_warmup"  # constant_with_warmup | cosine (both with linear warmup)
+    lr_warmup_steps: int = 10
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 0.0
+    adam_epsilon: float = 1.0e-8
+    max_grad_norm: float | None = 1.0  # null: no clipping
+    mixed_precision: str = "no"  # no | fp16 | bf16 (trainable LoRA parameters stay fp32)
+    log_with: str = "tensorboard"  # tensorboard | wandb | none
+    checkpointing_steps: int | None = 50
+    keep_last: int = 2  # keep this many newest checkpoints; -1 keeps all
+    cpu: bool = False  # force CPU even when a GPU is present
+    # a non-finite loss or gradient skips that update (counted, logged as nonfinite_skips); after this many skips in a
+    # row the run saves a checkpoint and stops with a message
+    max_consecutive_nonfinite: int = 5
+    # preference loop: VAE-encode each data item once per run and reuse its latents (every built-in data set returns
+    # the same item for the same index); falls back to encoding every batch when the latents would exceed 2 GiB
+    cache_latents: bool = True
+
+
+@config_schema("online", "default")
+@dataclass
+class OnlineConfig:
+    """The ``online`` group: rollouts, advantages and epochs of the online loop (``configs/online/``; used by DGPO,
+    Flow-GRPO, DDPO, ViPO and DiffusionNFT, docs/online.md)."""
+
+    prompts: str | None = "train"  # train | heldout | a .jsonl/.txt/.csv prompt file; null: required (a recipe's)
+    num_epochs: int = 20
+    groups_per_epoch: int = 8  # prompts per epoch, one group each; divisible by the processes with split=groups
+    split: str = "groups"  # several processes: whole groups per process | members: every group spread over them
+    group_size: int = 8  # G samples per prompt (DGPO paper 24, code 16; Flow-GRPO 24)
+    rollout_batch_size: int = 64  # images per rollout forward batch (the noise does not depend on it)
+    shared_initial_noise: bool = False  # true: one initial noise per group (DanceGRPO/ViPO); DGPO/Flow-GRPO: not
+    advantage_std: str = "group"  # group | global | none (docs/algorithms.md#group-advantages)
+    # std over n - this: 0 population (np.std: flow_grpo, DGPO) | 1 sample (DanceGRPO/ViPO)
+    advantage_std_correction: int = 0
+    # A = (r - mean) / (std + eps): 1e-4 flow_grpo/DGPO, 1e-8 ViPO (DDPO's tracker: 1e-6, fixed)
+    advantage_eps: float = 1.0e-4
+    advantage_clip: float | None = 5.0
+    best_of_n: int | None = None  # policy-gradient methods: the n/2 best + n/2 worst of each group (DanceGRPO/ViPO)
+    updates_per_epoch: int = 1  # optimizer steps per epoch (released code: DGPO 1, Flow-GRPO 2)
+    num_inner_epochs: int = 1  # passes over an epoch's samples (policy-gradient methods)
+    tracker_buffer_size: int = 16  # DDPO's per-prompt statistics
+    tracker_min_count: int = 16
+    checkpointing_epochs: int | None = 10
