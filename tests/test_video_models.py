@@ -215,3 +215,38 @@ def test_training_logs_hold_one_video_of_f_frames_per_monitor_prompt(tmp_path):
     assert all(iio.imread(g, index=None).shape[0] == 4 for g in gifs)  # F = 4 frames each
     assert len((last / "prompts.txt").read_text().splitlines()) == 2
     assert all(0 <= h["monitor/diversity"] <= 2 for h in history)
+
+
+def test_disable_dropout_makes_a_training_forward_deterministic():
+    from diffalign.models.base import disable_dropout
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.Dropout(0.1), torch.nn.Dropout2d(0.2),
+                              torch.nn.Dropout(0.0)).train()
+    x = torch.randn(2, 3, 4, 4)
+    assert not torch.equal(net(x), net(x))  # dropout is on: two forwards differ
+    assert disable_dropout(net) == 2  # the two layers with p > 0
+    assert torch.equal(net(x), net(x))
+    assert disable_dropout(net) == 0
+
+
+def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode():
+    """The shipped UNet3D has dropout 0.1 in its temporal convolutions (diffusers' UNet3D blocks); in training mode
+    it made the recomputed log-probs differ from the rollout's by up to 4.5 nats per position before any update.
+    The policy switches the dropout off, so the ratio π_θ / π_old is 1 there (the check of `method.logprob_check`)."""
+    from diffusers import UNet3DConditionModel
+
+    from diffalign.cli import asset_path
+    from diffalign.models.text_to_video import TextToVideoPolicy
+
+    raw = UNet3DConditionModel.from_pretrained(asset_path("tiny_t2v"), subfolder="unet")
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in raw.modules())  # what the policy must undo
+    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=4)
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.denoiser.modules())
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    policy.denoiser.eval()
+    traj = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=1.0, generator=gens,
+                   reduction="per_position")
+    policy.denoiser.train()  # as the online loop recomputes
+    for k in range(3):
+        step = recompute_step(policy, traj, k, reduction="per_position")
+        torch.testing.assert_close(step.log_prob.detach(), traj.log_probs[:, k], rtol=0, atol=1e-3)

@@ -200,15 +200,39 @@ def expand_negative_prompts(prompts: list[str], negative_prompts: list[str] | No
     return negatives * len(prompts) if len(negatives) == 1 else negatives
 
 
+def disable_dropout(module: nn.Module) -> int:
+    """Sets the probability of every dropout layer (`nn.Dropout`, `nn.Dropout2d`, ...) in `module` to 0, so its training forward is deterministic, as trl's
+    trainers do by default (`disable_dropout=True`).
+
+    The objectives need it: a policy-gradient ratio π_θ / π_old must be exactly 1 before the first update and a DPO
+    loss against an identical reference exactly ln 2, but a dropout layer makes two forwards of the same input differ.
+    Most denoisers have none; diffusers' UNet3D (the text-to-video family) has dropout 0.1 in every temporal
+    convolution, which made the recomputed log-probs differ from the rollout's by up to 4.5 nats per position before
+    any update (docs/online.md#dropout).
+
+    Returns:
+        the number of dropout layers whose probability was above 0.
+    """
+    changed = 0
+    for layer in module.modules():
+        if isinstance(layer, nn.modules.dropout._DropoutNd) and layer.p > 0:
+            layer.p = 0.0
+            changed += 1
+    return changed
+
+
 def add_trainable_lora(denoiser: nn.Module, lora_rank: int | None, lora_alpha: float | None,
                        target_modules, lora_seed: int) -> None:
     """Makes `denoiser` trainable: the whole module when `lora_rank` is None, else a peft LoRA adapter "default"
     (rank `lora_rank`, alpha `lora_alpha`, Gaussian init drawn under `lora_seed` without touching the global RNG) on
     `target_modules`; trainable parameters are cast to float32 (fp16 trainable
     weights broke the grad scaler in diffusers and d3po:
-    docs/field_cases.md#trainable-parameters-left-in-half-precision)."""
+    docs/field_cases.md#trainable-parameters-left-in-half-precision). The denoiser's dropout is switched off first
+    (`disable_dropout`)."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
+
+    disable_dropout(denoiser)
 
     if lora_rank is None:
         denoiser.requires_grad_(True)
