@@ -54,6 +54,8 @@ class Method:
 
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
 OFFLINE_QUICK = ["trainer.max_steps=10", "trainer.checkpointing_steps=null"]
+# the sampler of the benchmark's data and evaluation, which the main job's recipe (tiny_dpo) lowers to 10 steps
+TWENTY_SAMPLING_STEPS = ["data.num_inference_steps=20", "eval.num_inference_steps=20", "eval.batch_size=64"]
 
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
@@ -66,11 +68,14 @@ METHODS: dict[str, Method] = {
     "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),
     "vipo_sd": Method("tiny_vipo_image", True, ["model=tiny_sd", "sampler=ddim", "sampler.eta=1.0"],
                       quick=ONLINE_QUICK),
-    # the offline rows keep the 200 steps they were measured with (the main job's recipe now takes 100)
-    "diffusion_dpo": Method("tiny_dpo", False, ["trainer.max_steps=200"], quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
+    # the offline rows keep the 200 steps and the 20 sampling steps (data and evaluation) they were measured with; the
+    # main job's recipe now takes 100 steps and samples with 10
+    "diffusion_dpo": Method("tiny_dpo", False, ["trainer.max_steps=200", *TWENTY_SAMPLING_STEPS],
+                            quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
     "seppo": Method("tiny_seppo", False, quick=OFFLINE_QUICK),
     "ddspo": Method("tiny_ddspo", False, quick=OFFLINE_QUICK + ["data.max_pairs=64"], rewards=("verifier",)),
-    "sft": Method("tiny_dpo", False, ["method=sft", "trainer.max_steps=200"], quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
+    "sft": Method("tiny_dpo", False, ["method=sft", "trainer.max_steps=200", *TWENTY_SAMPLING_STEPS],
+                  quick=OFFLINE_QUICK + ["data.num_prompts=32"]),
 }
 
 REWARDS = {

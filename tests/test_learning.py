@@ -52,7 +52,8 @@ def test_diffusion_dpo_raises_held_out_brightness_on_ranked_pairs(tmp_path):
     benchmark run's brightness by +0.005 only (docs/learning.md), so a loop that stops learning fails it."""
     ev = _train(tmp_path, "recipe=tiny_dpo", "reward=[brightness]", "data=ranked_pairs", "data.reward=brightness",
                 "data.num_prompts=32", "trainer.max_steps=60", "trainer.checkpointing_steps=null",
-                "eval_reward=[brightness]", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0", "data.seed=0")
+                "eval_reward=[brightness]", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0", "data.seed=0",
+                "eval.num_inference_steps=20", "eval.batch_size=64")  # the evaluation it was measured with
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
     assert ev["variants"]["base"]["brightness/mean"] == pytest.approx(0.0697, abs=2e-3)
     assert gain["gain"] > 0.025 and gain["gain_over_se"] > 2.5, gain
