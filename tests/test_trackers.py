@@ -135,6 +135,8 @@ def test_tensorboard_gets_the_monitor_samples_and_the_eval_grids(tmp_path):
     decoded = np.asarray(Image.open(io.BytesIO(grid.encoded_image_string)).convert("RGB"))
     assert np.array_equal(decoded, _pixels(tmp_path / "eval" / "base_grid.png"))
     assert "eval/finetuned/geneval_shapes/mean" in acc.Tags()["scalars"]
+    plots = tmp_path / "eval" / "plots"  # the report's training curves leave the evaluation's scalars to its tables
+    assert (plots / "train_loss.png").is_file() and not list(plots.glob("train_eval_*"))
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ def start_trackers(accelerator: Accelerator, cfg: DictConfig) -> None:
     ``<output_dir>/logs/diffalign``, wandb's run folder under ``<output_dir>/logs/wandb`` (`tracker_init_kwargs`)."""
     if accelerator.is_main_process:
         (Path(cfg.output_dir) / "logs").mkdir(parents=True, exist_ok=True)
-        tensorboard = cfg.trainer.log_with == "tensorboard"
+        # TensorBoard's hparams take scalars only: the flat config whenever it is one of the trackers
+        tensorboard = cfg.trainer.log_with in ("tensorboard", "all")
         accelerator.init_trackers("diffalign", config=flat_hparams(cfg) if tensorboard else
                                   OmegaConf.to_container(cfg, resolve=True),
                                   init_kwargs=tracker_init_kwargs(cfg.output_dir))
