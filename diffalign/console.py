@@ -8,7 +8,7 @@ mode) calls `warn_repeated` instead of ``logger.warning``:
 - inside `console_summary()` (both training loops, the final evaluation, ``diffalign-eval``) the call is counted per
   kind; `WarningCounts.flush`, called by the loop once per interval (``trainer.warnings_every`` optimizer steps, one
   epoch of the online loop, one variant of an evaluation), logs one line per kind seen since the last flush, e.g.
-  ``steps 11-20: Diffusion-DPO: 5 of 320 pairs had |z| > 30 (...) (in 4 of 10 calls)``, and returns the interval's
+  ``steps 11-20: Diffusion-DPO: 5 of 320 pairs have |z| > 30 (...)``, and returns the interval's
   counts for the trackers (``warnings/<kind>``); the run's totals go to ``results.json`` and the progress bar's
   postfix;
 - outside it (a library call, e.g. ``diffusion_dpo_loss`` in a notebook) it logs the warning at once, as
@@ -54,8 +54,7 @@ class _Kind:
         self.message, self.logger = other.message, other.logger
 
     def text(self) -> str:
-        line = self.message.format(count=self.count, of=self.of)
-        return f"{line} (in {self.events} of {self.calls} calls)" if self.calls > 1 else line
+        return self.message.format(count=self.count, of=self.of)
 
 
 class WarningCounts:
@@ -162,8 +161,8 @@ def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1
                   shared: bool = False) -> None:
     """A warning that may repeat at every step: counted under `key` inside `console_summary`, else logged at once.
 
-    Call it also when nothing went wrong (``count=0``) so that the summary's ``of`` and its number of calls cover
-    every call of the interval ("5 of 320 pairs", "in 4 of 10 calls").
+    Call it also when nothing went wrong (``count=0``) so that the summary's ``of`` covers every call of the interval
+    ("5 of 320 pairs").
 
     Args:
         logger (`logging.Logger`): the call site's module logger (the summary line is logged there).

@@ -560,7 +560,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
             samples = [s for s in samples if s["variant"] != label or s["prompt_index"] not in redo]
             _write_samples(samples_path, samples)
             bar.update(len(rows) - len(pending))
-            bar.set_postfix(variant=label, **warnings.postfix())
+            bar.set_postfix(variant=label)
             if pending and spec not in (True, False):
                 policy.load_lora_weights(spec)
             jobs = [(p, s) for p in pending for s in seeds]
