@@ -522,15 +522,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
            "num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
            "rewards": sorted(rewards), "video_format": cfg.video_format, "context": context}
     state_path, samples_path = out_dir / "eval_state.json", out_dir / "samples.jsonl"
-    state = json.loads(state_path.read_text()) if resume and state_path.is_file() else None
-    if state is not None and state.get("key") != key:
-        log(f"eval: the settings differ from the earlier evaluation in {out_dir}; starting over")
-        state = None
-    if state is None:
-        state = {"key": key, "fingerprints": {}}
-        samples = []
-    else:
-        samples = _read_samples(samples_path)
+    state, samples = _earlier_state(out_dir, key, resume, log)
     state["base_key"] = base_key
     _write_samples(samples_path, samples)
 
@@ -590,6 +582,19 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
 
     # statistics, grids and tables from the samples (finished in this run or an earlier one)
     return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context)
+
+
+def _earlier_state(out_dir: Path, key: dict, resume: bool, log) -> tuple[dict, list[dict]]:
+    """The state and finished samples of an earlier evaluation in `out_dir` made with the same `key` (when
+    `resume`), else a fresh state and no samples (saying so when the settings differ)."""
+    state_path = out_dir / "eval_state.json"
+    state = json.loads(state_path.read_text()) if resume and state_path.is_file() else None
+    if state is not None and state.get("key") != key:
+        log(f"eval: the settings differ from the earlier evaluation in {out_dir}; starting over")
+        state = None
+    if state is None:
+        return {"key": key, "fingerprints": {}}, []
+    return state, _read_samples(out_dir / "samples.jsonl")
 
 
 def _save_sample(images: torch.Tensor, scored: dict, i: int, label: str, slug: str, rows: list[dict], p: int, s: int,
