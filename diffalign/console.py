@@ -158,7 +158,7 @@ def _first_process() -> bool:
 
 
 def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1, of: int | None = None,
-                  shared: bool = False) -> None:
+                  shared: bool = False, once: str | None = None) -> None:
     """A warning that may repeat at every step: counted under `key` inside `console_summary`, else logged at once.
 
     Call it also when nothing went wrong (``count=0``) so that the summary's ``of`` covers every call of the interval
@@ -174,6 +174,8 @@ def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1
         of (`int`, *optional*): out of how many.
         shared (`bool`): the event is one that every process sees alike (e.g. a skipped update, agreed over the
             processes): only process 0 counts or logs it, so the summed summary does not multiply it.
+        once (`str`, *optional*): the text logged at once outside a summary (plain text, no placeholders); default:
+            `message` with this call's counts.
     """
     if shared and not _first_process():
         return
@@ -181,7 +183,7 @@ def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1
     if counts is not None:
         counts.add(key, message, int(count), of, logger)
     elif count > 0:
-        logger.warning(message.format(count=count, of=of))
+        logger.warning(once if once is not None else message.format(count=count, of=of))
 
 
 def write(message: str, accelerator=None) -> None:

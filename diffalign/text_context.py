@@ -59,6 +59,7 @@ class TruncationWarner:
             n = token_count(tokenizer, text)
             if n is not None and n > max_length:
                 self.warned.add(text)
-                warn_repeated(self.logger, self.key, f"{{count}} prompt(s) longer than {max_length} tokens, e.g. "
-                              f"{literal(repr(text))} ({n} tokens): {literal(self.who)} reads only the first "
-                              f"{max_length}, {literal(self.consequence)}", count=1)
+                said = f"{self.who} reads only the first {max_length}, {self.consequence}"
+                warn_repeated(self.logger, self.key, f"{{count}} prompt(s) longer than {max_length} tokens: "
+                              f"{literal(said)}; the last: {literal(repr(text))} has {n} tokens", count=1,
+                              once=f"prompt {text!r} has {n} tokens; {said}")

@@ -103,8 +103,9 @@ def test_a_long_prompt_in_an_evaluation_is_one_line_per_variant(tmp_path, caplog
                         progress=False, log=lambda message: None)
     said = [r.getMessage() for r in caplog.records if r.name == "diffalign.models.stable_diffusion"]
     assert len(said) == 1
-    assert re.fullmatch(r"eval base: 3 prompt\(s\) longer than 12 tokens, e\.g\. '.*' \(\d+ tokens\): the text "
-                        r"encoder reads only the first 12, the rest is ignored", said[0])
+    assert said[0] == (f"eval base: 3 prompt(s) longer than 12 tokens: the text encoder reads only the first 12, the "
+                       f"rest is ignored; the last: {rows[2]['prompt']!r} has "
+                       f"{len(policy.tokenizer(rows[2]['prompt']).input_ids)} tokens")
 
 
 SATURATED_RUN = """
