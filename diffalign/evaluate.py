@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid, save_image
 from tqdm.auto import tqdm
 
+from diffalign.console import console_summary, write
 from diffalign.faults import stop_received
 from diffalign.media import VIDEO_FORMATS, save_png, save_video
 from diffalign.rewards.guard import checked_rewards
@@ -465,7 +466,7 @@ def _write_samples(path: Path, samples: list[dict]) -> None:
 
 
 def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, out_dir: Path,
-                    variants: dict[str, bool | str | Path], log=print, *, resume: bool = True,
+                    variants: dict[str, bool | str | Path], log=write, *, resume: bool = True,
                     context: dict | None = None, progress: bool = True, base_key: dict | None = None) -> dict:
     """Generates and scores each variant on `rows` with identical per-image seeds, and writes under `out_dir`:
 
@@ -485,7 +486,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         variants: ``{label: spec}`` in order, the first one being the baseline of gains and win rates. ``True``:
             the adapter-disabled base (``policy.reference()``); ``False``: the policy as it is at that point;
             a folder (`str`/`Path`): its LoRA is loaded into the policy (which keeps it afterwards) and sampled.
-        log: prints one summary line per variant.
+        log: prints one summary line per variant (default: `diffalign.console.write`, around the progress bar).
         resume: reuse the finished (variant, prompt) samples of an earlier run in `out_dir` when the prompts,
             seeds, sampler settings, rewards and `context` are equal and the variant samples from the same weights
             (a changed variant is recomputed); False starts over.
@@ -521,69 +522,79 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
            "num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
            "rewards": sorted(rewards), "video_format": cfg.video_format, "context": context}
     state_path, samples_path = out_dir / "eval_state.json", out_dir / "samples.jsonl"
+    state, samples = _earlier_state(out_dir, key, resume, log)
+    state["base_key"] = base_key
+    _write_samples(samples_path, samples)
+
+    # repeating warnings (e.g. prompts longer than a text encoder's context): one summary line per variant
+    with console_summary() as warnings:
+        bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
+        for label in labels:
+            spec = variants[label]
+            fingerprint = _fingerprint(policy, spec)
+            if state["fingerprints"].get(label) != fingerprint:
+                samples = [s for s in samples if s["variant"] != label]
+                reusable = find_reusable_base(out_dir, key, fingerprint, len(rows), seeds, base_key=base_key) \
+                    if spec is True and cfg.reuse_base and base_key is not None else None
+                if reusable is not None:
+                    samples += _adopt_base(reusable[0], reusable[1], out_dir, label, slugs[label])
+                    log(f"eval {label}: reusing the identical base evaluation in {reusable[0]} (same base weights, "
+                        "prompts, seeds, sampler and rewards; eval.reuse_base=false samples it again)")
+            state["fingerprints"][label] = fingerprint
+            state_path.write_text(json.dumps(state, indent=2))
+            # a prompt counts as finished only with all its seeds (rows of one prompt are written together)
+            per_prompt = defaultdict(set)
+            for s in samples:
+                if s["variant"] == label:
+                    per_prompt[s["prompt_index"]].add(s["seed"])
+            pending = [p for p in range(len(rows)) if per_prompt.get(p) != set(seeds)]
+            redo = set(pending)  # (rows of a prompt cut short by an interruption are made again)
+            samples = [s for s in samples if s["variant"] != label or s["prompt_index"] not in redo]
+            _write_samples(samples_path, samples)
+            bar.update(len(rows) - len(pending))
+            bar.set_postfix(variant=label)
+            if pending and spec not in (True, False):
+                policy.load_lora_weights(spec)
+            jobs = [(p, s) for p in pending for s in seeds]
+            buffer: dict[int, list[dict]] = defaultdict(list)
+            with samples_path.open("a") as f:
+                for start in range(0, len(jobs), cfg.batch_size):
+                    stop = stop_received()  # SIGTERM / SIGINT: stop here; the finished prompts are in samples.jsonl
+                    if stop is not None:
+                        bar.close()
+                        finished = sum(1 for s in samples if s["variant"] in labels) // len(seeds)
+                        raise stop.interrupted(f"during the evaluation ({finished} of {len(labels) * len(rows)} "
+                                               f"(variant, prompt) evaluations finished, kept in {out_dir})")
+                    chunk = jobs[start:start + cfg.batch_size]
+                    images = _sample(policy, chunk, rows, cfg, use_reference=spec is True)
+                    prompts, metadata = [rows[p]["prompt"] for p, _ in chunk], [rows[p] for p, _ in chunk]
+                    scored = _score(rewards, images, prompts, metadata)
+                    for i, (p, s) in enumerate(chunk):
+                        buffer[p].append(_save_sample(images, scored, i, label, slugs[label], rows, p, s, cfg,
+                                                      out_dir))
+                        if len(buffer[p]) == len(seeds):
+                            f.write("".join(json.dumps(r) + "\n" for r in buffer[p]))
+                            f.flush()
+                            samples += buffer.pop(p)
+                            bar.update(1)
+            warnings.flush(f"eval {label}")
+        bar.close()
+
+    # statistics, grids and tables from the samples (finished in this run or an earlier one)
+    return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context)
+
+
+def _earlier_state(out_dir: Path, key: dict, resume: bool, log) -> tuple[dict, list[dict]]:
+    """The state and finished samples of an earlier evaluation in `out_dir` made with the same `key` (when
+    `resume`), else a fresh state and no samples (saying so when the settings differ)."""
+    state_path = out_dir / "eval_state.json"
     state = json.loads(state_path.read_text()) if resume and state_path.is_file() else None
     if state is not None and state.get("key") != key:
         log(f"eval: the settings differ from the earlier evaluation in {out_dir}; starting over")
         state = None
     if state is None:
-        state = {"key": key, "fingerprints": {}}
-        samples = []
-    else:
-        samples = _read_samples(samples_path)
-    state["base_key"] = base_key
-    _write_samples(samples_path, samples)
-
-    bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
-    for label in labels:
-        spec = variants[label]
-        fingerprint = _fingerprint(policy, spec)
-        if state["fingerprints"].get(label) != fingerprint:
-            samples = [s for s in samples if s["variant"] != label]
-            reusable = find_reusable_base(out_dir, key, fingerprint, len(rows), seeds, base_key=base_key) \
-                if spec is True and cfg.reuse_base and base_key is not None else None
-            if reusable is not None:
-                samples += _adopt_base(reusable[0], reusable[1], out_dir, label, slugs[label])
-                log(f"eval {label}: reusing the identical base evaluation in {reusable[0]} (same base weights, "
-                    "prompts, seeds, sampler and rewards; eval.reuse_base=false samples it again)")
-        state["fingerprints"][label] = fingerprint
-        state_path.write_text(json.dumps(state, indent=2))
-        # a prompt counts as finished only with all its seeds (rows of one prompt are written together)
-        per_prompt = defaultdict(set)
-        for s in samples:
-            if s["variant"] == label:
-                per_prompt[s["prompt_index"]].add(s["seed"])
-        pending = [p for p in range(len(rows)) if per_prompt.get(p) != set(seeds)]
-        redo = set(pending)  # (rows of a prompt cut short by an interruption are made again)
-        samples = [s for s in samples if s["variant"] != label or s["prompt_index"] not in redo]
-        _write_samples(samples_path, samples)
-        bar.update(len(rows) - len(pending))
-        bar.set_postfix(variant=label)
-        if pending and spec not in (True, False):
-            policy.load_lora_weights(spec)
-        jobs = [(p, s) for p in pending for s in seeds]
-        buffer: dict[int, list[dict]] = defaultdict(list)
-        with samples_path.open("a") as f:
-            for start in range(0, len(jobs), cfg.batch_size):
-                stop = stop_received()  # SIGTERM / SIGINT: stop here; the finished prompts are in samples.jsonl
-                if stop is not None:
-                    bar.close()
-                    finished = sum(1 for s in samples if s["variant"] in labels) // len(seeds)
-                    raise stop.interrupted(f"during the evaluation ({finished} of {len(labels) * len(rows)} "
-                                           f"(variant, prompt) evaluations finished, kept in {out_dir})")
-                chunk = jobs[start:start + cfg.batch_size]
-                images = _sample(policy, chunk, rows, cfg, use_reference=spec is True)
-                scored = _score(rewards, images, [rows[p]["prompt"] for p, _ in chunk], [rows[p] for p, _ in chunk])
-                for i, (p, s) in enumerate(chunk):
-                    buffer[p].append(_save_sample(images, scored, i, label, slugs[label], rows, p, s, cfg, out_dir))
-                    if len(buffer[p]) == len(seeds):
-                        f.write("".join(json.dumps(r) + "\n" for r in buffer[p]))
-                        f.flush()
-                        samples += buffer.pop(p)
-                        bar.update(1)
-    bar.close()
-
-    # statistics, grids and tables from the samples (finished in this run or an earlier one)
-    return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context)
+        return {"key": key, "fingerprints": {}}, []
+    return state, _read_samples(out_dir / "samples.jsonl")
 
 
 def _save_sample(images: torch.Tensor, scored: dict, i: int, label: str, slug: str, rows: list[dict], p: int, s: int,

@@ -2,7 +2,7 @@
 
 - `NonFiniteGuard` decides, once per optimizer update, whether the update may be applied: a non-finite loss on any
   micro-batch or a non-finite gradient norm (after clipping; all-reduced over processes) skips it. Skips are counted
-  (``nonfinite_skips``, logged); after ``trainer.max_consecutive_nonfinite`` skips in a row the loop saves a
+  (``nonfinite_skips``, logged; a warning reported once per logging interval, `diffalign.console`); after ``trainer.max_consecutive_nonfinite`` skips in a row the loop saves a
   checkpoint and raises `NonFiniteError`.
 - `StopSignals` turns SIGTERM / SIGINT into a flag that the loops read between updates (agreed over processes); the
   loop then writes a checkpoint and raises `TrainingInterrupted`, which the CLI turns into exit code 128 + signal
@@ -13,12 +13,17 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
 from typing import ClassVar
 
 import torch
+
+from diffalign.console import warn_repeated
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
@@ -79,6 +84,9 @@ class NonFiniteGuard:
         if accelerator.scaler is not None and loss_finite:
             grads_finite = True
         bad = any_process(accelerator, not (loss_finite and grads_finite))
+        warn_repeated(logger, "nonfinite_skips", "{count} of {of} optimizer updates skipped: a non-finite loss or "
+                      f"gradient (the step still counts); {self.max_consecutive} in a row stop the run "
+                      "(trainer.max_consecutive_nonfinite)", count=int(bad), of=1, shared=True)
         if bad:
             self.skips += 1
             self.consecutive += 1

@@ -169,6 +169,18 @@ class HackingMonitor:
             metrics["monitor/diversity"] = float(torch.stack([pairwise_diversity(e) for e in embeddings]).mean())
         return metrics
 
+    def log_samples(self, accelerator, folder: Path, step: int) -> None:
+        """Logs the samples `save_samples` wrote into `folder` to the run's TensorBoard / wandb tracker at `step`:
+        ``monitor/samples``, one image or video per monitor prompt, captioned with its prompt."""
+        from diffalign.trackers import log_images, log_videos
+
+        files = sorted(folder.glob(f"*.{self.video_format}")) or sorted(folder.glob("*.png"))
+        captions = {"monitor/samples": [self.rows[int(f.stem)]["prompt"] for f in files]}
+        if files and files[0].suffix == ".png":
+            log_images(accelerator, {"monitor/samples": files}, step, captions)
+        else:
+            log_videos(accelerator, {"monitor/samples": files}, step, captions=captions)
+
     def save_samples(self, images: torch.Tensor, step: int) -> Path:
         """Writes the first seed's sample of each prompt to ``<samples_dir>/step-<step>/<prompt index>.png`` (images
         `(N, C, H, W)`) or ``.gif`` / ``.mp4`` (videos `(N, F, C, H, W)`, all F frames), plus ``prompts.txt``;
@@ -188,22 +200,29 @@ class HackingMonitor:
                                          encoding="utf-8")
         return out
 
-    def maybe_log(self, step: int, policy, accelerator=None, log: Callable[[str], None] | None = None
-                  ) -> dict[str, float] | None:
+    def maybe_log(self, step: int, policy, accelerator=None, log: Callable[[str], None] | None = None,
+                  tracker_step: int | None = None) -> dict[str, float] | None:
         """Measures and logs when ``step % every == 0``; returns the metrics (else `None`).
 
         Args:
             step (`int`): the global optimizer step (0 = before training).
             policy: the policy being trained.
-            accelerator (`accelerate.Accelerator`, *optional*): metrics go to ``accelerator.log(metrics, step=step)``.
+            accelerator (`accelerate.Accelerator`, *optional*): metrics go to ``accelerator.log(metrics, step=...)``,
+                and the saved samples (``monitor.save_samples``) to its TensorBoard / wandb tracker as
+                ``monitor/samples`` (images, or videos for a video model; `diffalign.trackers`).
             log (`Callable[[str], None]`, *optional*): also prints a one-line summary.
+            tracker_step (`int`, *optional*): the trackers' step when it is not `step` (the online loop logs per
+                epoch).
         """
         if step % self.every != 0:
             return None
         metrics = self.measure(policy, step=step)
         self.history.append({"step": step, **metrics})
         if accelerator is not None:
-            accelerator.log(metrics, step=step)
+            at = step if tracker_step is None else tracker_step
+            accelerator.log(metrics, step=at)
+            if self.samples_dir is not None:
+                self.log_samples(accelerator, self.samples_dir / f"step-{step}", at)
         if log is not None:
             log(f"[diffalign] monitor step {step}: " + ", ".join(f"{k[len('monitor/'):]}={v:.4f}"
                                                                  for k, v in metrics.items()))

@@ -215,7 +215,9 @@ def write_report(eval_dir: str | Path, run_dir: str | Path | None = None, title:
     plots_dir = eval_dir / "plots"
     train_plots = []
     if run_dir is not None and (Path(run_dir) / "logs").is_dir():
-        train_plots = plot_training_curves(read_scalars(Path(run_dir) / "logs"), plots_dir)
+        # (the run's own evaluation, logged to the trackers as eval/<variant>/..., is in the tables below)
+        scalars = {tag: v for tag, v in read_scalars(Path(run_dir) / "logs").items() if not tag.startswith("eval/")}
+        train_plots = plot_training_curves(scalars, plots_dir)
     eval_plots = plot_eval_curves(metrics, plots_dir)
     title = title or f"diffalign evaluation — {eval_dir.resolve().name}"
     cfg = metrics.get("config", {})

@@ -3,13 +3,17 @@ per prompt.
 
 The diffusion models' text encoders (`diffalign.models.stable_diffusion.StableDiffusionPolicy`) and every
 text-conditioned reward (CLIP score, HPSv2, PickScore, ImageReward) read at most their context's tokens (77 for
-CLIP, 35 for ImageReward's BLIP, 12 in the tiny world) and drop the rest. A `TruncationWarner` per encoder logs one
-warning the first time it sees each such prompt, naming the prompt, its length, the context and who truncates.
+CLIP, 35 for ImageReward's BLIP, 12 in the tiny world) and drop the rest. A `TruncationWarner` per encoder warns
+the first time it sees each such prompt, naming the prompt, its length, the context and who truncates; inside a
+training loop or an evaluation these warnings are counted and reported once per logging interval
+(`diffalign.console.warn_repeated`, kind ``truncated_prompts``), with the last such prompt as the example.
 """
 
 from __future__ import annotations
 
 import logging
+
+from diffalign.console import literal, warn_repeated
 
 
 def token_count(tokenizer, text: str) -> int | None:
@@ -37,10 +41,13 @@ class TruncationWarner:
             "reward.clip_score's text encoder".
         logger (`logging.Logger`): where the warning goes (the caller's module logger).
         consequence (`str`): what the truncation means, appended to the message (e.g. "the rest is ignored").
+        key (`str`): the kind of warning counted by `diffalign.console.warn_repeated` (e.g.
+            ``"truncated_prompts/pickscore"`` for a reward's encoder).
     """
 
-    def __init__(self, who: str, logger: logging.Logger, consequence: str = "the rest is ignored"):
-        self.who, self.logger, self.consequence = who, logger, consequence
+    def __init__(self, who: str, logger: logging.Logger, consequence: str = "the rest is ignored",
+                 key: str = "truncated_prompts"):
+        self.who, self.logger, self.consequence, self.key = who, logger, consequence, key
         self.warned: set[str] = set()
 
     def check(self, tokenizer, prompts, max_length: int) -> None:
@@ -52,5 +59,7 @@ class TruncationWarner:
             n = token_count(tokenizer, text)
             if n is not None and n > max_length:
                 self.warned.add(text)
-                self.logger.warning("prompt %r has %d tokens; %s reads only the first %d, %s", text, n, self.who,
-                                    max_length, self.consequence)
+                said = f"{self.who} reads only the first {max_length}, {self.consequence}"
+                warn_repeated(self.logger, self.key, f"{{count}} prompt(s) longer than {max_length} tokens: "
+                              f"{literal(said)}; the last: {literal(repr(text))} has {n} tokens", count=1,
+                              once=f"prompt {text!r} has {n} tokens; {said}")

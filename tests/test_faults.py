@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -63,13 +64,19 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["loss", "grad"])
-def test_nonfinite_update_is_skipped_counted_and_the_run_goes_on(kind, tmp_path, monkeypatch):
+def test_nonfinite_update_is_skipped_counted_and_the_run_goes_on(kind, tmp_path, monkeypatch, caplog):
     from diffalign.train.preference import train
 
     inject(monkeypatch, DiffusionDPO, "forward", {1}, kind)  # the 2nd update
-    results = train(compose_cfg(smoke_overrides(tmp_path, steps=3)))
+    with caplog.at_level(logging.WARNING, logger="diffalign.faults"):
+        results = train(compose_cfg(smoke_overrides(tmp_path, steps=3)))
     assert results["global_step"] == 3
     assert [h["nonfinite_skips"] for h in results["history_tail"]] == [0, 1, 1]
+    # said once, in the interval's summary (diffalign.console; the interval is the whole 3-step run)
+    said = [r.getMessage() for r in caplog.records if r.name == "diffalign.faults"]
+    assert said == [("steps 1-3: 1 of 3 optimizer updates skipped: a non-finite loss or gradient (the step still "
+                     "counts); 5 in a row stop the run (trainer.max_consecutive_nonfinite)")]
+    assert results["warnings"]["nonfinite_skips"]["count"] == 1
     assert same(lora(tmp_path / "checkpoint-1"), lora(tmp_path / "checkpoint-2"))  # step 2 changed nothing
     assert not same(lora(tmp_path / "checkpoint-2"), lora(tmp_path / "checkpoint-3"))
     assert all(torch.isfinite(v).all() for v in lora(tmp_path / "checkpoint-3").values())
@@ -77,15 +84,20 @@ def test_nonfinite_update_is_skipped_counted_and_the_run_goes_on(kind, tmp_path,
     assert state["nonfinite"] == {"skips": 1, "consecutive": 0}
 
 
-def test_consecutive_nonfinite_updates_stop_with_a_checkpoint(tmp_path, monkeypatch):
+def test_consecutive_nonfinite_updates_stop_with_a_checkpoint(tmp_path, monkeypatch, caplog):
     from diffalign.train.preference import train
 
     inject(monkeypatch, DiffusionDPO, "forward", set(range(1, 99)))  # every update after the 1st
     cfg = compose_cfg(smoke_overrides(tmp_path, steps=6) + ["trainer.max_consecutive_nonfinite=2",
                                                             "trainer.checkpointing_steps=100"])
-    with pytest.raises(NonFiniteError, match=r"2 updates in a row.*step 3.*max_consecutive_nonfinite=2.*"
-                                             r"checkpoint saved to .*checkpoint-3") as info:
+    with caplog.at_level(logging.WARNING, logger="diffalign.faults"), \
+            pytest.raises(NonFiniteError, match=r"2 updates in a row.*step 3.*max_consecutive_nonfinite=2.*"
+                                                r"checkpoint saved to .*checkpoint-3") as info:
         train(cfg)
+    # the interval cut short by the stop is reported on the way out
+    assert [r.getMessage() for r in caplog.records if r.name == "diffalign.faults"] == [
+        ("at the end: 2 of 3 optimizer updates skipped: a non-finite loss or gradient (the step still counts); 2 in "
+         "a row stop the run (trainer.max_consecutive_nonfinite)")]
     assert info.value.checkpoint == tmp_path / "checkpoint-3"
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
     state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())

@@ -36,9 +36,11 @@ def test_shipped_accelerate_configs_load(name, kind):
         assert config.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD" and config.fsdp_config["fsdp_use_orig_params"]
 
 
-def launch_two_processes(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def launch_two_processes(args: list[str], tmp_path: Path, prelude: str = "") -> subprocess.CompletedProcess:
+    """``diffalign-train <args>`` on 2 CPU processes from `tmp_path`, after the Python `prelude` (e.g. a patch)."""
     script = tmp_path / "train.py"
-    script.write_text("import sys\nfrom diffalign.cli import train\nsys.argv[0] = 'diffalign-train'\ntrain()\n")
+    script.write_text(f"{prelude}\nimport sys\nfrom diffalign.cli import train\nsys.argv[0] = 'diffalign-train'\n"
+                      "train()\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -132,6 +134,21 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
                        "eval.enabled=false", *common]))
     assert_same_lora(tmp_path / "one", run)
+
+
+def test_repeating_warnings_are_summed_over_the_processes_and_said_once(tmp_path):
+    """Every pair counts as saturated (|z| > -1): each process counts its own slice (batch 2), the summary sums them,
+    2 processes × 2 pairs × 2 steps = 8 of 8 pairs, in one line (the main process's) and in results.json
+    (diffalign.console)."""
+    prelude = "import diffalign.objectives.diffusion_dpo as dpo\ndpo.SATURATION_THRESHOLD = -1.0"
+    res = launch_two_processes([f"output_dir={tmp_path / 'run'}", "model=tiny_random", "trainer.max_steps=2",
+                                "trainer.batch_size=2", "trainer.warnings_every=2", "data=shapes_pairs",
+                                "data.num_pairs=16"], tmp_path, prelude)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "Diffusion-DPO:" in line]
+    assert len(said) == 1 and "steps 1-2: Diffusion-DPO: 8 of 8 pairs have |z| > -1" in said[0], said
+    totals = json.loads((tmp_path / "run" / "results.json").read_text())["warnings"]
+    assert totals["saturated"]["count"] == 8 and totals["saturated"]["of"] == 8
 
 
 @pytest.mark.parametrize("method,extra", [

@@ -9,6 +9,7 @@ without the shift must not."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -87,13 +88,19 @@ def test_the_normal_run_stays_far_below_the_tolerance(case, tmp_path, monkeypatc
     assert seen and max(seen) <= LOGPROB_TOLERANCE / 100
 
 
-def test_warn_mode_trains_on_and_says_so_once_per_epoch(tmp_path, monkeypatch, capsys):
+def test_warn_mode_trains_on_and_says_so_once_per_epoch(tmp_path, monkeypatch, caplog):
+    """One warning per epoch, in the epoch's summary of repeating warnings (diffalign.console)."""
     _shift_stored_guidance(monkeypatch, 0.5)
     cfg = compose_cfg(CASES["flow_grpo_flow"] + online_overrides(tmp_path) + ["method.logprob_check=warn"])
-    online.train(cfg)
-    out = capsys.readouterr().out
-    assert out.count("[diffalign] warning: epoch 0: the log-probs recomputed") == 1
-    assert out.count("[diffalign] warning: epoch 1: the log-probs recomputed") == 1
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
+        results = online.train(cfg)
+    said = [r.getMessage() for r in caplog.records if "the log-probs recomputed" in r.getMessage()]
+    assert len(said) == 2
+    for epoch, message in enumerate(said):
+        assert message.startswith(f"epoch {epoch}: 1 epoch(s) trained on anyway (method.logprob_check=warn): the "
+                                  f"log-probs recomputed for training differ")
+        assert f"before the first update of epoch {epoch}:" in message
+    assert results["warnings"]["logprob_mismatch"]["count"] == 2
     assert (tmp_path / "checkpoint-2").is_dir()
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from diffalign.console import write as console_write
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 
@@ -231,7 +233,7 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
                                    f"chunks (kept in {folder}); continue with resume=latest", stop.signum)
 
     preparation = Preparation(output_dir / "prepared", run_context(cfg, policy), write=accelerator.is_main_process,
-                              progress=accelerator.is_main_process, log=accelerator.print,
+                              progress=accelerator.is_main_process, log=lambda message: console_write(message, accelerator),
                               should_stop=(lambda: stop.requested(accelerator)) if stop is not None else None,
                               stop_error=stop_error, search=search, single_process=accelerator.num_processes == 1)
     dataset.prepare(policy, rewards, preparation=preparation)

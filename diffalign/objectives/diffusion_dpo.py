@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffalign.console import warn_repeated
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
 from diffalign.schemas import config_schema
 from diffalign.types import PreferenceBatch
@@ -67,7 +68,8 @@ def diffusion_dpo_loss(
         - ``rewards/margins``: mean ``z``.
         - ``model_loss/chosen``, ``model_loss/rejected``, ``ref_loss/chosen``, ``ref_loss/rejected``: mean losses.
         - ``saturated``: number of pairs with ``|z| > 30``. Such pairs give ~0 gradient, and a batch of them can log
-          a loss of exactly 0.0; a warning is logged whenever the count is non-zero.
+          a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
+          logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0 or the four inputs are not 1-D tensors of one shape.
@@ -89,14 +91,9 @@ def diffusion_dpo_loss(
     loss = -F.logsigmoid(z).mean()
 
     saturated = (z.detach().abs() > SATURATION_THRESHOLD).sum()
-    if saturated.item() > 0:
-        logger.warning(
-            "Diffusion-DPO: %d of %d pairs have |z| > %.0f (logsigmoid saturated, ~0 gradient); "
-            "lower method.beta if this persists.",
-            saturated.item(),
-            z.shape[0],
-            SATURATION_THRESHOLD,
-        )
+    warn_repeated(logger, "saturated", "Diffusion-DPO: {count} of {of} pairs have |z| > "
+                  f"{SATURATION_THRESHOLD:.0f} (logsigmoid saturated, ~0 gradient); lower method.beta if this persists",
+                  count=int(saturated), of=z.shape[0])
     metrics = {
         "loss": loss.detach(),
         "implicit_acc": (z.detach() > 0).float().mean(),

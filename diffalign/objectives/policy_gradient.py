@@ -19,17 +19,21 @@ rollout.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
+from diffalign.console import literal, warn_repeated
 from diffalign.methods import SHUFFLE, TIMESTEPS, CurrentPolicy, OnlineEpoch, epoch_generator, split_updates
 from diffalign.samplers.configs import describe, noise_scale
 from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
+
+logger = logging.getLogger(__name__)
 
 TIMESTEP_SELECTIONS = ("first", "random")
 
@@ -201,14 +205,18 @@ class StoredTransitionMethod:
 
     def checked_updates(self, epoch: OnlineEpoch, updates: Iterator[list]) -> Iterator[list]:
         """Yields `updates`, comparing log-probs (`check_logprobs`) while the first one is trained; in "warn" mode
-        prints one line for the epoch when they differ beyond the tolerance."""
+        warns once for the epoch when they differ beyond the tolerance (`diffalign.console.warn_repeated`, kind
+        ``logprob_mismatch``: one summary line for the epoch in the online loop)."""
         self._checking, self._epoch, self._worst = self.logprob_check != "off", epoch.epoch, 0.0
         for n, update in enumerate(updates):
             yield update
             if n == 0 and self._checking:
                 self._checking = False
                 if self._worst > self.logprob_tolerance:  # ("warn"; "stop" raised already)
-                    epoch.note(f"[diffalign] warning: epoch {epoch.epoch}: {self._mismatch_text(self._worst)}")
+                    # (once per epoch; reported with the epoch's other repeating warnings, diffalign.console)
+                    warn_repeated(logger, "logprob_mismatch", "{count} epoch(s) trained on anyway (method.logprob_"
+                                  "check=warn): " + literal(self._mismatch_text(self._worst, f"epoch {epoch.epoch}")),
+                                  count=1, shared=True)
         self._checking = False
 
     def _mismatch_text(self, worst: float, where: str = "the epoch") -> str:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffalign.console import warn_repeated
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.samplers.rollout import rollout
@@ -126,7 +127,8 @@ def seppo_loss(
         - ``rewards/chosen`` r^w = −β/2 Δ_w, ``rewards/reference_sample`` r^r = −β/2 Δ_r, ``rewards/margins`` mean z;
         - ``anchor_gap``: mean ℓ_θr(x^w) − ℓ_θ(x^w), the AAF statistic (> 0: the policy fits winners better);
         - ``model_loss/chosen``, ``model_loss/reference_sample``, ``ref_loss/chosen``, ``ref_loss/reference_sample``;
-        - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero).
+        - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero; counted and
+          reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0, the inputs are not four `(B,)` tensors, or `aaf_mode`/`aaf_tie` is unknown.
@@ -148,9 +150,9 @@ def seppo_loss(
     loss = -F.logsigmoid(z).mean()
 
     saturated = (z.detach().abs() > SATURATION_THRESHOLD).sum()
-    if saturated.item() > 0:
-        logger.warning("SePPO: %d of %d samples have |z| > %.0f (logsigmoid saturated, ~0 gradient); lower method.beta"
-                       " if this persists.", saturated.item(), z.shape[0], SATURATION_THRESHOLD)
+    warn_repeated(logger, "saturated", "SePPO: {count} of {of} samples have |z| > "
+                  f"{SATURATION_THRESHOLD:.0f} (logsigmoid saturated, ~0 gradient); lower method.beta if this persists",
+                  count=int(saturated), of=z.shape[0])
     metrics = {
         "loss": loss.detach(),
         "implicit_acc": (z.detach() > 0).float().mean(),

@@ -40,6 +40,7 @@ import requests
 import torch
 from PIL import Image
 
+from diffalign.console import literal, warn_repeated
 from diffalign.rewards.futures import concat_outputs, gather
 from diffalign.types import RewardOutput
 
@@ -342,8 +343,9 @@ class HttpReward:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
-                logger.warning("reward server %s: %s failed (%s); retry %d of %d in %.1f s", self.url, what, last,
-                               attempt, self.max_retries, delay)
+                detail = f"{what} failed ({last}); retry {attempt} of {self.max_retries} in {delay:.1f} s"
+                warn_repeated(logger, "reward_retries", f"reward server {literal(self.url)}: {{count}} request(s) "
+                              f"retried, the last: {literal(detail)}", count=1)
                 time.sleep(delay)
             try:
                 response = self._session().request(method, url, data=body, headers=headers,

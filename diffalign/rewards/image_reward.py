@@ -69,7 +69,8 @@ class ImageRewardScore:
         self.value_range = list(value_range)
         self.model = RM.load(model, device=device)
         self._truncation = TruncationWarner("reward.image_reward's text encoder (BLIP)", logger,
-                                            "the rest is ignored (the score judges the truncated prompt)")
+                                            "the rest is ignored (the score judges the truncated prompt)",
+                                            key="truncated_prompts/image_reward")
 
     @torch.no_grad()
     def __call__(self, images: ImageInput, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:

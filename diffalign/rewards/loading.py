@@ -167,7 +167,8 @@ def _warning_tokenize(tokenize, tokenizer, context: int, field: str):
     from diffalign.text_context import TruncationWarner
 
     warner = TruncationWarner(f"{field}'s text encoder", logger,
-                              "the rest is ignored (the score judges the truncated prompt)")
+                              "the rest is ignored (the score judges the truncated prompt)",
+                              key=f"truncated_prompts/{field.removeprefix('reward.')}")
 
     def warned(prompts):
         warner.check(tokenizer, list(prompts), context)

@@ -104,7 +104,8 @@ class PickScore:
         self.resize, self.crop = int(size["shortest_edge"]), int(crop["height"])
         self.mean, self.std = tuple(image_processor.image_mean), tuple(image_processor.image_std)
         self._truncation = TruncationWarner("reward.pickscore's text encoder", logger,
-                                            "the rest is ignored (the score judges the truncated prompt)")
+                                            "the rest is ignored (the score judges the truncated prompt)",
+                                            key="truncated_prompts/pickscore")
 
     def __call__(self, images: ImageInput, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         if isinstance(images, torch.Tensor) and images.ndim == 5:

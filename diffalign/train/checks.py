@@ -20,6 +20,7 @@ ONLINE_IGNORED_TRAINER_KEYS = {
                  "online.num_epochs",
     "checkpointing_steps": "the online loop checkpoints every online.checkpointing_epochs epochs; set that",
     "cache_latents": "the online loop samples its own latents; nothing is cached",
+    "warnings_every": "the online loop reports its repeating warnings once per epoch",
 }
 """``trainer`` keys the online loop does not read, with what to set instead (refused when set on the command line)."""
 
@@ -66,6 +67,7 @@ def check_trainer_config(cfg, *, online: bool) -> None:
             raise ConfigError(f"trainer.log_with={t.log_with} but its package is not installed here (accelerate would "
                               f"log nothing); pip install {t.log_with}, or pass trainer.log_with=none (installed "
                               f"trackers: {_trackers() or 'none'})")
+    integer(t, "warnings_every", p, ge=1, hint="optimizer steps between two summaries of the repeating warnings")
     integer(t, "checkpointing_steps", p, ge=1, nullable=True, hint="null: only the final checkpoint")
     integer(t, "keep_last", p, ge=-1, hint="-1 keeps every checkpoint, N >= 1 the newest N")
     if "keep_last" in t and t.keep_last == 0:
@@ -86,7 +88,7 @@ def check_trainer_config(cfg, *, online: bool) -> None:
 
 def check_ignored_overrides(overrides: list[str], *, online: bool) -> None:
     """Refuses command-line overrides of settings the chosen loop does not read (they would be dropped silently):
-    ``trainer.max_steps`` / ``checkpointing_steps`` / ``cache_latents`` for an online method, ``online.*`` for a
+    ``trainer.max_steps`` / ``checkpointing_steps`` / ``cache_latents`` / ``warnings_every`` for an online method, ``online.*`` for a
     preference method.
 
     Args:

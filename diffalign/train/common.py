@@ -30,12 +30,14 @@ from diffalign.checkpoint import (
     save_checkpoint,
     write_state,
 )
+from diffalign.console import write
 from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
 from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
 from diffalign.models.base import bare_forward
 from diffalign.plugins import build_checked_rewards, build_rewards
 from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
+from diffalign.trackers import tracker_init_kwargs
 from diffalign.world.prompts import load_prompts
 
 
@@ -74,12 +76,15 @@ def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> A
 
 
 def start_trackers(accelerator: Accelerator, cfg: DictConfig) -> None:
-    """Creates ``output_dir`` and starts the trackers with the run's config (main process)."""
+    """Creates ``output_dir`` and starts the trackers with the run's config (main process): TensorBoard under
+    ``<output_dir>/logs/diffalign``, wandb's run folder under ``<output_dir>/logs/wandb`` (`tracker_init_kwargs`)."""
     if accelerator.is_main_process:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        tensorboard = cfg.trainer.log_with == "tensorboard"
+        (Path(cfg.output_dir) / "logs").mkdir(parents=True, exist_ok=True)
+        # TensorBoard's hparams take scalars only: the flat config whenever it is one of the trackers
+        tensorboard = cfg.trainer.log_with in ("tensorboard", "all")
         accelerator.init_trackers("diffalign", config=flat_hparams(cfg) if tensorboard else
-                                  OmegaConf.to_container(cfg, resolve=True))
+                                  OmegaConf.to_container(cfg, resolve=True),
+                                  init_kwargs=tracker_init_kwargs(cfg.output_dir))
 
 
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
@@ -288,20 +293,22 @@ def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: C
     if not stop.requested(accelerator):
         return
     ckpt = checkpoint()
-    accelerator.print(f"[diffalign] {stop.name} received: stopped {where}, checkpoint {ckpt}; continue with "
-                      "resume=latest")
+    write(f"[diffalign] {stop.name} received: stopped {where}, checkpoint {ckpt}; continue with resume=latest",
+          accelerator)
     raise TrainingInterrupted(f"stopped by {stop.name} {where}; checkpoint saved to {ckpt}; continue with "
                               "resume=latest", stop.signum, checkpoint=ckpt)
 
 
 def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rewards: dict, step: int,
-                     checkpoint: Callable[[], Path | None]) -> dict:
+                     checkpoint: Callable[[], Path | None], tracker_step: int | None = None) -> dict:
     """Evaluates the base and the fine-tuned model on ``eval.prompts`` (main process, when ``eval.enabled``) and writes
-    the HTML report; a failing reward stops the run after `checkpoint()` (`stop_on_reward_error`).
+    the HTML report; a failing reward stops the run after `checkpoint()` (`stop_on_reward_error`). The trackers get
+    the evaluation (`log_evaluation`).
 
     Args:
         eval_rewards (`dict[str, CheckedReward]`): the evaluation rewards (`build_reward_sets`).
         step (`int`): the global step, named in reward errors.
+        tracker_step (`int`, *optional*): the trackers' step when it is not `step` (the online loop's epoch).
 
     Returns:
         ``{"eval", "eval_seconds", "report"}`` for the run's results, or `{}` when nothing is evaluated here.
@@ -316,11 +323,48 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     ecfg = eval_config_from(cfg.eval)
     rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
     set_reward_step(eval_rewards, step, reset_calls=True)
-    with stop_on_reward_error(checkpoint, log=accelerator.print), bare_forward(policy):
+    say = lambda message: write(message, accelerator)  # (around the evaluation's progress bar)
+    with stop_on_reward_error(checkpoint, log=say), bare_forward(policy):
         results = {"eval": evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
-                                           {"base": True, "finetuned": False}, log=accelerator.print,
+                                           {"base": True, "finetuned": False}, log=say,
                                            base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))}
     results["eval_seconds"] = time.time() - t_eval
+    log_evaluation(accelerator, results["eval"], output_dir / "eval", step if tracker_step is None else tracker_step)
     results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
     accelerator.print(f"[diffalign] report: {results['report']}")
     return results
+
+
+EVAL_VIDEOS = 8
+"""Videos per variant that `log_evaluation` logs (the first seed of the first prompts)."""
+
+
+def log_evaluation(accelerator: Accelerator, metrics: dict, eval_dir: Path, step: int) -> None:
+    """Logs an evaluation's results to the run's trackers at `step`: every variant's scalar statistics as
+    ``eval/<variant>/<statistic>`` (all trackers), its overview grid as the image ``eval/<variant>/grid``, and for a
+    video model the videos of the first seed of its first `EVAL_VIDEOS` prompts as ``eval/<variant>/videos``
+    (TensorBoard and wandb, `diffalign.trackers`).
+
+    Args:
+        metrics (`dict`): what `evaluate_policy` returned (``metrics.json``).
+        eval_dir (`Path`): the evaluation's folder (the files named in `metrics` and ``samples.jsonl``).
+    """
+    import json
+
+    from diffalign.trackers import log_images, log_videos
+
+    if not accelerator.is_main_process or not accelerator.trackers:
+        return
+    scalars = {f"eval/{label}/{k}": v for label, summary in metrics["variants"].items() for k, v in summary.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    accelerator.log(scalars, step=step)
+    grids = {f"eval/{label}/grid": [eval_dir / name] for label, name in metrics.get("overview_grids", {}).items()}
+    log_images(accelerator, grids, step)
+    samples = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    first_seed = metrics["seeds"][0]
+    for label in metrics["labels"]:
+        rows = [s for s in samples if s["variant"] == label and s["seed"] == first_seed and s.get("video")]
+        rows = sorted(rows, key=lambda s: s["prompt_index"])[:EVAL_VIDEOS]
+        if rows:
+            log_videos(accelerator, {f"eval/{label}/videos": [eval_dir / s["video"] for s in rows]}, step,
+                       captions={f"eval/{label}/videos": [s["prompt"] for s in rows]})

@@ -31,7 +31,10 @@ class TrainerConfig:
     adam_epsilon: float = 1.0e-8
     max_grad_norm: float | None = 1.0  # null: no clipping
     mixed_precision: str = "no"  # no | fp16 | bf16 (trainable LoRA parameters stay fp32)
-    log_with: str = "tensorboard"  # tensorboard | wandb | none
+    log_with: str = "tensorboard"  # tensorboard | wandb | none (or any tracker accelerate knows; docs/reliability.md)
+    # preference loop: optimizer steps between two console summaries of the repeating warnings (saturation, skipped
+    # updates, truncated prompts, ...): one line per kind, counts to the trackers (online loop: once per epoch)
+    warnings_every: int = 10
     checkpointing_steps: int | None = 50
     keep_last: int = 2  # keep this many newest checkpoints; -1 keeps all
     cpu: bool = False  # force CPU even when a GPU is present

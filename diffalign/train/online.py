@@ -44,6 +44,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
+from diffalign.console import WarningCounts, console_summary, write
 from diffalign.deprecation import migrate_config
 from diffalign.faults import NonFiniteGuard, StopSignals
 from diffalign.init_lora import build_policy
@@ -90,9 +91,11 @@ def train(cfg: DictConfig) -> dict:
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
     migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
-    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
+    # repeating warnings counted, one summary line per epoch; log lines around the progress bars (diffalign.console)
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
         run = _setup(cfg)
+        run.warnings = warnings
         history = _resume(run)
         t_train = time.time()
         history = _train_epochs(run, stop, history)
@@ -122,6 +125,7 @@ class _Run:
     epoch: int = 0
     global_step: int = 0
     said: set = field(default_factory=set)
+    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.console)
 
     def trainer_state(self, at_epoch: int) -> dict:
         return {"epoch": at_epoch, "global_step": self.global_step, "tracker": self.advantages.state_dict(),
@@ -138,7 +142,7 @@ class _Run:
         """Prints `message` once per run."""
         if message not in self.said:
             self.said.add(message)
-            self.accelerator.print(message)
+            write(message, self.accelerator)
 
 
 def _check_split(on: DictConfig, num_proc: int) -> None:
@@ -218,13 +222,15 @@ def _resume(run: _Run) -> list[dict]:
 
 
 def _monitor_logs(run: _Run) -> dict:
-    """The hacking monitors' metrics when due (main process), else `{}`."""
+    """The hacking monitors' metrics when due (main process), else `{}`; logged to the trackers (with the samples)
+    at the loop's tracker step, the epoch (``monitor.every`` counts optimizer steps)."""
     if run.monitor is None or not run.accelerator.is_main_process:
         return {}
     run.policy.denoiser.eval()
     with bare_forward(run.policy):
         out = run.monitor.maybe_log(run.global_step, run.policy, accelerator=run.accelerator,
-                                    log=run.accelerator.print) or {}
+                                    log=lambda message: write(message, run.accelerator),
+                                    tracker_step=run.epoch) or {}
     run.policy.denoiser.train()
     return out
 
@@ -249,11 +255,14 @@ def _train_epochs(run: _Run, stop: StopSignals, history: list[dict]) -> list[dic
         logs.update({"nonfinite_skips": run.guard.skips, "lr": run.lr_scheduler.get_last_lr()[0],
                      "epoch_seconds": time.time() - t_epoch, "train_seconds": train_clock,
                      "rollouts": run.epoch * on.groups_per_epoch * on.group_size})
-        logs.update(_monitor_logs(run))
-        history.append({"epoch": run.epoch, "step": run.global_step, **logs})
+        # one line per kind of repeating warning of the epoch (summed over the processes)
+        logs.update(run.warnings.flush(f"epoch {run.epoch - 1}", accelerator))
         accelerator.log(logs, step=run.epoch)
+        logs.update(_monitor_logs(run))  # (logged by the monitor itself, at the same tracker step)
+        history.append({"epoch": run.epoch, "step": run.global_step, **logs})
         progress.update(1)
-        progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}")
+        progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}",
+                             **run.warnings.postfix())
         if on.checkpointing_epochs and run.epoch % on.checkpointing_epochs == 0 and accelerator.is_main_process:
             run.write_checkpoint(run.epoch)
     progress.close()
@@ -291,7 +300,7 @@ def _epoch(run: _Run) -> dict:
     policy.denoiser.train()
     # 3. rewards (a failing or non-finite one stops the run after a checkpoint)
     with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch)),
-                              log=accelerator.print):
+                              log=lambda message: write(message, accelerator)):
         scored = scorer.result(traj.images, traj.prompts)
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)
@@ -376,8 +385,10 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
                "history_tail": history[-3:]}
     results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
                                     lambda: run.checkpoints.before_stop(run.global_step,
-                                                                        lambda: run.trainer_state(run.epoch))))
+                                                                        lambda: run.trainer_state(run.epoch)),
+                                    tracker_step=run.epoch))
     results["total_seconds"] = time.time() - t_start
+    results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")

@@ -44,6 +44,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from diffalign.console import WarningCounts, console_summary, write
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
 from diffalign.deprecation import migrate_config
@@ -129,9 +130,12 @@ def train(cfg: DictConfig) -> dict:
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
     migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
-    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop:
+    # repeating warnings (saturation, skipped updates, ...) counted, one summary line per trainer.warnings_every
+    # steps; every log line written around the progress bars (diffalign.console)
+    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
         run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
+        run.warnings = warnings
         _prepare_data(run, stop)
         _resume(run)  # 2. resume
         t_train = time.time()
@@ -162,6 +166,7 @@ class _Run:
     pixel_size: tuple[int, int]
     sampler: ResumableSampler | None = None  # made once the data is prepared
     latent_cache: LatentCache | None = None
+    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.console)
     global_step: int = 0
     data_seconds: float = 0.0
 
@@ -214,10 +219,11 @@ def _prepare_data(run: _Run, stop: StopSignals) -> None:
     accelerator, tr, dataset = run.accelerator, run.cfg.trainer, run.dataset
     t_data = time.time()
     set_reward_step(run.rewards, 0)
-    with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print):
+    with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=lambda message: write(message, accelerator)):
         # (nothing for static data; on-policy data resumable in <output_dir>/prepared, diffalign.data.resumable)
         prepare_dataset(dataset, run.policy, run.rewards.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
     run.data_seconds = time.time() - t_data
+    run.warnings.flush("data preparation", accelerator)
     if dataset.stats:
         accelerator.print(f"[diffalign] data prepared in {run.data_seconds:.0f}s: {dataset.stats}")
     # one global batch of batch_size × processes per micro-step; process r takes its r-th slice (no duplicates)
@@ -282,9 +288,12 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
     policy.denoiser.train()
     progress = tqdm(total=tr.max_steps, initial=run.global_step, desc="train", disable=not accelerator.is_main_process)
     history = []
+    say = lambda message: write(message, accelerator)  # (around the progress bar)
+    every = tr.get("warnings_every", 10)
+    interval_start = run.global_step + 1
     if run.monitor is not None and run.global_step == 0 and accelerator.is_main_process:  # the monitors' baseline
-        with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=accelerator.print), bare_forward(policy):
-            run.monitor.maybe_log(0, policy, accelerator, log=accelerator.print)
+        with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=say), bare_forward(policy):
+            run.monitor.maybe_log(0, policy, accelerator, log=say)
     while run.global_step < tr.max_steps:
         # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
         stop_if_requested(stop, accelerator, lambda: run.checkpoints.stop(
@@ -309,14 +318,18 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
         sums["lr"] = run.lr_scheduler.get_last_lr()[0]
         run.updates.stop_if_exhausted(lambda step=step: run.checkpoints.stop(step, lambda: run.trainer_state(step)),
                                       f"step {step}")
+        if step % every == 0 or step == tr.max_steps:  # one line per kind of repeating warning of the interval
+            sums.update(run.warnings.flush(f"steps {interval_start}-{step}", accelerator))
+            interval_start = step + 1
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)
         if run.monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
-            with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step), log=accelerator.print), \
+            with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step), log=say), \
                     bare_forward(policy):
-                run.monitor.maybe_log(step, policy, accelerator, log=accelerator.print)
+                run.monitor.maybe_log(step, policy, accelerator, log=say)
         progress.update(1)
-        progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}")
+        progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}",
+                             **run.warnings.postfix())
         if tr.checkpointing_steps and step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
             run.checkpoints.write(step, run.trainer_state(step))
     progress.close()
@@ -338,6 +351,7 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, step,
                                     lambda: run.checkpoint_before_stop(step)))
     results["total_seconds"] = time.time() - t_start
+    results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")

@@ -1,0 +1,221 @@
+"""The console of the training loops and the evaluation: warnings that can fire at every step are counted and reported
+once per logging interval, and every log line is written around the progress bars, never through them.
+
+A call site that may warn at every step or batch (Diffusion-DPO / SePPO saturation, an update skipped for a non-finite
+loss, a prompt longer than a text encoder's context, a retried reward-server request, a log-prob mismatch in "warn"
+mode) calls `warn_repeated` instead of ``logger.warning``:
+
+- inside `console_summary()` (both training loops, the final evaluation, ``diffalign-eval``) the call is counted per
+  kind; `WarningCounts.flush`, called by the loop once per interval (``trainer.warnings_every`` optimizer steps, one
+  epoch of the online loop, one variant of an evaluation), logs one line per kind seen since the last flush, e.g.
+  ``steps 11-20: Diffusion-DPO: 5 of 320 pairs have |z| > 30 (...)``, and returns the interval's
+  counts for the trackers (``warnings/<kind>``); the run's totals go to ``results.json`` and the progress bar's
+  postfix;
+- outside it (a library call, e.g. ``diffusion_dpo_loss`` in a notebook) it logs the warning at once, as
+  ``logger.warning`` would.
+
+`console_summary` also wraps its body in `tqdm.contrib.logging.logging_redirect_tqdm`, so every log record of the run
+(the summary lines, one-off warnings, "saved checkpoint" messages) is written by ``tqdm.write`` around the open bars;
+`write` does the same for the loops' own ``[diffalign] ...`` lines. docs/reliability.md#console-output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+__all__ = ["WarningCounts", "active_counts", "console_summary", "literal", "warn_repeated", "write"]
+
+
+@dataclass
+class _Kind:
+    """The counts of one kind of warning over an interval (or a run): the sum of `count` and `of` over its calls,
+    the calls, and the calls that counted something."""
+
+    message: str
+    logger: str
+    count: int = 0
+    of: int = 0
+    calls: int = 0
+    events: int = 0
+
+    def add(self, other: _Kind) -> None:
+        self.count += other.count
+        self.of += other.of
+        self.calls += other.calls
+        self.events += other.events
+        self.message, self.logger = other.message, other.logger
+
+    def text(self) -> str:
+        return self.message.format(count=self.count, of=self.of)
+
+
+class WarningCounts:
+    """Counts repeating warnings by kind between two `flush` calls; thread-safe (a reward server's retries are counted
+    from the scoring thread).
+
+    Attributes:
+        totals (`dict[str, dict]`): per kind, what every flush reported so far: ``{"count", "of", "events", "calls",
+            "message"}`` (``message`` formatted with the totals); since this process started the run (a resumed run
+            counts from its resume).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._interval: dict[str, _Kind] = {}
+        self._totals: dict[str, _Kind] = {}
+
+    def add(self, key: str, message: str, count: int, of: int | None, logger: logging.Logger) -> None:
+        """Counts one call of the kind `key` (see `warn_repeated`)."""
+        with self._lock:
+            kind = self._interval.setdefault(key, _Kind(message, logger.name))
+            kind.add(_Kind(message, logger.name, count, of or 0, 1, int(count > 0)))
+
+    def pending(self) -> dict[str, int]:
+        """This process's counts since the last flush, by kind (kinds counted but with count 0 included)."""
+        with self._lock:
+            return {key: kind.count for key, kind in self._interval.items()}
+
+    def flush(self, where: str, accelerator=None) -> dict[str, int]:
+        """Reports the kinds counted since the last flush whose count is > 0, one log line each (``<where>: <the
+        kind's message with the interval's counts>``, at WARNING on the call site's logger), adds them to `totals`,
+        and starts a new interval.
+
+        Args:
+            where (`str`): the interval, e.g. ``"steps 11-20"``, ``"epoch 3"``, ``"eval base"``.
+            accelerator (`accelerate.Accelerator`, *optional*): with several processes the counts of every process
+                are summed first (a collective: every process must call `flush` at the same point) and only the main
+                process logs. Without it the counts are this process's.
+
+        Returns:
+            ``{"warnings/<kind>": count}`` of the interval, for the kinds with count > 0 (summed over processes).
+        """
+        with self._lock:
+            interval, self._interval = self._interval, {}
+        if accelerator is not None and accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            merged: dict[str, _Kind] = {}
+            for part in gather_object([interval]):
+                for key, kind in part.items():
+                    merged.setdefault(key, _Kind(kind.message, kind.logger)).add(kind)
+            interval = merged
+            speak = accelerator.is_main_process
+        else:
+            speak = True
+        out = {}
+        with self._lock:
+            for key, kind in interval.items():
+                self._totals.setdefault(key, _Kind(kind.message, kind.logger)).add(kind)
+        for key, kind in sorted(interval.items()):
+            if kind.count <= 0:
+                continue
+            out[f"warnings/{key}"] = kind.count
+            if speak:
+                logging.getLogger(kind.logger).warning("%s: %s", where, kind.text())
+        return out
+
+    @property
+    def totals(self) -> dict[str, dict]:
+        with self._lock:
+            return {key: {"count": k.count, "of": k.of, "events": k.events, "calls": k.calls, "message": k.text()}
+                    for key, k in sorted(self._totals.items()) if k.count > 0}
+
+    def postfix(self) -> dict[str, int]:
+        """The run's totals so far (flushed intervals) of the kinds that occurred, ``{kind: count}``, for a progress
+        bar's ``set_postfix``."""
+        return {key: value["count"] for key, value in self.totals.items()}
+
+
+_stack: list[WarningCounts] = []
+_stack_lock = threading.Lock()
+
+
+def active_counts() -> WarningCounts | None:
+    """The innermost `WarningCounts` of an open `console_summary` (any thread of the process), else None."""
+    with _stack_lock:
+        return _stack[-1] if _stack else None
+
+
+def literal(text: str) -> str:
+    """`text` with its braces doubled, for the part of a `warn_repeated` message that is not a placeholder (a prompt,
+    a URL, an exception's text)."""
+    return str(text).replace("{", "{{").replace("}", "}}")
+
+
+def _first_process() -> bool:
+    """Whether this is process 0 of a torch.distributed group (True without one)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1, of: int | None = None,
+                  shared: bool = False, once: str | None = None) -> None:
+    """A warning that may repeat at every step: counted under `key` inside `console_summary`, else logged at once.
+
+    Call it also when nothing went wrong (``count=0``) so that the summary's ``of`` covers every call of the interval
+    ("5 of 320 pairs").
+
+    Args:
+        logger (`logging.Logger`): the call site's module logger (the summary line is logged there).
+        key (`str`): the kind, short and stable: ``"saturated"``, ``"nonfinite_skips"``, ... (shown in the progress
+            bar's postfix and logged as ``warnings/<key>``).
+        message (`str`): the warning, with ``{count}`` and ``{of}`` where the counts go (filled with this call's
+            values when logged at once, with the interval's sums in a summary); other braces doubled.
+        count (`int`): how many things went wrong in this call (0: none; nothing is logged).
+        of (`int`, *optional*): out of how many.
+        shared (`bool`): the event is one that every process sees alike (e.g. a skipped update, agreed over the
+            processes): only process 0 counts or logs it, so the summed summary does not multiply it.
+        once (`str`, *optional*): the text logged at once outside a summary (plain text, no placeholders); default:
+            `message` with this call's counts.
+    """
+    if shared and not _first_process():
+        return
+    counts = active_counts()
+    if counts is not None:
+        counts.add(key, message, int(count), of, logger)
+    elif count > 0:
+        logger.warning(once if once is not None else message.format(count=count, of=of))
+
+
+def write(message: str, accelerator=None) -> None:
+    """Prints `message` as one line around any open progress bar (``tqdm.write``; standard output), on the main
+    process only when `accelerator` is given (as ``accelerator.print``)."""
+    if accelerator is None or accelerator.is_local_main_process:
+        tqdm.write(message, file=sys.stdout)
+
+
+@contextlib.contextmanager
+def console_summary() -> Iterator[WarningCounts]:
+    """Counts `warn_repeated` calls of this process (every thread) until exit, with every log record written around
+    the progress bars (`logging_redirect_tqdm` on the root logger). Re-entrant: inside another one it yields the
+    outer counts (an evaluation inside a training run reports into the run's totals). On exit, what was not flushed
+    yet is reported (``"at the end"``, this process's counts).
+
+    Yields:
+        `WarningCounts`: the counts to `flush` once per interval.
+    """
+    outer = active_counts()
+    if outer is not None:
+        yield outer
+        return
+    counts = WarningCounts()
+    with _stack_lock:
+        _stack.append(counts)
+    try:
+        with logging_redirect_tqdm():
+            try:
+                yield counts
+            finally:
+                counts.flush("at the end")
+    finally:
+        with _stack_lock:
+            _stack.remove(counts)
