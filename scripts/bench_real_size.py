@@ -21,12 +21,12 @@ Rollouts take 2 sampler steps, groups 2 samples, batches 1 pair / 1 winner; rewa
 
 Printed: a markdown table with parameters (denoiser / all loaded), LoRA parameters, times (set-up; the online
 rollout; the step), and memory: the resident set after set-up (weights), the step's own peak, and the child's peak
-(``VmHWM``, the counter ``ru_maxrss`` reads). ``--scale`` adds a second, larger resolution per model so that the
+(``VmHWM``, the counter ``ru_maxrss`` reads). ``--sizes scale`` runs a second, larger resolution per model so that the
 step's activation memory per latent token can be fitted (docs/real_size.md derives GPU needs from it).
 
     python scripts/bench_real_size.py                                  # everything (about 1 h, ~20 GB under --work)
     python scripts/bench_real_size.py --models sd15 --dtypes float32   # one model, one dtype
-    python scripts/bench_real_size.py --json results.json --scale      # also write the rows, add the scaling rows
+    python scripts/bench_real_size.py --sizes scale --dtypes bfloat16 --methods diffusion_dpo flow_grpo vipo
 
 A big child (SDXL, SD3.5 in float32) starts only when ``MemAvailable`` exceeds its need (``--min-free-gib``,
 default 16 for those); otherwise its row says so. A child killed for memory is not retried. Dev tool only; never
@@ -270,8 +270,7 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
     out = [recipe if recipe == "~recipe" else f"recipe={recipe}", f"model={MODELS_CONFIG[model]}",
            f"method={method}", f"model.pretrained_model_name_or_path={folder}", f"model.torch_dtype={dtype}",
            f"output_dir={run_dir}", "trainer.cpu=true", "trainer.log_with=none",
-           f"trainer.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}", "trainer.max_steps=1",
-           "trainer.gradient_accumulation_steps=1", "trainer.checkpointing_steps=null", "eval.enabled=false",
+           f"trainer.mixed_precision={'bf16' if dtype == 'bfloat16' else 'no'}", "eval.enabled=false",
            "monitor.every=0"]
     if model == "sd35_medium":
         out.append("model.load_t5=false")
@@ -293,14 +292,14 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
         return out
     pixels = size * 8
     pairs = write_pairs(work / "data" / f"pairs_{pixels}", pixels)
-    out += ["trainer.batch_size=1", "trainer.lr_warmup_steps=0"]
+    out += ["trainer.max_steps=1", "trainer.gradient_accumulation_steps=1", "trainer.checkpointing_steps=null",
+            "trainer.batch_size=1", "trainer.lr_warmup_steps=0"]
     if method == "ddspo":
         prompts = work / "data" / "ddspo_prompts.txt"
         prompts.parent.mkdir(parents=True, exist_ok=True)
         prompts.write_text("a red circle left of a blue square\n")
         out += [f"data.pairs_dir={run_dir}/ddspo_pairs", "data.generate=true", f"data.prompts={prompts}",
-                "data.num_variants=1", "data.num_inference_steps=2", "data.batch_size=1", "data.shard_size=1",
-                "data.progress=false"]
+                "data.num_variants=1", "data.num_inference_steps=2", "data.batch_size=1", "data.shard_size=1"]
         if METHODS[model][method] == "~recipe":
             out.insert(0, "data=ddspo_pairs")
     else:
@@ -364,7 +363,7 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
     migrate_config(cfg, overrides)
     validate_train_config(cfg, overrides=overrides)
     row = {"model": model, "method": method, "dtype": dtype, "size": size, "recipe": METHODS[model][method],
-           "lora_rank": cfg.model.lora_rank, "batch": cfg.trainer.batch_size}
+           "lora_rank": cfg.model.lora_rank, "batch": cfg.trainer.batch_size, "load_start": os.getloadavg()[0]}
     peaks.reset()
     t0 = time.perf_counter()
     if method in ONLINE:
@@ -375,18 +374,18 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
 
         def timed_rollout(*args, **kwargs):
             peaks.end("setup_to_rollout")
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = rollout(*args, **kwargs)
-            times["rollout_s"] = time.perf_counter() - start
+            times["rollout_s"], times["rollout_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
             peaks.end("rollout")
             return out
 
         def timed_updates(run, data):
             peaks.end("reward_prepare")
             times["rss_before_step"] = _status("VmRSS")
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = updates(run, data)
-            times["step_s"] = time.perf_counter() - start
+            times["step_s"], times["step_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
             peaks.end("step")
             return out
 
@@ -409,19 +408,24 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
             row["setup_s"] = time.perf_counter() - t0
             peaks.end("setup")
             row["rss_before_step"] = _status("VmRSS")
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             history = loop._train_steps(run, stop)
-            row["step_s"] = time.perf_counter() - start
+            row["step_s"], row["step_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
             peaks.end("step")
         row["loss"] = float(history[-1].get("loss", float("nan")))
     params = run.params
     policy = run.policy
-    row["denoiser_params"] = count_parameters(policy.denoiser) - sum(p.numel() for p in params)
-    row["loaded_params"] = count_parameters(policy) - sum(p.numel() for p in params)
+    # the frozen weights: every parameter but the adapters' (a pool reference adds a frozen adapter of its own)
+    row["denoiser_params"] = sum(p.numel() for n, p in policy.denoiser.named_parameters() if "lora_" not in n)
+    row["loaded_params"] = sum(p.numel() for n, p in policy.named_parameters() if "lora_" not in n)
     row["lora_params"] = sum(p.numel() for p in params)
+    row["frozen_adapter_params"] = sum(p.numel() for n, p in policy.denoiser.named_parameters()
+                                       if "lora_" in n and not p.requires_grad)  # a pool reference's, θ⁻'s
+    row["gradient_checkpointing"] = bool(cfg.model.get("gradient_checkpointing", False))
     row["step_peak"] = peaks.phases["step"]
     row["peak_rss"] = max(peaks.overall, _status("VmHWM"))
     row["latent_shape"] = list(policy.latent_shape)
+    row["load_end"] = os.getloadavg()[0]
     row["grads_finite"] = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
     row["lora_changed"] = any(bool(p.detach().abs().sum() > 0) for n, p in policy.denoiser.named_parameters()
                               if "lora_B" in n and p.requires_grad)
@@ -494,7 +498,7 @@ def size_label(model: str, size) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | method (recipe) | dtype | size | denoiser params | loaded params | LoRA params (rank) | set-up s | "
-            "rollout s | step s | RSS after set-up GiB | step peak GiB | child peak GiB |")
+            "rollout s | step s (CPU s) | RSS after set-up GiB | step peak GiB | child peak GiB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         recipe = r.get("recipe", METHODS[r["model"]][r["method"]])
@@ -504,11 +508,119 @@ def table(rows: list[dict]) -> str:
                          f"not measured: {r['skipped']} |" + " |" * 8)
             continue
         rollout = f"{r['rollout_s']:.1f}" if "rollout_s" in r else "–"
+        step = f"{r['step_s']:.1f} ({r['step_cpu_s']:.1f})" if "step_cpu_s" in r else f"{r['step_s']:.1f}"
         lines.append(
             f"| {r['model']} | {method} | {r['dtype']} | {size_label(r['model'], r['size'])} | "
             f"{fmt_params(r['denoiser_params'])} | {fmt_params(r['loaded_params'])} | "
             f"{fmt_params(r['lora_params'])} (r {r['lora_rank']}) | {r['setup_s']:.0f} | {rollout} | "
-            f"{r['step_s']:.1f} | {fmt_gib(r['rss_weights'])} | {fmt_gib(r['step_peak'])} | {fmt_gib(r['peak_rss'])} |")
+            f"{step} | {fmt_gib(r['rss_weights'])} | {fmt_gib(r['step_peak'])} | {fmt_gib(r['peak_rss'])} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- GPU estimates
+
+# The paper recipes and what they train; rows of the denoiser's batch that keep activations for the backward pass,
+# per item of trainer.batch_size: a pair's winner and loser (Diffusion-DPO, DDSPO), the winner and the reference
+# sample (SePPO), the guided [uncond; cond] batch of the policy-gradient methods (DDPO, Flow-GRPO, ViPO: the
+# unconditional rows are detached after a joint forward, so their activations are kept), one row for DGPO and
+# DiffusionNFT (unguided training forwards). Reference and θ⁻ forwards run under no_grad.
+RECIPES = {
+    "ddpo_sd15_aesthetic": ("sd15", "ddpo"),
+    "seppo_sd15_pickapic": ("sd15", "seppo"),
+    "ddspo_sd14": ("sd15", "ddspo"),
+    "diffusion_dpo_sdxl_pickapic": ("sdxl", "diffusion_dpo"),
+    "ddspo_sdxl": ("sdxl", "ddspo"),
+    "flow_grpo_sd35_geneval": ("sd35_medium", "flow_grpo"),
+    "dgpo_sd35_geneval": ("sd35_medium", "dgpo"),
+    "diffusion_nft_sd35_geneval": ("sd35_medium", "diffusion_nft"),
+    "vipo_wan": ("wan21_t2v", "vipo"),
+}
+GRAD_ROWS = {"diffusion_dpo": 2, "ddspo": 2, "seppo": 2, "sft": 1, "ddpo": 2, "flow_grpo": 2, "vipo": 2, "dgpo": 1,
+             "diffusion_nft": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+CUDA_OVERHEAD_GIB = 2.0  # CUDA context, cuBLAS/cuDNN workspaces and allocator slack (assumed, not measured)
+GPUS = ((24, "24 GB (RTX 4090, A10G, L4)"), (48, "48 GB (L40S, RTX 6000 Ada, A40)"), (80, "80 GB (A100, H100)"),
+        (141, "141 GB (H200)"))
+
+
+def tokens(model: str, size) -> int:
+    """Latent positions the denoiser's activations scale with: h·w latent cells (UNets), (h/2)·(w/2) patches (SD3.5),
+    F_lat·(h/2)·(w/2) patches (Wan; `size` = (frames, height px, width px))."""
+    if model == "wan21_t2v":
+        frames, height, width = size
+        return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+    return size * size // (4 if model == "sd35_medium" else 1)
+
+
+def activation_fit(rows: list[dict], model: str) -> tuple[float, float, dict, dict] | None:
+    """(a, b): the bfloat16 training step's activation bytes per grad row ≈ a + b · tokens, from a method measured at
+    the smallest and the larger size: step peak − RSS before the step − the LoRA's gradients and Adam moments
+    (12 bytes per parameter), divided by the micro-batch's grad rows."""
+    measured = [r for r in rows if r["model"] == model and r["dtype"] == "bfloat16" and "skipped" not in r]
+    by_method = {}
+    for r in measured:
+        by_method.setdefault(r["method"], {})[tokens(model, tuple(r["size"]) if isinstance(r["size"], list)
+                                                       else r["size"])] = r
+    for method, by_size in by_method.items():
+        if len(by_size) >= 2:
+            (t0, r0), (t1, r1) = sorted(by_size.items())[0], sorted(by_size.items())[-1]
+            grad_rows = GRAD_ROWS[method] * r0["batch"]
+
+            def act(r):
+                return max(0.0, r["step_peak"] - r["rss_before_step"] - 12 * r["lora_params"]) / grad_rows
+
+            b = max(0.0, (act(r1) - act(r0)) / (t1 - t0))
+            return act(r0) - b * t0, b, r0, r1
+    return None
+
+
+def estimate(rows: list[dict], work: Path) -> str:
+    """The GPU memory each paper recipe needs, from the measured rows (see docs/real_size.md for the method)."""
+    from hydra import compose, initialize_config_dir
+
+    from diffalign.cli import CONFIG_DIR, _setup
+
+    _setup()
+    lines = ["| recipe | trains | resolution, micro-batch (grad rows × tokens) | frozen weights GB | LoRA + grads + Adam"
+             " GB | activations GB | total GB | GPU |", "|" + "---|" * 8]
+    for recipe, (model, method) in RECIPES.items():
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[f"recipe={recipe}"])
+        arch = load_arch(MODELS[model]["arch"])
+        sizes = published_sizes(arch)
+        dtype = cfg.model.torch_dtype
+        measured = [r for r in rows if r["model"] == model and r["method"] == method and "skipped" not in r]
+        fit = activation_fit(rows, model)
+        if not measured or fit is None:
+            lines.append(f"| {recipe} | {model} {method} | not measured here |" + " |" * 5)
+            continue
+        r = measured[0]
+        frozen = sum(n for name, n in sizes.items() if arch["components"][name].get("stand_in") != "skip"
+                     or cfg.model.get("load_t5", True)) * DTYPE_BYTES[dtype]
+        vae = sizes["vae"]
+        if model == "sdxl" and dtype == "float16" and not cfg.model.get("pretrained_vae_model_name_or_path"):
+            frozen += vae * 2  # SDXL-base's VAE is kept float32 (force_upcast) unless a VAE fixed for fp16 is given
+        if method == "vipo":
+            frozen += published_sizes(load_arch("dinov2_large"))["backbone"] * 4  # the PSM backbone, float32
+        lora = r["lora_params"] * cfg.model.lora_rank / r["lora_rank"]
+        adapters = 16 * lora + 4 * r["frozen_adapter_params"] * cfg.model.lora_rank / r["lora_rank"]
+        if model == "wan21_t2v":
+            size = (cfg.model.num_frames, cfg.model.height, cfg.model.width)
+            where = f"{size[0]}×{size[1]}×{size[2]}"
+        else:
+            size = arch["components"][arch["denoiser"]]["config"]["sample_size"]
+            where = f"{size * 8} px"
+        n_tok = tokens(model, size)
+        grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
+        a, b, r0, _ = fit
+        ckpt = bool(cfg.model.get("gradient_checkpointing", False))
+        note = "" if ckpt == r0["gradient_checkpointing"] else " (fit measured with other checkpointing)"
+        act = grad_rows * (a + b * n_tok)
+        total = (frozen + adapters + act) / GIB + CUDA_OVERHEAD_GIB
+        gpu = next((label for gib, label in GPUS if total <= 0.9 * gib), "more than one H200: lower the micro-batch")
+        lines.append(f"| {recipe} | {model} {method}{', grad. checkpointing' if ckpt else ''}{note} | {where}, "
+                     f"{cfg.trainer.batch_size} ({grad_rows} × {n_tok}) | {frozen / GIB:.1f} ({dtype}) | "
+                     f"{adapters / GIB:.2f} | {act / GIB:.1f} | {total:.0f} | {gpu} |")
     return "\n".join(lines)
 
 
@@ -517,17 +629,25 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--methods", nargs="+", default=None, help="only these methods (default: every applicable)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--scale", action="store_true",
-                        help="also run every bfloat16 method at the model's larger size (activation per token)")
+    parser.add_argument("--sizes", nargs="+", default=["min"], choices=["min", "scale"],
+                        help="min: the smallest valid size; scale: the model's larger size (activation per token)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "diffalign-real-size",
                         help="where the random weights (bf16, ~20 GB for all four) and runs go; reused")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
     parser.add_argument("--min-free-gib", type=float, default=None,
                         help="MemAvailable needed before a big float32 child (SDXL, SD3.5); default 16")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--estimate", nargs="+", type=Path, default=None, metavar="ROWS_JSON",
+                        help="print the GPU estimate of every paper recipe from rows written with --json, then exit")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "METHOD", "DTYPE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     (args.work / "runs").mkdir(parents=True, exist_ok=True)
+    if args.estimate:
+        rows = [row for path in args.estimate for row in json.loads(path.read_text())]
+        print(table(rows))
+        print()
+        print(estimate(rows, args.work))
+        return
     if args.child:
         model, method, dtype, size = args.child
         size = json.loads(size)
@@ -537,13 +657,12 @@ def main() -> None:
         return
     rows = []
     for model in args.models:
-        sizes = [MODELS[model]["min"]] + ([MODELS[model]["scale"]] if args.scale else [])
-        for size in sizes:
+        for size in [MODELS[model][name] for name in args.sizes]:
             model_folder(model, size if model != "wan21_t2v" else None, args.work)  # writes the weights once
             for method in METHODS[model]:
                 if args.methods and method not in args.methods:
                     continue
-                for dtype in args.dtypes if size == sizes[0] else ["bfloat16"]:
+                for dtype in args.dtypes:
                     print(f"[real-size] {model} {method} {dtype} {size_label(model, size)} ...", file=sys.stderr,
                           flush=True)
                     row = run_child(model, method, dtype, size, args.work, args.timeout, args.min_free_gib)
