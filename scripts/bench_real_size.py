@@ -148,53 +148,111 @@ def narrow_umt5(spec: dict, tokenizer):
                                        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0))
 
 
-def write_weights(arch: dict, out: Path) -> None:
-    """Writes every component of `arch` (random weights, bfloat16) into `out` as a diffusers pipeline folder, one
-    component at a time (memory: the largest component), and ``model_index.json``; skipped stand-ins are listed as
-    ``[null, null]``."""
-    import diffusers
+def build_components(arch: dict, sample_size=None) -> dict:
+    """Every component of `arch` built in memory (random weights, bfloat16; tokenizers, schedulers), by name; skipped
+    stand-ins are `None`. `sample_size` replaces the denoiser's default size."""
     import torch
 
-    out.mkdir(parents=True, exist_ok=True)
+    components, tokenizer = {}, None
+    for name, spec in arch["components"].items():
+        if spec.get("stand_in") == "skip":
+            components[name] = None
+        elif spec["library"] == "stand-in":
+            components[name] = tokenizer = stand_in_tokenizer(spec["model_max_length"])
+        elif "Scheduler" in spec["class"]:
+            components[name] = component_class(spec).from_config(spec["config"])
+        else:
+            if sample_size is not None and name == arch.get("denoiser"):
+                spec = {**spec, "config": {**spec["config"], "sample_size": sample_size}}
+            torch.manual_seed(0)
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of a float32 build
+            try:
+                if spec.get("stand_in") == "narrow":
+                    components[name] = narrow_umt5(spec, tokenizer or stand_in_tokenizer(512))
+                else:
+                    components[name] = build_component(spec)
+            finally:
+                torch.set_default_dtype(previous)
+    return components
+
+
+def model_index(arch: dict) -> dict:
+    """The pipeline folder's ``model_index.json``; skipped stand-ins are ``[null, null]``."""
+    import diffusers
+
     index = {"_class_name": arch["pipeline"], "_diffusers_version": diffusers.__version__}
-    tokenizer = None
     for name, spec in arch["components"].items():
         if spec.get("stand_in") == "skip":
             index[name] = [None, None]
-            continue
-        if spec["library"] == "stand-in":
-            tokenizer = stand_in_tokenizer(spec["model_max_length"])
-            tokenizer.save_pretrained(out / name)
+        elif spec["library"] == "stand-in":
             index[name] = ["transformers", "PreTrainedTokenizerFast"]
-            continue
-        cls = component_class(spec)
-        if "Scheduler" in spec["class"]:
-            cls.from_config(spec["config"]).save_pretrained(out / name)
-            index[name] = ["diffusers", spec["class"]]
-            continue
-        torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of a float32 build
-        try:
-            if spec.get("stand_in") == "narrow":
-                model = narrow_umt5(spec, tokenizer or stand_in_tokenizer(512))
-            else:
-                model = build_component(spec)
-        finally:
-            torch.set_default_dtype(previous)
-        model.save_pretrained(out / name, safe_serialization=True)
-        del model
-        index[name] = [spec["library"], spec["class"]]
+        else:
+            index[name] = [spec["library"], spec["class"] if spec.get("stand_in") != "narrow" else spec["class"]]
     for key, value in arch.get("pipeline_kwargs", {}).items():
         index[key] = [None, None] if value is None else value
-    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+    return index
 
 
-def model_folder(model: str, size, work: Path, log=print) -> Path:
+def write_weights(arch: dict, out: Path) -> None:
+    """Writes every component of `arch` (random weights, bfloat16) into `out` as a diffusers pipeline folder with
+    ``save_pretrained``, and ``model_index.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, component in build_components(arch).items():
+        if component is not None:
+            kwargs = {} if isinstance(component, dict) or not hasattr(component, "parameters") else \
+                {"safe_serialization": True}
+            component.save_pretrained(out / name, **kwargs)
+    (out / "model_index.json").write_text(json.dumps(model_index(arch), indent=1))
+
+
+def write_configs(arch: dict, out: Path, sample_size=None) -> None:
+    """A weightless view of the folder `write_weights` would write (``model_index.json`` and every component's
+    config), for runs that build the weights in memory (`in_memory_loading`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_index.json").write_text(json.dumps(model_index(arch), indent=1))
+    for name, spec in arch["components"].items():
+        if spec["library"] != "stand-in" and spec.get("stand_in") != "skip":
+            config = dict(spec["config"])
+            if sample_size is not None and name == arch.get("denoiser"):
+                config["sample_size"] = sample_size
+            (out / name).mkdir(exist_ok=True)
+            (out / name / "config.json").write_text(json.dumps({"_class_name": spec["class"], **config}, indent=1))
+
+
+def in_memory_loading(arch: dict, sample_size) -> None:
+    """Makes the policy's ``from_pretrained`` get the pipeline built in memory (`build_components`) instead of
+    reading weights from its folder, when the disk has no room for them: `load_pipeline` of every model family
+    module is replaced by one that casts that pipeline to the requested dtype and returns it; the policy's own
+    construction (LoRA, schedulers, checks) runs unchanged."""
+    import diffusers
+
+    import diffalign.models.sd3
+    import diffalign.models.sdxl
+    import diffalign.models.stable_diffusion
+    import diffalign.models.wan
+    from diffalign.models.pipeline_policy import resolve_dtype
+
+    def load_pipeline(pipeline_class, path, *, torch_dtype="float32", **kwargs):
+        components = build_components(arch, sample_size)
+        pipe = getattr(diffusers, arch["pipeline"])(**components, **arch.get("pipeline_kwargs", {}))
+        return pipe.to(resolve_dtype(torch_dtype))
+
+    for module in (diffalign.models.sd3, diffalign.models.sdxl, diffalign.models.stable_diffusion,
+                   diffalign.models.wan):
+        module.load_pipeline = load_pipeline
+
+
+def model_folder(model: str, size, work: Path, log=print, in_memory: bool = False) -> Path:
     """The diffusers folder of `model` whose denoiser defaults to latent side `size` (a view of the shared weights:
-    every file a symlink but the denoiser's ``config.json``). Wan has no default size (the run sets it)."""
+    every file a symlink but the denoiser's ``config.json``). Wan has no default size (the run sets it). With
+    `in_memory`, a weightless folder (`write_configs`; the child builds the weights, `in_memory_loading`)."""
     spec = MODELS[model]
     arch = load_arch(spec["arch"])
+    if in_memory:
+        out = work / spec["arch"] / f"configs_{size}"
+        write_configs(arch, out, size)
+        return out
     weights = work / spec["arch"] / "weights"
     if not (weights / "model_index.json").is_file():
         log(f"[real-size] writing random {spec['arch']} weights to {weights} ...")
@@ -342,7 +400,17 @@ class Peaks:
         return peak
 
 
-def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
+def touch(module) -> None:
+    """Reads every parameter once, so that weights still mapped from their safetensors file (a bfloat16 folder loaded
+    in bfloat16 is not copied) are resident before the step is measured."""
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            p.sum()
+
+
+def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool = False) -> dict:
     """Runs one (model, method, dtype) in this process; returns its row."""
     import torch
     from hydra import compose, initialize_config_dir
@@ -354,7 +422,9 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     peaks = Peaks()
-    folder = model_folder(model, size if model != "wan21_t2v" else None, work)
+    folder = model_folder(model, size if model != "wan21_t2v" else None, work, in_memory=in_memory)
+    if in_memory:
+        in_memory_loading(load_arch(MODELS[model]["arch"]), size if model != "wan21_t2v" else None)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{model}-{method}-", dir=work / "runs"))
     overrides = overrides_for(model, method, dtype, folder, size, work, run_dir)
     _setup()
@@ -363,6 +433,7 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
     migrate_config(cfg, overrides)
     validate_train_config(cfg, overrides=overrides)
     row = {"model": model, "method": method, "dtype": dtype, "size": size, "recipe": METHODS[model][method],
+           "loading": "in memory" if in_memory else "from_pretrained",
            "lora_rank": cfg.model.lora_rank, "batch": cfg.trainer.batch_size, "load_start": os.getloadavg()[0]}
     peaks.reset()
     t0 = time.perf_counter()
@@ -381,6 +452,7 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
             return out
 
         def timed_updates(run, data):
+            touch(run.policy)
             peaks.end("reward_prepare")
             times["rss_before_step"] = _status("VmRSS")
             start, cpu = time.perf_counter(), time.process_time()
@@ -392,6 +464,7 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
         loop.group_rollout, loop._updates = timed_rollout, timed_updates
         run = loop._setup(cfg)
         row["setup_s"] = time.perf_counter() - t0
+        touch(run.policy)
         row["rss_weights"] = _status("VmRSS")
         logs = loop._epoch(run)
         row.update(times)
@@ -401,11 +474,13 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
 
         with StopSignals() as stop:
             run = loop._setup(cfg)
+            touch(run.policy)
             row["rss_weights"] = _status("VmRSS")
             start = time.perf_counter()
             loop._prepare_data(run, stop)
             row["data_s"] = time.perf_counter() - start
             row["setup_s"] = time.perf_counter() - t0
+            touch(run.policy)
             peaks.end("setup")
             row["rss_before_step"] = _status("VmRSS")
             start, cpu = time.perf_counter(), time.process_time()
@@ -413,7 +488,7 @@ def child(model: str, method: str, dtype: str, size, work: Path) -> dict:
             row["step_s"], row["step_cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
             peaks.end("step")
         row["loss"] = float(history[-1].get("loss", float("nan")))
-    params = run.params
+    params = run.updates.params
     policy = run.policy
     # the frozen weights: every parameter but the adapters' (a pool reference adds a frozen adapter of its own)
     row["denoiser_params"] = sum(p.numel() for n, p in policy.denoiser.named_parameters() if "lora_" not in n)
@@ -455,13 +530,15 @@ def need_gib(model: str, dtype: str, min_free_gib: float | None) -> float:
     return params * (4 if dtype == "float32" else 2) / GIB + 4
 
 
-def run_child(model: str, method: str, dtype: str, size, work: Path, timeout: float, min_free_gib) -> dict:
+def run_child(model: str, method: str, dtype: str, size, work: Path, timeout: float, min_free_gib,
+              in_memory: bool = False) -> dict:
     base = {"model": model, "method": method, "dtype": dtype, "size": size}
     need = need_gib(model, dtype, min_free_gib)
     free = mem_available() / GIB
     if free < need:
         return {**base, "skipped": f"{free:.1f} GiB available, {need:.0f} GiB needed"}
     cmd = [sys.executable, __file__, "--child", model, method, dtype, json.dumps(size), "--work", str(work)]
+    cmd += ["--in-memory"] if in_memory else []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TQDM_DISABLE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.time()
@@ -639,6 +716,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--estimate", nargs="+", type=Path, default=None, metavar="ROWS_JSON",
                         help="print the GPU estimate of every paper recipe from rows written with --json, then exit")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="build the weights inside each child instead of writing them to --work (no disk needed; "
+                             "the policy's from_pretrained gets the in-memory pipeline: in_memory_loading)")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "METHOD", "DTYPE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     (args.work / "runs").mkdir(parents=True, exist_ok=True)
@@ -652,20 +732,22 @@ def main() -> None:
         model, method, dtype, size = args.child
         size = json.loads(size)
         size = tuple(size) if isinstance(size, list) else size
-        row = child(model, method, dtype, size, args.work)
+        row = child(model, method, dtype, size, args.work, in_memory=args.in_memory)
         print("ROW " + json.dumps(row), flush=True)
         return
     rows = []
     for model in args.models:
         for size in [MODELS[model][name] for name in args.sizes]:
-            model_folder(model, size if model != "wan21_t2v" else None, args.work)  # writes the weights once
+            # writes the weights once
+            model_folder(model, size if model != "wan21_t2v" else None, args.work, in_memory=args.in_memory)
             for method in METHODS[model]:
                 if args.methods and method not in args.methods:
                     continue
                 for dtype in args.dtypes:
                     print(f"[real-size] {model} {method} {dtype} {size_label(model, size)} ...", file=sys.stderr,
                           flush=True)
-                    row = run_child(model, method, dtype, size, args.work, args.timeout, args.min_free_gib)
+                    row = run_child(model, method, dtype, size, args.work, args.timeout, args.min_free_gib,
+                                    args.in_memory)
                     print(f"[real-size]   {json.dumps(row)}", file=sys.stderr, flush=True)
                     rows.append(row)
                     if args.json:
