@@ -682,22 +682,24 @@ def estimate(rows: list[dict], work: Path) -> str:
         lora = r["lora_params"] * cfg.model.lora_rank / r["lora_rank"]
         adapters = 16 * lora + 4 * r["frozen_adapter_params"] * cfg.model.lora_rank / r["lora_rank"]
         if model == "wan21_t2v":
-            size = (cfg.model.num_frames, cfg.model.height, cfg.model.width)
-            where = f"{size[0]}×{size[1]}×{size[2]}"
+            sizes_px = [((cfg.model.num_frames, cfg.model.height, cfg.model.width), "")]
         else:
-            size = arch["components"][arch["denoiser"]]["config"]["sample_size"]
-            where = f"{size * 8} px"
-        n_tok = tokens(model, size)
-        grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
-        a, b, r0, _ = fit
-        ckpt = bool(cfg.model.get("gradient_checkpointing", False))
-        note = "" if ckpt == r0["gradient_checkpointing"] else " (fit measured with other checkpointing)"
-        act = grad_rows * (a + b * n_tok)
-        total = (frozen + adapters + act) / GIB + CUDA_OVERHEAD_GIB
-        gpu = next((label for gib, label in GPUS if total <= 0.9 * gib), "more than one H200: lower the micro-batch")
-        lines.append(f"| {recipe} | {model} {method}{', grad. checkpointing' if ckpt else ''}{note} | {where}, "
-                     f"{cfg.trainer.batch_size} ({grad_rows} × {n_tok}) | {frozen / GIB:.1f} ({dtype}) | "
-                     f"{adapters / GIB:.2f} | {act / GIB:.1f} | {total:.0f} | {gpu} |")
+            native = arch["components"][arch["denoiser"]]["config"]["sample_size"]
+            # the SD3.5 recipes sample at the checkpoint's 1024 px (no SD3 resolution option); the papers at 512 px
+            sizes_px = [(native, "")] + ([(64, " at the papers' 512 px")] if model == "sd35_medium" else [])
+        for size, label in sizes_px:
+            where = f"{size[0]}×{size[1]}×{size[2]}" if model == "wan21_t2v" else f"{size * 8} px"
+            n_tok = tokens(model, size)
+            grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
+            a, b, r0, _ = fit
+            ckpt = bool(cfg.model.get("gradient_checkpointing", False))
+            note = "" if ckpt == r0["gradient_checkpointing"] else " (fit measured with other checkpointing)"
+            act = grad_rows * (a + b * n_tok)
+            total = (frozen + adapters + act) / GIB + CUDA_OVERHEAD_GIB
+            gpu = next((name for gib, name in GPUS if total <= 0.9 * gib), "more than one H200: lower the micro-batch")
+            lines.append(f"| {recipe}{label} | {model} {method}{', grad. checkpointing' if ckpt else ''}{note} | "
+                         f"{where}, {cfg.trainer.batch_size} ({grad_rows} × {n_tok}) | {frozen / GIB:.1f} ({dtype}) | "
+                         f"{adapters / GIB:.2f} | {act / GIB:.1f} | {total:.0f} | {gpu} |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """The real-size architectures (``configs/arch/*.json``, the published configs of SD1.5, SDXL, SD3.5-Medium and
 Wan2.1-T2V-1.3B): built on the meta device, their parameter counts are the published figures or an independent count
 by hand from the config; the LoRA of each ``model=`` config (its rank and targets) has r × Σ(in + out) parameters over
-the targeted layers, counted by hand; and SD1.5 (the one that fits in a few GiB) loads with the project's policy from
-a folder written with ``save_pretrained`` and runs one forward at its minimum size. The step of every method at real
+the targeted layers, counted by hand; and SD1.5 (the one that fits in a few GiB) is wrapped by the project's policy
+and runs one forward at its minimum size. The step of every method at real
 size is ``scripts/bench_real_size.py`` (docs/real_size.md)."""
 
 from __future__ import annotations
@@ -145,31 +145,35 @@ def test_sd15_unet_lora_matches_the_known_rank4_figure():
     assert _unet_lora_by_hand(_arch("sd15")["components"]["unet"]["config"], 4) == 797_184
 
 
-def test_sd15_loads_from_a_saved_folder_and_runs_one_forward_at_minimum_size(tmp_path):
-    """The real loading path: random SD1.5 weights written with ``save_pretrained`` (bfloat16, ~2 GiB), loaded by
-    ``model=sd15`` (`StableDiffusionPolicy.from_pretrained`, rank-64 LoRA) and run once at 64 px (latents 4x8x8,
-    the UNet's smallest: it halves three times) with classifier-free guidance."""
-    from hydra.utils import instantiate
+def test_sd15_builds_with_the_policy_and_runs_one_forward_at_minimum_size():
+    """SD1.5 at its published size (random bfloat16 weights, ~2 GiB, built in memory: the benchmark script exercises
+    ``from_pretrained`` on a written folder, which needs 2 GB of disk) wrapped by the project's policy with the
+    ``model=sd15`` config's LoRA (rank 64 on the attention projections), run once at 64 px (latents 4x8x8, the
+    UNet's smallest: it halves three times) with classifier-free guidance."""
+    from diffusers import StableDiffusionPipeline
 
-    bench = _bench()
-    folder = tmp_path / "sd15"
-    bench.write_weights(_arch("sd15"), folder)
-    cfg = {**_model_config("sd15"), "pretrained_model_name_or_path": str(folder), "torch_dtype": "bfloat16"}
-    policy = instantiate(cfg)
-    assert _count(policy.unet) - sum(p.numel() for p in policy.trainable_parameters()) == 859_520_964
-    assert sum(p.numel() for p in policy.trainable_parameters()) == 64 * 199_296
+    from diffalign.models.stable_diffusion import StableDiffusionPolicy
+
+    arch = _arch("sd15")
+    pipe = StableDiffusionPipeline(**_bench().build_components(arch, sample_size=8), **arch["pipeline_kwargs"])
+    cfg = _model_config("sd15")
+    policy = StableDiffusionPolicy.from_pipeline(pipe, lora_rank=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"])
+    lora = sum(p.numel() for p in policy.trainable_parameters())
+    assert _count(policy.unet) - lora == 859_520_964
+    assert lora == 64 * 199_296 and policy.latent_shape == (4, 8, 8)
     embeds = policy.encode_prompts(["a red circle", "two blue squares"])
     assert embeds.prompt_embeds.shape == (2, 77, 768)
     latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([999, 500])
     with torch.no_grad():
-        out = policy.predict(latents, torch.tensor([999, 500]), embeds, guidance_scale=7.5)
+        out = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
         with policy.reference():
-            base = policy.predict(latents, torch.tensor([999, 500]), embeds, guidance_scale=7.5)
+            base = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
     assert out.shape == (2, 4, 8, 8) and out.dtype == torch.float32 and torch.isfinite(out).all()
     assert torch.equal(out, base)  # a fresh adapter (B = 0) leaves the base model unchanged
     with torch.no_grad():
         for name, p in policy.unet.named_parameters():
             if "lora_B" in name:
                 p.fill_(0.01)
-        moved = policy.predict(latents, torch.tensor([999, 500]), embeds, guidance_scale=7.5)
+        moved = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
     assert not torch.equal(moved, base)
