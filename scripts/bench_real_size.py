@@ -410,7 +410,55 @@ def touch(module) -> None:
             p.sum()
 
 
-def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool = False) -> dict:
+def probe_sizes(model: str) -> list:
+    """The two sizes of the activation probe (`activation_probe`): the smallest and the larger one."""
+    return [MODELS[model]["min"], MODELS[model]["scale"]]
+
+
+def probe_latents(policy, model: str, size, rows: int):
+    """Random latents of `rows` samples at `size` in the policy's layout."""
+    import torch
+
+    if model == "wan21_t2v":
+        frames, height, width = size
+        c = policy.latent_shape[0]
+        shape = (c, (frames - 1) // 4 + 1, height // 8, width // 8)
+    else:
+        shape = (policy.latent_shape[0], size, size)
+    return torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
+
+
+def activation_probe(run, model: str, peaks: "Peaks", rows: int = 2) -> dict:
+    """The memory of one training forward + backward of the denoiser alone (unguided, `rows` rows, the run's autocast
+    and gradient checkpointing, LoRA gradients only) at the smallest and at the larger size: ``{positions: bytes
+    above the resident set before it}``, the LoRA's gradient bytes (4 per parameter) taken off. Run after the step,
+    so the optimizer's state already exists."""
+    import torch
+
+    policy = run.policy
+    params = run.updates.params
+    embeds = policy.encode_prompts(["a red circle left of a blue square"] * rows, do_classifier_free_guidance=False)
+    out = {}
+    for size in probe_sizes(model):
+        latents = probe_latents(policy, model, size, rows)
+        t = torch.full((rows,), 500.0 if policy.flow_matching else 500)
+        for p in params:
+            p.grad = None
+        touch(policy)
+        peaks.end("before_probe")
+        before = _status("VmRSS")
+        with run.accelerator.autocast():
+            loss = policy.predict(latents, t, embeds, 1.0).float().pow(2).mean()
+        loss.backward()
+        out[str(tokens(model, size))] = max(0, peaks.end("probe") - before - 4 * sum(p.numel() for p in params))
+        del loss
+        for p in params:
+            p.grad = None
+    return out
+
+
+def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool = False,
+          probe: bool = True) -> dict:
     """Runs one (model, method, dtype) in this process; returns its row."""
     import torch
     from hydra import compose, initialize_config_dir
@@ -498,6 +546,13 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
                                        if "lora_" in n and not p.requires_grad)  # a pool reference's, θ⁻'s
     row["gradient_checkpointing"] = bool(cfg.model.get("gradient_checkpointing", False))
     row["step_peak"] = peaks.phases["step"]
+    if probe:
+        policy.denoiser.train()
+        row["probe_rows"] = 2
+        try:
+            row["probe"] = activation_probe(run, model, peaks, rows=2)
+        except Exception as err:  # the step's row stands without it
+            row["probe_error"] = f"{type(err).__name__}: {err}"[:300]
     row["peak_rss"] = max(peaks.overall, _status("VmHWM"))
     row["latent_shape"] = list(policy.latent_shape)
     row["load_end"] = os.getloadavg()[0]
@@ -531,9 +586,12 @@ def need_gib(model: str, dtype: str, min_free_gib: float | None) -> float:
 
 
 def run_child(model: str, method: str, dtype: str, size, work: Path, timeout: float, min_free_gib,
-              in_memory: bool = False) -> dict:
+              in_memory: bool = False, wait_for_memory: float = 0.0) -> dict:
     base = {"model": model, "method": method, "dtype": dtype, "size": size}
     need = need_gib(model, dtype, min_free_gib)
+    deadline = time.time() + wait_for_memory
+    while mem_available() / GIB < need and time.time() < deadline:  # other jobs may free memory
+        time.sleep(15)
     free = mem_available() / GIB
     if free < need:
         return {**base, "skipped": f"{free:.1f} GiB available, {need:.0f} GiB needed"}
@@ -581,8 +639,9 @@ def table(rows: list[dict]) -> str:
         recipe = r.get("recipe", METHODS[r["model"]][r["method"]])
         method = f"{r['method']} ({'–' if recipe == '~recipe' else recipe})"
         if "skipped" in r:
+            reason = r["skipped"].split(" | ")[-1][:160].replace("|", "/")
             lines.append(f"| {r['model']} | {method} | {r['dtype']} | {size_label(r['model'], r['size'])} | "
-                         f"not measured: {r['skipped']} |" + " |" * 8)
+                         f"not measured: {reason} |" + " |" * 8)
             continue
         rollout = f"{r['rollout_s']:.1f}" if "rollout_s" in r else "–"
         step = f"{r['step_s']:.1f} ({r['step_cpu_s']:.1f})" if "step_cpu_s" in r else f"{r['step_s']:.1f}"
@@ -620,34 +679,50 @@ GPUS = ((24, "24 GB (RTX 4090, A10G, L4)"), (48, "48 GB (L40S, RTX 6000 Ada, A40
         (141, "141 GB (H200)"))
 
 
+TEXT_TOKENS = {"sd35_medium": 77 + 256}  # SD3.5's joint attention also runs the text tokens (CLIP + T5 positions)
+
+
 def tokens(model: str, size) -> int:
-    """Latent positions the denoiser's activations scale with: h·w latent cells (UNets), (h/2)·(w/2) patches (SD3.5),
-    F_lat·(h/2)·(w/2) patches (Wan; `size` = (frames, height px, width px))."""
+    """Positions the denoiser's activations scale with: h·w latent cells (UNets), (h/2)·(w/2) patches plus the 333
+    text positions of the joint attention (SD3.5), F_lat·(h/2)·(w/2) patches (Wan; `size` = (frames, height px,
+    width px)). The UNets' and Wan's text enters only through cross-attention keys and values, left out."""
     if model == "wan21_t2v":
         frames, height, width = size
         return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
-    return size * size // (4 if model == "sd35_medium" else 1)
+    if model == "sd35_medium":
+        return (size // 2) ** 2 + TEXT_TOKENS[model]
+    return size * size
 
 
-def activation_fit(rows: list[dict], model: str) -> tuple[float, float, dict, dict] | None:
-    """(a, b): the bfloat16 training step's activation bytes per grad row ≈ a + b · tokens, from a method measured at
-    the smallest and the larger size: step peak − RSS before the step − the LoRA's gradients and Adam moments
-    (12 bytes per parameter), divided by the micro-batch's grad rows."""
+def _size(r: dict):
+    return tuple(r["size"]) if isinstance(r["size"], list) else r["size"]
+
+
+def step_increase(r: dict) -> float:
+    """A row's step: its peak above the resident set before it, less the LoRA's gradients and Adam moments (12 bytes
+    per parameter, counted apart)."""
+    return max(0.0, r["step_peak"] - r["rss_before_step"] - 12 * r["lora_params"])
+
+
+def activation_fit(rows: list[dict], model: str) -> tuple[float, dict] | None:
+    """b: the bytes one training forward + backward keeps per grad row and position, for `model`, from the
+    activation probe (`activation_probe`: the denoiser alone at the smallest and at the larger size; a bfloat16 row
+    preferred), or else from one method's steps measured at both sizes. Returns (b, the row it came from)."""
+    with_probe = [r for r in rows if r["model"] == model and r.get("probe")]
+    with_probe.sort(key=lambda r: r["dtype"] != "bfloat16")
+    if with_probe:
+        r = with_probe[0]
+        (t0, m0), (t1, m1) = sorted((int(k), v) for k, v in r["probe"].items())
+        return max(0.0, (m1 - m0) / (r["probe_rows"] * (t1 - t0))), r
     measured = [r for r in rows if r["model"] == model and r["dtype"] == "bfloat16" and "skipped" not in r]
     by_method = {}
     for r in measured:
-        by_method.setdefault(r["method"], {})[tokens(model, tuple(r["size"]) if isinstance(r["size"], list)
-                                                       else r["size"])] = r
+        by_method.setdefault(r["method"], {})[tokens(model, _size(r))] = r
     for method, by_size in by_method.items():
         if len(by_size) >= 2:
             (t0, r0), (t1, r1) = sorted(by_size.items())[0], sorted(by_size.items())[-1]
             grad_rows = GRAD_ROWS[method] * r0["batch"]
-
-            def act(r):
-                return max(0.0, r["step_peak"] - r["rss_before_step"] - 12 * r["lora_params"]) / grad_rows
-
-            b = max(0.0, (act(r1) - act(r0)) / (t1 - t0))
-            return act(r0) - b * t0, b, r0, r1
+            return max(0.0, (step_increase(r1) - step_increase(r0)) / (grad_rows * (t1 - t0))), r0
     return None
 
 
@@ -658,8 +733,8 @@ def estimate(rows: list[dict], work: Path) -> str:
     from diffalign.cli import CONFIG_DIR, _setup
 
     _setup()
-    lines = ["| recipe | trains | resolution, micro-batch (grad rows × tokens) | frozen weights GB | LoRA + grads + Adam"
-             " GB | activations GB | total GB | GPU |", "|" + "---|" * 8]
+    lines = ["| recipe | trains | resolution, micro-batch (grad rows × positions) | frozen weights GiB | LoRA, grads, "
+             "Adam GiB | step memory GiB | total GiB | GPU |", "|" + "---|" * 8]
     for recipe, (model, method) in RECIPES.items():
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="train", overrides=[f"recipe={recipe}"])
@@ -671,7 +746,8 @@ def estimate(rows: list[dict], work: Path) -> str:
         if not measured or fit is None:
             lines.append(f"| {recipe} | {model} {method} | not measured here |" + " |" * 5)
             continue
-        r = measured[0]
+        measured.sort(key=lambda r: (r["dtype"] != "bfloat16", tokens(model, _size(r))))
+        r = measured[0]  # the method's own step at the smallest size: its fixed cost c
         frozen = sum(n for name, n in sizes.items() if arch["components"][name].get("stand_in") != "skip"
                      or cfg.model.get("load_t5", True)) * DTYPE_BYTES[dtype]
         vae = sizes["vae"]
@@ -691,10 +767,12 @@ def estimate(rows: list[dict], work: Path) -> str:
             where = f"{size[0]}×{size[1]}×{size[2]}" if model == "wan21_t2v" else f"{size * 8} px"
             n_tok = tokens(model, size)
             grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
-            a, b, r0, _ = fit
+            b, r0 = fit
+            c = step_increase(r)
             ckpt = bool(cfg.model.get("gradient_checkpointing", False))
-            note = "" if ckpt == r0["gradient_checkpointing"] else " (fit measured with other checkpointing)"
-            act = grad_rows * (a + b * n_tok)
+            note = "" if ckpt == r0["gradient_checkpointing"] else " (b measured with other checkpointing)"
+            note += "" if r0["dtype"] == "bfloat16" else f" (b measured in {r0['dtype']})"
+            act = c + b * grad_rows * n_tok
             total = (frozen + adapters + act) / GIB + CUDA_OVERHEAD_GIB
             gpu = next((name for gib, name in GPUS if total <= 0.9 * gib), "more than one H200: lower the micro-batch")
             lines.append(f"| {recipe}{label} | {model} {method}{', grad. checkpointing' if ckpt else ''}{note} | "
@@ -715,6 +793,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per child")
     parser.add_argument("--min-free-gib", type=float, default=None,
                         help="MemAvailable needed before a big float32 child (SDXL, SD3.5); default 16")
+    parser.add_argument("--wait-for-memory", type=float, default=0.0,
+                        help="seconds a child may wait for enough MemAvailable before its row says it did not fit")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--estimate", nargs="+", type=Path, default=None, metavar="ROWS_JSON",
                         help="print the GPU estimate of every paper recipe from rows written with --json, then exit")
@@ -749,7 +829,7 @@ def main() -> None:
                     print(f"[real-size] {model} {method} {dtype} {size_label(model, size)} ...", file=sys.stderr,
                           flush=True)
                     row = run_child(model, method, dtype, size, args.work, args.timeout, args.min_free_gib,
-                                    args.in_memory)
+                                    args.in_memory, args.wait_for_memory)
                     print(f"[real-size]   {json.dumps(row)}", file=sys.stderr, flush=True)
                     rows.append(row)
                     if args.json:
