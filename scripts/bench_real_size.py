@@ -20,17 +20,20 @@ Rollouts take 2 sampler steps, groups 2 samples, batches 1 pair / 1 winner; rewa
 (images) and ``per_frame`` brightness + ``temporal_consistency`` (video), since the step's cost is the method's.
 
 Printed: a markdown table with parameters (denoiser / all loaded), LoRA parameters, times (set-up; the online
-rollout; the step), and memory: the resident set after set-up (weights), the step's own peak, and the child's peak
-(``VmHWM``, the counter ``ru_maxrss`` reads). ``--sizes scale`` runs a second, larger resolution per model so that the
-step's activation memory per latent token can be fitted (docs/real_size.md derives GPU needs from it).
+rollout; the step, wall and CPU), and memory: the resident set after set-up (weights), the step's own peak, and the
+child's peak (``VmHWM``, the counter ``ru_maxrss`` reads). After its step each child also runs an activation probe
+(one forward + backward of the denoiser alone at the smallest and at a larger size), from which ``--estimate``
+derives the GPU memory of every paper recipe (docs/real_size.md). ``--sizes scale`` runs whole steps at the larger
+size instead.
 
-    python scripts/bench_real_size.py                                  # everything (about 1 h, ~20 GB under --work)
+    python scripts/bench_real_size.py --json rows.json                 # everything (hours on a loaded 2-core CPU)
     python scripts/bench_real_size.py --models sd15 --dtypes float32   # one model, one dtype
-    python scripts/bench_real_size.py --sizes scale --dtypes bfloat16 --methods diffusion_dpo flow_grpo vipo
+    python scripts/bench_real_size.py --estimate rows.json             # the table and the GPU estimates
+    python scripts/bench_real_size.py --in-memory --models sdxl        # no disk for the folders (~20 GB in all)
 
 A big child (SDXL, SD3.5 in float32) starts only when ``MemAvailable`` exceeds its need (``--min-free-gib``,
-default 16 for those); otherwise its row says so. A child killed for memory is not retried. Dev tool only; never
-imported by the package.
+default 16 for those; the others: their weights + 4 GiB), waiting up to ``--wait-for-memory`` seconds; otherwise its
+row says so. A child killed for memory is not retried. Dev tool only; never imported by the package.
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ def model_index(arch: dict) -> dict:
         elif spec["library"] == "stand-in":
             index[name] = ["transformers", "PreTrainedTokenizerFast"]
         else:
-            index[name] = [spec["library"], spec["class"] if spec.get("stand_in") != "narrow" else spec["class"]]
+            index[name] = [spec["library"], spec["class"]]
     for key, value in arch.get("pipeline_kwargs", {}).items():
         index[key] = [None, None] if value is None else value
     return index
@@ -428,7 +431,7 @@ def probe_latents(policy, model: str, size, rows: int):
     return torch.randn(rows, *shape, generator=torch.Generator().manual_seed(0))
 
 
-def activation_probe(run, model: str, peaks: "Peaks", rows: int = 2) -> dict:
+def activation_probe(run, model: str, peaks: Peaks, rows: int = 2) -> dict:
     """The memory of one training forward + backward of the denoiser alone (unguided, `rows` rows, the run's autocast
     and gradient checkpointing, LoRA gradients only) at the smallest and at the larger size: ``{positions: bytes
     above the resident set before it}``, the LoRA's gradient bytes (4 per parameter) taken off. Run after the step,
@@ -551,7 +554,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
         row["probe_rows"] = 2
         try:
             row["probe"] = activation_probe(run, model, peaks, rows=2)
-        except Exception as err:  # the step's row stands without it
+        except Exception as err:  # noqa: BLE001 (the step's row stands without it)
             row["probe_error"] = f"{type(err).__name__}: {err}"[:300]
     row["peak_rss"] = max(peaks.overall, _status("VmHWM"))
     row["latent_shape"] = list(policy.latent_shape)
@@ -601,7 +604,7 @@ def run_child(model: str, method: str, dtype: str, size, work: Path, timeout: fl
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return {**base, "skipped": f"timed out after {timeout:.0f}s"}
     for line in proc.stdout.splitlines():
@@ -720,7 +723,7 @@ def activation_fit(rows: list[dict], model: str) -> tuple[float, dict] | None:
         by_method.setdefault(r["method"], {})[tokens(model, _size(r))] = r
     for method, by_size in by_method.items():
         if len(by_size) >= 2:
-            (t0, r0), (t1, r1) = sorted(by_size.items())[0], sorted(by_size.items())[-1]
+            (t0, r0), (t1, r1) = min(by_size.items()), max(by_size.items())
             grad_rows = GRAD_ROWS[method] * r0["batch"]
             return max(0.0, (step_increase(r1) - step_increase(r0)) / (grad_rows * (t1 - t0))), r0
     return None
@@ -733,8 +736,9 @@ def estimate(rows: list[dict], work: Path) -> str:
     from diffalign.cli import CONFIG_DIR, _setup
 
     _setup()
-    lines = ["| recipe | trains | resolution, micro-batch (grad rows × positions) | frozen weights GiB | LoRA, grads, "
-             "Adam GiB | step memory GiB | total GiB | GPU |", "|" + "---|" * 8]
+    head = ("| recipe | trains | resolution, micro-batch (grad rows × positions) | frozen weights GiB | LoRA, grads, "
+            "Adam GiB | step memory GiB | total GiB | GPU |")
+    lines = [head, "|" + "---|" * 8]
     for recipe, (model, method) in RECIPES.items():
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="train", overrides=[f"recipe={recipe}"])
