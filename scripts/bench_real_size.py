@@ -335,6 +335,8 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
            "monitor.every=0"]
     if model == "sd35_medium":
         out.append("model.load_t5=false")
+    if model == "sdxl":  # the Diffusion-DPO recipe's fp16-fixed VAE is a hub download; same architecture as SDXL's
+        out.append("model.pretrained_vae_model_name_or_path=null")
     if method in ONLINE:
         out += ["online.num_epochs=1", "online.groups_per_epoch=1", "online.group_size=2",
                 "online.updates_per_epoch=1", "online.num_inner_epochs=1", "online.rollout_batch_size=2",
