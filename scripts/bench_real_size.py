@@ -55,7 +55,7 @@ GIB = 1024**3
 # model key -> arch file, the model config it loads with, its minimum latent size (side) and a larger one for --scale
 MODELS = {
     "sd15": {"arch": "sd15", "min": 8, "scale": 32, "big": False},
-    "sdxl": {"arch": "sdxl", "min": 8, "scale": 32, "big": True},
+    "sdxl": {"arch": "sdxl", "min": 8, "scale": 16, "big": True},
     "sd35_medium": {"arch": "sd35_medium", "min": 2, "scale": 32, "big": True},
     "wan21_t2v": {"arch": "wan21_t2v_1_3b", "min": (5, 16, 16), "scale": (9, 128, 128), "big": False},
 }
@@ -749,7 +749,7 @@ def estimate(rows: list[dict], work: Path) -> str:
         dtype = cfg.model.torch_dtype
         measured = [r for r in rows if r["model"] == model and r["method"] == method and "skipped" not in r]
         fit = activation_fit(rows, model)
-        if not measured or fit is None:
+        if not measured:
             lines.append(f"| {recipe} | {model} {method} | not measured here |" + " |" * 5)
             continue
         measured.sort(key=lambda r: (r["dtype"] != "bfloat16", tokens(model, _size(r))))
@@ -773,17 +773,21 @@ def estimate(rows: list[dict], work: Path) -> str:
             where = f"{size[0]}×{size[1]}×{size[2]}" if model == "wan21_t2v" else f"{size * 8} px"
             n_tok = tokens(model, size)
             grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
-            b, r0 = fit
             c = step_increase(r)
             ckpt = bool(cfg.model.get("gradient_checkpointing", False))
-            note = "" if ckpt == r0["gradient_checkpointing"] else " (b measured with other checkpointing)"
-            note += "" if r0["dtype"] == "bfloat16" else f" (b measured in {r0['dtype']})"
-            act = c + b * grad_rows * n_tok
+            if fit is None:  # no activation probe for this model: the fixed cost only, a lower bound
+                act, note, at_least = c, " (activations not measured: lower bound)", "≥ "
+            else:
+                b, r0 = fit
+                note = "" if ckpt == r0["gradient_checkpointing"] else " (b measured with other checkpointing)"
+                note += "" if r0["dtype"] == "bfloat16" else f" (b measured in {r0['dtype']})"
+                act, at_least = c + b * grad_rows * n_tok, ""
             total = (frozen + adapters + act) / GIB + CUDA_OVERHEAD_GIB
             gpu = next((name for gib, name in GPUS if total <= 0.9 * gib), "more than one H200: lower the micro-batch")
+            gpu = at_least + gpu
             lines.append(f"| {recipe}{label} | {model} {method}{', grad. checkpointing' if ckpt else ''}{note} | "
                          f"{where}, {cfg.trainer.batch_size} ({grad_rows} × {n_tok}) | {frozen / GIB:.1f} ({dtype}) | "
-                         f"{adapters / GIB:.2f} | {act / GIB:.1f} | {total:.0f} | {gpu} |")
+                         f"{adapters / GIB:.2f} | {at_least}{act / GIB:.1f} | {at_least}{total:.0f} | {gpu} |")
     return "\n".join(lines)
 
 
