@@ -715,10 +715,10 @@ def activation_fit(rows: list[dict], model: str) -> tuple[float, dict] | None:
     preferred), or else from one method's steps measured at both sizes. Returns (b, the row it came from)."""
     with_probe = [r for r in rows if r["model"] == model and r.get("probe")]
     with_probe.sort(key=lambda r: r["dtype"] != "bfloat16")
-    if with_probe:
-        r = with_probe[0]
+    for r in with_probe:
         (t0, m0), (t1, m1) = sorted((int(k), v) for k, v in r["probe"].items())
-        return max(0.0, (m1 - m0) / (r["probe_rows"] * (t1 - t0))), r
+        if m1 > m0:  # else the larger size's activations are below the resident set's noise (e.g. with checkpointing)
+            return (m1 - m0) / (r["probe_rows"] * (t1 - t0)), r
     measured = [r for r in rows if r["model"] == model and r["dtype"] == "bfloat16" and "skipped" not in r]
     by_method = {}
     for r in measured:
