@@ -1,0 +1,179 @@
+"""The real-size architectures (``configs/arch/*.json``, the published configs of SD1.5, SDXL, SD3.5-Medium and
+Wan2.1-T2V-1.3B): built on the meta device, their parameter counts are the published figures or an independent count
+by hand from the config; the LoRA of each ``model=`` config (its rank and targets) has r × Σ(in + out) parameters over
+the targeted layers, counted by hand; and SD1.5 (the one that fits in a few GiB) is wrapped by the project's policy
+and runs one forward at its minimum size. The step of every method at real
+size is ``scripts/bench_real_size.py`` (docs/real_size.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+
+from diffalign.models.base import add_trainable_lora
+
+pytestmark = pytest.mark.slow
+
+ARCH = REPO / "configs" / "arch"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_real_size", REPO / "scripts" / "bench_real_size.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _arch(name: str) -> dict:
+    return json.loads((ARCH / f"{name}.json").read_text())
+
+
+def _meta(name: str, component: str):
+    return _bench().build_component(_arch(name)["components"][component], device="meta")
+
+
+def _count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _model_config(name: str) -> dict:
+    return yaml.safe_load((REPO / "configs" / "model" / f"{name}.yaml").read_text())
+
+
+def test_published_parameter_counts():
+    # SD v1 model card (CompVis/stable-diffusion): "860M UNet and 123M text encoder"; the exact UNet count is the
+    # well-known 859.52 M
+    assert abs(_count(_meta("sd15", "unet")) / 1e6 - 859.52) < 0.005
+    assert round(_count(_meta("sd15", "text_encoder")) / 1e6) == 123
+    # SDXL report (Podell et al., arXiv:2307.01952, Table 1): UNet 2.6B, text encoders 817M in all (817.7 M:
+    # the table truncates)
+    assert round(_count(_meta("sdxl", "unet")) / 1e8) / 10 == 2.6
+    assert (_count(_meta("sdxl", "text_encoder")) + _count(_meta("sdxl", "text_encoder_2"))) // 10**6 == 817
+
+
+def test_sd35_medium_transformer_counted_by_hand():
+    """SD3.5-Medium's MMDiT-X, counted block by block from its config (hidden d = 24 heads × 64 = 1536): a joint block
+    has AdaLN-Zero for both streams (6d² + 6d each), the joint attention (q, k, v, out and the context's q, k, v,
+    out: 8(d² + d), plus RMS q/k norms of 64 per stream: 256), and both MLPs (8d² + 5d each); the 13 dual-attention
+    blocks add a second attention (4(d² + d) + 128) and 3 more modulation rows (3d² + 3d); the last block keeps only
+    the image stream's MLP and output, its context gets a continuous AdaLN (2d² + 2d). Outside the blocks: the 2x2
+    patch embedding (16·4·d + d), the timestep MLP (256d + d + d² + d), the pooled-text MLP (2048d + d + d² + d), the
+    context embedder (4096d + d), the output AdaLN (2d² + 2d) and projection (64d + 64)."""
+    config = _arch("sd35_medium")["components"]["transformer"]["config"]
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    assert d == config["caption_projection_dim"] == 1536
+    joint = 36 * d * d + 30 * d + 256
+    dual = joint + 7 * d * d + 7 * d + 128
+    last = 23 * d * d + 20 * d + 256
+    n_dual = len(config["dual_attention_layers"])
+    blocks = n_dual * dual + (config["num_layers"] - n_dual - 1) * joint + last
+    outside = (65 * d) + (256 * d + d + d * d + d) + (2048 * d + d + d * d + d) + (4096 * d + d) + (2 * d * d + 2 * d) \
+        + (64 * d + 64)
+    assert _count(_meta("sd35_medium", "transformer")) == blocks + outside == 2_243_171_520
+
+
+def test_wan_transformer_counted_by_hand():
+    """Wan2.1-T2V-1.3B (the Wan report's table: dim 1536, FFN 8960, 12 heads, 30 layers), counted from its config:
+    per block self- and cross-attention (4(d² + d) and RMS q/k norms 2d each), the cross-attention's affine
+    LayerNorm (2d), the FFN (2df + f + d) and the modulation table (6d); outside, the (1, 2, 2) patch embedding,
+    the time MLP (256d + d + d² + d) and its projection to 6d, the text MLP (4096d + d + d² + d), the output
+    projection (64d + 64) and its modulation (2d)."""
+    config = _arch("wan21_t2v_1_3b")["components"]["transformer"]["config"]
+    d, f = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"]
+    assert (d, f, config["num_attention_heads"], config["num_layers"]) == (1536, 8960, 12, 30)
+    block = 8 * (d * d + d) + 4 * d + 2 * d + (2 * d * f + f + d) + 6 * d
+    outside = (64 * d + d) + (256 * d + d + d * d + d) + (6 * d * d + 6 * d) + (4096 * d + d + d * d + d) \
+        + (64 * d + 64) + 2 * d
+    assert _count(_meta("wan21_t2v_1_3b", "transformer")) == config["num_layers"] * block + outside == 1_418_996_800
+
+
+def _unet_attention_layers(config: dict) -> list[tuple[int, int]]:
+    """(channels, number of transformer blocks) of every attention stage of a UNet2DConditionModel config: down
+    blocks ``layers_per_block`` attentions, up blocks one more, the mid block one, each
+    ``transformer_layers_per_block`` deep."""
+    channels = config["block_out_channels"]
+    depth = config.get("transformer_layers_per_block", 1)
+    depth = [depth] * len(channels) if isinstance(depth, int) else depth
+    out = []
+    for i, kind in enumerate(config["down_block_types"]):
+        if kind.startswith("CrossAttn"):
+            out.append((channels[i], config["layers_per_block"] * depth[i]))
+    out.append((channels[-1], depth[-1]))  # UNetMidBlock2DCrossAttn
+    for i, kind in enumerate(config["up_block_types"]):
+        level = len(channels) - 1 - i
+        if kind.startswith("CrossAttn"):
+            out.append((channels[level], (config["layers_per_block"] + 1) * depth[level]))
+    return out
+
+
+def _unet_lora_by_hand(config: dict, rank: int) -> int:
+    """LoRA on to_q, to_k, to_v, to_out.0 of both attentions of every transformer block: self-attention 4 × (C + C);
+    cross-attention to_q and to_out (C + C) each, to_k and to_v (D + C) each; all times the rank."""
+    cross = config["cross_attention_dim"]
+    return rank * sum(blocks * (4 * 2 * c + 2 * 2 * c + 2 * (cross + c)) for c, blocks in _unet_attention_layers(config))
+
+
+@pytest.mark.parametrize("arch_name, model_name, by_hand", [
+    ("sd15", "sd15", lambda c, r: _unet_lora_by_hand(c, r)),
+    ("sdxl", "sdxl", lambda c, r: _unet_lora_by_hand(c, r)),
+    # 24 joint blocks: q, k, v, out and the context's q, k, v (d → d) in every block, the context's output in all
+    # but the last (context_pre_only); d = 1536
+    ("sd35_medium", "sd35_medium", lambda c, r: r * 2 * 1536 * (24 * 7 + 23)),
+    # 30 blocks: q, k, v, out of the self- and the cross-attention, d → d (the text is projected to d first)
+    ("wan21_t2v_1_3b", "wan21_t2v", lambda c, r: r * 2 * 1536 * 8 * 30),
+])
+def test_lora_parameters_counted_by_hand(arch_name, model_name, by_hand):
+    arch = _arch(arch_name)
+    config = arch["components"][arch["denoiser"]]["config"]
+    model_cfg = _model_config(model_name)
+    module = __import__(arch["policy"].rsplit(".", 1)[0], fromlist=["x"])
+    targets = model_cfg.get("lora_target_modules") or next(
+        getattr(module, n) for n in dir(module) if n.startswith("DEFAULT_") and n.endswith("TARGET_MODULES"))
+    denoiser = _meta(arch_name, arch["denoiser"])
+    add_trainable_lora(denoiser, model_cfg["lora_rank"], model_cfg["lora_alpha"], list(targets), 0)
+    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+    assert trainable == by_hand(config, model_cfg["lora_rank"])
+
+
+def test_sd15_unet_lora_matches_the_known_rank4_figure():
+    # diffusers' SD1.5 attention LoRA at rank 4 (to_q, to_k, to_v, to_out.0) has 797,184 parameters
+    assert _unet_lora_by_hand(_arch("sd15")["components"]["unet"]["config"], 4) == 797_184
+
+
+def test_sd15_builds_with_the_policy_and_runs_one_forward_at_minimum_size():
+    """SD1.5 at its published size (random bfloat16 weights, ~2 GiB, built in memory: the benchmark script exercises
+    ``from_pretrained`` on a written folder, which needs 2 GB of disk) wrapped by the project's policy with the
+    ``model=sd15`` config's LoRA (rank 64 on the attention projections), run once at 64 px (latents 4x8x8, the
+    UNet's smallest: it halves three times) with classifier-free guidance."""
+    from diffusers import StableDiffusionPipeline
+
+    from diffalign.models.stable_diffusion import StableDiffusionPolicy
+
+    arch = _arch("sd15")
+    pipe = StableDiffusionPipeline(**_bench().build_components(arch, sample_size=8), **arch["pipeline_kwargs"])
+    cfg = _model_config("sd15")
+    policy = StableDiffusionPolicy.from_pipeline(pipe, lora_rank=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"])
+    lora = sum(p.numel() for p in policy.trainable_parameters())
+    assert _count(policy.unet) - lora == 859_520_964
+    assert lora == 64 * 199_296 and policy.latent_shape == (4, 8, 8)
+    embeds = policy.encode_prompts(["a red circle", "two blue squares"])
+    assert embeds.prompt_embeds.shape == (2, 77, 768)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([999, 500])
+    with torch.no_grad():
+        out = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
+        with policy.reference():
+            base = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
+    assert out.shape == (2, 4, 8, 8) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert torch.equal(out, base)  # a fresh adapter (B = 0) leaves the base model unchanged
+    with torch.no_grad():
+        for name, p in policy.unet.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+        moved = policy.predict(latents, timesteps, embeds, guidance_scale=7.5)
+    assert not torch.equal(moved, base)
