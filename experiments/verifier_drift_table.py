@@ -5,6 +5,7 @@ many images the verifier flipped each way, and from history.jsonl the training r
 and the mean fraction of zero-variance groups.
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
+    python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
 """
 
 from __future__ import annotations
@@ -63,6 +64,47 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None)
     return out
 
 
+def flips(paths: list[str]) -> None:
+    """Over runs evaluated on the same images: per base-correct image the fraction of runs that lost it, per base-wrong
+    image the fraction that fixed it, and the mean numbers lost and gained per run."""
+    lost: dict = {}
+    gained: dict = {}
+    base_ok: dict | None = None
+    runs = 0
+    for p in paths:
+        samples = Path(p) / "eval" / "samples.jsonl"
+        if not samples.is_file():
+            continue
+        rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        if "geneval_shapes/correct" not in rows[0]:
+            continue
+        b = {(r["prompt_index"], r["seed"]): r for r in rows if r["variant"] == "base"}
+        f = {(r["prompt_index"], r["seed"]): r["geneval_shapes/correct"] for r in rows if r["variant"] == "finetuned"}
+        if base_ok is None:
+            base_ok = {k: r["geneval_shapes/correct"] for k, r in b.items()}
+        if {k: r["geneval_shapes/correct"] for k, r in b.items()} != base_ok or f.keys() != base_ok.keys():
+            continue  # another evaluation set or base
+        runs += 1
+        for k, ok in base_ok.items():
+            if ok and not f[k]:
+                lost[k] = lost.get(k, 0) + 1
+            if f[k] and not ok:
+                gained[k] = gained.get(k, 0) + 1
+    if not runs:
+        print("no run with a verifier evaluation")
+        return
+    prompt = {(r["prompt_index"], r["seed"]): r["prompt"] for r in rows}
+    right = sorted((k for k in base_ok if base_ok[k]), key=lambda k: -lost.get(k, 0))
+    wrong = sorted((k for k in base_ok if not base_ok[k]), key=lambda k: -gained.get(k, 0))
+    print(f"{runs} runs on {len(base_ok)} images ({len(right)} correct in the base)")
+    print(f"per run: lost {sum(lost.values()) / runs:.1f}, gained {sum(gained.values()) / runs:.1f}")
+    print("base-correct images, fraction of runs losing each:",
+          " ".join(f"{lost.get(k, 0) / runs:.2f}" for k in right))
+    print("base-wrong images, fraction of runs fixing each:", " ".join(f"{gained.get(k, 0) / runs:.2f}" for k in wrong))
+    for k in right[:4]:
+        print(f"  most often lost: {prompt[k]!r} seed {k[1]} ({lost.get(k, 0) / runs:.2f})")
+
+
 def main(paths: list[str]) -> None:
     """Rows for run folders; a ``diffalign-eval`` folder (``samples.jsonl`` at its top) gives a row per variant."""
     cols = ["run", "overrides", "acc_change", "acc_se", "dense_change", "image_drift", "lost", "gained",
@@ -81,4 +123,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--flips"]:
+        flips(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
