@@ -46,6 +46,16 @@ def _in_bounds(value, ge=None, gt=None, le=None, lt=None) -> bool:
             and (lt is None or value < lt))
 
 
+def _present(node, key: str, prefix: str, nullable: bool, hint: str):
+    """``(value, field name, hint tail)`` of a field to check, or None when it is absent or an allowed null."""
+    if _absent(node, key):
+        return None
+    value = node[key]
+    if value is None and nullable:
+        return None
+    return value, _name(prefix, key), f"; {hint}" if hint else ""
+
+
 def integer(node, key: str, prefix: str, *, ge: int | None = None, le: int | None = None, nullable: bool = False,
             hint: str = "") -> None:
     """``<prefix>.<key>`` is an integer (not a float such as 2.5 or 1e3, not a bool) within [`ge`, `le`], or null when
@@ -54,12 +64,10 @@ def integer(node, key: str, prefix: str, *, ge: int | None = None, le: int | Non
     Raises:
         ConfigError: naming the field, the value and the fix (`hint` is appended).
     """
-    if _absent(node, key):
+    field = _present(node, key, prefix, nullable, hint)
+    if field is None:
         return
-    value = node[key]
-    if value is None and nullable:
-        return
-    name, tail = _name(prefix, key), f"; {hint}" if hint else ""
+    value, name, tail = field
     wanted = "an integer" + (f" {_bound_text(ge=ge, le=le)}" if ge is not None or le is not None else "")
     wanted += " or null" if nullable else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -77,12 +85,10 @@ def number(node, key: str, prefix: str, *, ge: float | None = None, gt: float | 
     Raises:
         ConfigError: naming the field, the value and the fix (`hint` is appended).
     """
-    if _absent(node, key):
+    field = _present(node, key, prefix, nullable, hint)
+    if field is None:
         return
-    value = node[key]
-    if value is None and nullable:
-        return
-    name, tail = _name(prefix, key), f"; {hint}" if hint else ""
+    value, name, tail = field
     bounds = _bound_text(ge=ge, gt=gt, le=le, lt=lt)
     wanted = "a number" + (f" {bounds}" if bounds else "") + (" or null" if nullable else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):

@@ -56,6 +56,19 @@ def perturb_lora_(policy, std: float = 0.2, seed: int = 1) -> None:
 
 
 @pytest.fixture
+def release_run_locks():
+    """``diffalign-train`` run in this process keeps the run lock of a refused run until the process exits (Hydra
+    skips its end-of-run callbacks on SystemExit; the CLI exits there): release what a test took."""
+    from diffalign import runlock
+
+    before = set(runlock._HELD)
+    yield
+    for key in set(runlock._HELD) - before:
+        runlock._HELD[key].count = 1
+        runlock.release(key)
+
+
+@pytest.fixture
 def sd15_ddim_config() -> dict:
     """A copy of the SD1.5 DDIM scheduler config."""
     return dict(SD15_DDIM_CONFIG)

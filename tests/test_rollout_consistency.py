@@ -27,16 +27,8 @@ CASES = {"flow_grpo_flow": ONLINE_CASES["flow_grpo_flow"], "ddpo_sd": ONLINE_CAS
 
 
 @pytest.fixture(autouse=True)
-def _release_run_locks():
-    """``diffalign-train`` run in this process keeps the run lock of a refused run until the process exits (Hydra
-    skips its end-of-run callbacks on SystemExit; the CLI exits there): release what a test took."""
-    from diffalign import runlock
-
-    before = set(runlock._HELD)
-    yield
-    for key in set(runlock._HELD) - before:
-        runlock._HELD[key].count = 1
-        runlock.release(key)
+def _release_locks(release_run_locks):
+    """Every test here releases the run locks it took (`conftest.release_run_locks`)."""
 
 
 def _shift_stored_guidance(monkeypatch, shift: float) -> None:

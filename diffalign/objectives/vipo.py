@@ -39,7 +39,7 @@ from diffalign.samplers.rollout import recompute_step
 from diffalign.schemas import config_schema
 from diffalign.types import Trajectory
 from diffalign.vipo.backbones import check_backbone_spec
-from diffalign.vipo.psm import AGGREGATIONS, ORIENTATIONS, PADDINGS, PerceptualStructuring, advantage_maps
+from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, check_psm_options
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
@@ -127,16 +127,7 @@ class ViPO(StoredTransitionMethod):
             raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
         if timestep_selection not in TIMESTEP_SELECTIONS:
             raise ValueError(f"method.timestep_selection={timestep_selection!r} must be one of {TIMESTEP_SELECTIONS}.")
-        if smoothing_padding not in PADDINGS:
-            raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
-        if smoothing_truncate <= 0:
-            raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
-        if orientation not in ORIENTATIONS:
-            raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
-        if num_components < 1:
-            raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+        check_psm_options(aggregation, orientation, num_components, smoothing_padding, smoothing_truncate)
         if spatial_sigma < 0 or temporal_sigma < 0:
             raise ValueError(f"method.spatial_sigma={spatial_sigma} and method.temporal_sigma={temporal_sigma} must be "
                              ">= 0 (0: no smoothing).")

@@ -63,6 +63,34 @@ def _padded_indices(n: int, radius: int, padding: str, device=None) -> torch.Ten
     return torch.where(j >= n, 2 * n - 1 - j, j)
 
 
+def check_smoothing(padding: str, truncate: float) -> None:
+    """Checks the smoothing options (`smooth_1d`'s `padding` and `truncate`).
+
+    Raises:
+        ValueError: naming ``method.smoothing_padding`` or ``method.smoothing_truncate`` and the valid values.
+    """
+    if padding not in PADDINGS:
+        raise ValueError(f"method.smoothing_padding={padding!r} must be one of {PADDINGS}.")
+    if truncate <= 0:
+        raise ValueError(f"method.smoothing_truncate={truncate} must be > 0 (scipy's default: 4.0).")
+
+
+def check_psm_options(aggregation: str, orientation: str, num_components: int, smoothing_padding: str,
+                      smoothing_truncate: float) -> None:
+    """Checks `PerceptualStructuring`'s options, before any backbone is built.
+
+    Raises:
+        ValueError: naming the ``method.`` field and its valid values.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
+    if num_components < 1:
+        raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
+    check_smoothing(smoothing_padding, smoothing_truncate)
+
+
 def smooth_1d(x: torch.Tensor, sigma: float, dim: int, padding: str = "reflect", truncate: float = 4.0
               ) -> torch.Tensor:
     """Gaussian smoothing of `x` along `dim` (identity for σ ≤ 0 or a length-1 axis).
@@ -84,10 +112,7 @@ def smooth_1d(x: torch.Tensor, sigma: float, dim: int, padding: str = "reflect",
     Raises:
         ValueError: for an unknown `padding` or a non-positive `truncate`.
     """
-    if padding not in PADDINGS:
-        raise ValueError(f"method.smoothing_padding={padding!r} must be one of {PADDINGS}.")
-    if truncate <= 0:
-        raise ValueError(f"method.smoothing_truncate={truncate} must be > 0 (scipy's default: 4.0).")
+    check_smoothing(padding, truncate)
     if sigma <= 0 or x.shape[dim] == 1:
         return x
     k = gaussian_kernel1d(sigma, truncate, x.device).to(x.dtype)
@@ -144,16 +169,7 @@ class PerceptualStructuring:
     def __init__(self, backbone, num_components: int = 3, aggregation: str = "weighted",
                  orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
                  smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0, batch_size: int = 64):
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"method.aggregation={aggregation!r} must be one of {AGGREGATIONS}.")
-        if orientation not in ORIENTATIONS:
-            raise ValueError(f"method.orientation={orientation!r} must be one of {ORIENTATIONS}.")
-        if num_components < 1:
-            raise ValueError(f"method.num_components={num_components} must be >= 1 (the paper uses 3).")
-        if smoothing_padding not in PADDINGS:
-            raise ValueError(f"method.smoothing_padding={smoothing_padding!r} must be one of {PADDINGS}.")
-        if smoothing_truncate <= 0:
-            raise ValueError(f"method.smoothing_truncate={smoothing_truncate} must be > 0 (scipy's default: 4.0).")
+        check_psm_options(aggregation, orientation, num_components, smoothing_padding, smoothing_truncate)
         if isinstance(backbone, str) or backbone is None:
             from diffalign.vipo.backbones import build_backbone
 
