@@ -469,6 +469,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     from hydra import compose, initialize_config_dir
 
     from diffalign.cli import CONFIG_DIR, _setup
+    from diffalign.console import WarningCounts
     from diffalign.deprecation import migrate_config
     from diffalign.faults import StopSignals
     from diffalign.validation import validate_train_config
@@ -516,6 +517,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
 
         loop.group_rollout, loop._updates = timed_rollout, timed_updates
         run = loop._setup(cfg)
+        run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.console)
         row["setup_s"] = time.perf_counter() - t0
         touch(run.policy)
         row["rss_weights"] = _status("VmRSS")
@@ -527,6 +529,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
 
         with StopSignals() as stop:
             run = loop._setup(cfg)
+            run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.console)
             touch(run.policy)
             row["rss_weights"] = _status("VmRSS")
             start = time.perf_counter()

@@ -11,6 +11,9 @@ from pathlib import Path
 # No test may reach the network: huggingface_hub / transformers / open_clip read only the local cache (set before
 # huggingface_hub is first imported, which reads it once).
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One OpenMP thread in every child process too: the suite runs as 2 pytest-xdist workers on 2 cores (README), and
+# children at torch's default of one thread per core would oversubscribe them (busy-waiting OpenMP: many times slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
