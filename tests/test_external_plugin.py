@@ -1,13 +1,14 @@
 """An external reward package (tests/plugins/diffalign_example_reward) installed with pip and discovered through its
 ``diffalign.rewards`` entry point, as a user's own plugin would be.
 
-The README's set-up command does not install it; this module installs it into the running environment once
-(``pip install --no-deps --no-build-isolation -e``: no download, no network) and checks discovery in a fresh
-interpreter, so the README's two commands stay the whole CI."""
+The README's set-up command does not install it; this module installs it once into a folder of its own (``pip install
+--no-deps --no-build-isolation --no-index --target``: no download, no network, the environment untouched, so tests
+running beside these in other pytest-xdist workers never see a half-installed plugin) and checks discovery in fresh
+interpreters that have that folder on ``PYTHONPATH``, as a site-packages of their own."""
 
 from __future__ import annotations
 
-import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,29 +20,28 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def installed_plugin():
-    names = {ep.name for ep in importlib.metadata.entry_points(group="diffalign.rewards")}
-    if "example_saturation" not in names:
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                                 "--no-index", "-e", str(PLUGIN_DIR)], capture_output=True, text=True, timeout=300,
-                                check=False)
-        assert result.returncode == 0, result.stdout + result.stderr
-    # the editable install's .pth is read at interpreter start-up; make the package importable in this process too,
-    # since its entry point is now visible to every later test in it
-    if str(PLUGIN_DIR) not in sys.path:
-        sys.path.append(str(PLUGIN_DIR))
-        importlib.invalidate_caches()
-    return PLUGIN_DIR
+def installed_plugin(tmp_path_factory) -> Path:
+    """The folder the plugin is installed into (its package and its ``.dist-info`` with the entry point)."""
+    target = tmp_path_factory.mktemp("plugin_site")
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                             "--no-index", "--target", str(target), str(PLUGIN_DIR)], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any(target.glob("diffalign_example_reward*.dist-info")), sorted(p.name for p in target.iterdir())
+    return target
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter (entry points and editable-install paths are read at start-up)."""
+def run_python(site: Path, code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (entry points are read from the ``.dist-info`` folders on its path), with
+    `site` (the plugin's install folder) on ``PYTHONPATH``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+                          env=env)
 
 
 def test_installed_plugin_is_found_by_name_and_scores(installed_plugin):
-    result = run_python(
+    result = run_python(installed_plugin,
         "import torch\n"
         "from diffalign.plugins import build_reward, build_rewards, entry_point_configs\n"
         "configs = entry_point_configs()\n"
@@ -59,7 +59,7 @@ def test_installed_plugin_is_found_by_name_and_scores(installed_plugin):
 
 
 def test_installed_plugin_is_selectable_on_the_command_line(installed_plugin):
-    result = run_python(
+    result = run_python(installed_plugin,
         "import sys\n"
         "from diffalign.cli import train\n"
         "sys.argv = ['diffalign-train', '--cfg', 'job', 'reward=[geneval_shapes,example_saturation]',\n"
@@ -72,7 +72,7 @@ def test_installed_plugin_is_selectable_on_the_command_line(installed_plugin):
 
 
 def test_a_name_that_exists_nowhere_lists_the_available_rewards(installed_plugin):
-    result = run_python(
+    result = run_python(installed_plugin,
         "from diffalign.plugins import build_reward\n"
         "try:\n"
         "    build_reward('nowhere_reward')\n"
@@ -83,6 +83,6 @@ def test_a_name_that_exists_nowhere_lists_the_available_rewards(installed_plugin
     assert "unknown reward 'nowhere_reward'" in result.stdout
     for name in ("example_saturation", "clip_score", "aesthetic", "pickscore", "hpsv2", "geneval_shapes"):
         assert name in result.stdout
-    cli = run_python("import sys\nfrom diffalign.cli import train\n"
+    cli = run_python(installed_plugin, "import sys\nfrom diffalign.cli import train\n"
                      "sys.argv = ['diffalign-train', 'reward=[nowhere_reward]']\ntrain()\n")
     assert cli.returncode != 0 and "nowhere_reward" in cli.stderr and "example_saturation" in cli.stderr
