@@ -233,3 +233,25 @@ def wrap_on_cpu(accelerator: Accelerator, module: torch.nn.Module) -> torch.nn.M
                 sync_module_states=False, backward_prefetch=plugin.backward_prefetch,
                 forward_prefetch=plugin.forward_prefetch, use_orig_params=plugin.use_orig_params,
                 limit_all_gathers=plugin.limit_all_gathers, device_id=torch.device("cpu"))
+
+
+DEEPSPEED_REFUSED = (
+    "a DeepSpeed launch (ACCELERATE_USE_DEEPSPEED=true, e.g. accelerate launch --config_file "
+    "configs/accelerate/deepspeed_zero2.yaml) does not run diffalign's loops: (1) accelerate's DeepSpeed preparation "
+    "needs a DataLoader or an integer train_micro_batch_size_per_gpu, and the loops pass neither (they draw their own "
+    "batches); (2) DeepSpeed's engine takes the optimizer step inside backward() at its own accumulation boundary, "
+    "while the loops own their updates (no_sync micro-batches, the non-finite guard that skips an update, clipping by "
+    "trainer.max_grad_norm); (3) with trainer.cpu=true accelerate drops DeepSpeed without a word and would run plain "
+    "data parallel. Launch with configs/accelerate/fsdp.yaml (sharded) or configs/accelerate/ddp.yaml instead "
+    "(docs/reliability.md#distributed)")
+
+
+def check_launch(env=None) -> None:
+    """Refuses a launch the loops cannot run, before any model loads (`diffalign.cli`).
+
+    Raises:
+        ValueError: for a DeepSpeed launch, with its causes (`DEEPSPEED_REFUSED`) and the fix.
+    """
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ValueError(DEEPSPEED_REFUSED)
