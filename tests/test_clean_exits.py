@@ -35,7 +35,7 @@ def node(url: str, **extra):
 class NoHealthRoute(BaseHTTPRequestHandler):
     """A server of one's own that serves only /score: every GET is a 404."""
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self.send_response(404)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
@@ -46,7 +46,7 @@ class NoHealthRoute(BaseHTTPRequestHandler):
 
 
 class Unhealthy(NoHealthRoute):
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         self.send_response(500)
         self.end_headers()
         self.wfile.write(b"model still loading")

@@ -147,3 +147,35 @@ def test_fsdp_refuses_what_it_does_not_shard(tmp_path):
     res = launch_fsdp([f"output_dir={tmp_path / 'run'}", "reference=ema", *DPO[:-2]], tmp_path)
     assert res.returncode != 0
     assert "reference=ema under FSDP" in res.stderr + res.stdout and "reference=frozen_base" in res.stderr + res.stdout
+
+
+def test_a_deepspeed_launch_is_refused_before_any_model_loads(tmp_path):
+    """``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`` sets ACCELERATE_USE_DEEPSPEED; the
+    run stops during validation (no run folder content, no traceback) with the three causes and the fix."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "ACCELERATE_USE_DEEPSPEED": "true"}
+    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
+    res = subprocess.run([sys.executable, "-c", code, f"output_dir={tmp_path / 'run'}", "model=tiny_random",
+                          "trainer.cpu=true", *QUIET], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    message = res.stderr.strip().splitlines()[-1]
+    assert message.startswith("diffalign: error: a DeepSpeed launch")
+    for cause in ("train_micro_batch_size_per_gpu", "inside backward()", "drops DeepSpeed", "configs/accelerate/fsdp.yaml"):
+        assert cause in message
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "logs").exists()
+
+
+def test_accelerate_drops_deepspeed_on_cpu_as_the_refusal_says():
+    """Cause (3) of the refusal, checked against accelerate itself: with cpu=True an ACCELERATE_USE_DEEPSPEED launch
+    gets no DeepSpeed state (accelerate 1.15 ``AcceleratorState``: ``elif ACCELERATE_USE_DEEPSPEED and not cpu``)."""
+    code = ("import os; os.environ.update(ACCELERATE_USE_DEEPSPEED='true');\n"
+            "from accelerate.state import AcceleratorState, PartialState\n"
+            "from accelerate.utils import TorchDynamoPlugin\n"
+            "PartialState(cpu=True)\n"
+            "state = AcceleratorState(cpu=True, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)\n"
+            "print(state.distributed_type)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "DistributedType.NO"
