@@ -97,7 +97,7 @@ def _train_main(cfg: DictConfig) -> None:
         # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
         validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
-        check_launch()  # a DeepSpeed launch is refused with its causes (diffalign/train/distributed.py)
+        check_launch(cfg)  # a DeepSpeed launch is refused with its causes (diffalign/train/distributed.py)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class

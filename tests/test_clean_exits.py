@@ -129,7 +129,7 @@ def test_a_crashing_reward_ends_diffalign_eval_with_one_line(tmp_path):
     assert res.returncode == 1, res.stderr[-2000:]
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("diffalign: error:")]
-    assert len(errors) == 1 and "python:crashing_reward:crash" in errors[0] and "scorer exploded" in errors[0]
+    assert len(errors) == 1 and "reward 'crash': raised RuntimeError: scorer exploded (batch 0; prompts" in errors[0]
 
 
 @pytest.mark.slow

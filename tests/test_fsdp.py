@@ -143,10 +143,27 @@ def test_fsdp_flow_grpo_matches_one_process(runs):
 
 
 def test_fsdp_refuses_what_it_does_not_shard(tmp_path):
-    """A reference strategy that snapshots the LoRA is refused before training, naming the setting and the fix."""
-    res = launch_fsdp([f"output_dir={tmp_path / 'run'}", "reference=ema", *DPO[:-2]], tmp_path)
+    """A reference strategy that snapshots the LoRA is refused during validation (before the model loads), naming
+    the setting and the fix; so is a method that keeps its own copies of the weights."""
+    from diffalign.deprecation import migrate_config
+    from diffalign.train.distributed import check_launch
+
+    def cfg(*overrides):
+        composed = compose_cfg(["model=tiny_random", *overrides])
+        migrate_config(composed)  # (as the CLI does before its checks)
+        return composed
+
+    res = launch_fsdp([f"output_dir={tmp_path / 'run'}", "reference=ema", "trainer.batch_size=2", *DPO], tmp_path)
     assert res.returncode != 0
-    assert "reference=ema under FSDP" in res.stderr + res.stdout and "reference=frozen_base" in res.stderr + res.stdout
+    errors = [line for line in res.stderr.splitlines() if line.startswith("diffalign: error:")]
+    assert errors and "reference=ema under FSDP" in errors[0] and "reference=frozen_base" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr.split("diffalign: error:")[0]
+    fsdp = {"ACCELERATE_USE_FSDP": "true"}
+    check_launch(cfg(*DPO), fsdp)  # Diffusion-DPO with the frozen base: accepted
+    check_launch(cfg(*GRPO), fsdp)
+    with pytest.raises(ValueError, match="method=dgpo under FSDP: DGPO keeps its own copies of the weights "
+                                         r"\(old_policy_state\).*configs/accelerate/ddp.yaml"):
+        check_launch(cfg("method=dgpo", "sampler=dpm_ode"), fsdp)
 
 
 def test_a_deepspeed_launch_is_refused_before_any_model_loads(tmp_path):

@@ -246,12 +246,41 @@ DEEPSPEED_REFUSED = (
     "(docs/reliability.md#distributed)")
 
 
-def check_launch(env=None) -> None:
-    """Refuses a launch the loops cannot run, before any model loads (`diffalign.cli`).
+def check_launch(cfg=None, env=None) -> None:
+    """Refuses a launch the loops cannot run, before any model loads (`diffalign.cli`, after the config's validation).
+
+    Args:
+        cfg (`DictConfig`, *optional*): the run's config; under an FSDP launch its reference strategy and method are
+            checked (`check_fsdp_run` repeats this on the built objects).
+        env (`Mapping`, *optional*): the environment (defaults to ``os.environ``).
 
     Raises:
-        ValueError: for a DeepSpeed launch, with its causes (`DEEPSPEED_REFUSED`) and the fix.
+        ValueError: for a DeepSpeed launch, with its causes (`DEEPSPEED_REFUSED`) and the fix; under FSDP, for a
+            reference strategy that snapshots the LoRA or a method that keeps its own copies of the weights.
     """
     env = os.environ if env is None else env
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise ValueError(DEEPSPEED_REFUSED)
+    if cfg is None or env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    from hydra.utils import get_class, instantiate
+
+    strategy = getattr(get_class(cfg.reference._target_), "strategy", None)
+    if strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"reference={strategy} under FSDP: it snapshots the sharded LoRA, which is not implemented; "
+                         f"use reference={FSDP_STRATEGIES[0]} or launch with configs/accelerate/ddp.yaml")
+    kept = instantiate(cfg.method).checkpoint_states()  # (methods' constructors only check and store arguments)
+    if kept:
+        name = cfg.method._target_.rsplit(".", 1)[-1]
+        raise ValueError(f"method={_method_name(cfg)} under FSDP: {name} keeps its own copies of the weights "
+                         f"({', '.join(kept)}), which are not sharded yet; launch it with configs/accelerate/ddp.yaml")
+
+
+def _method_name(cfg) -> str:
+    """The ``method=`` option chosen on the command line (Hydra's choice), else the class name."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices["method"]
+    except (ValueError, KeyError):
+        return cfg.method._target_.rsplit(".", 1)[-1].lower()
