@@ -55,7 +55,9 @@ def trainable_hash(policy) -> str:
     """16 hex digits of the SHA-256 of the policy's trainable parameters (what the LoRA adds to the base)."""
     digest = hashlib.sha256()
     for p in policy.trainable_parameters():
-        digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        # (hashed from a copy: .numpy() of the parameter's own storage marks it not resizable, and FSDP's
+        # summon_full_params can then not free its gathered weights: "Trying to resize storage that is not resizable")
+        digest.update(p.detach().float().cpu().contiguous().clone().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
