@@ -28,14 +28,16 @@ QUIET = ["trainer.log_with=none", "eval.enabled=false"]
 DPO = ["model=tiny_random", "data=shapes_pairs", "data.num_pairs=16", "trainer.max_steps=2",
        "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.learning_rate=1000.0",
        "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=1e-6"]
+MAIN_PROCESS_SAMPLING = ["monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=[0,1]", "monitor.num_inference_steps=2",
+                         "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2"]
 GRPO = ["model=tiny_random", "method=flow_grpo", "sampler=ddim", "online.num_epochs=2", "online.groups_per_epoch=2",
         "online.group_size=4", "online.checkpointing_epochs=1", "online.updates_per_epoch=2", "trainer.keep_last=-1",
         "sampler.num_inference_steps=4", "trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0",
         "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=null"]
 
 
-def launch_fsdp(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``diffalign-train <args>`` on 2 CPU processes under FSDP."""
+def launch_fsdp(args: list[str], cwd: Path, quiet: tuple = tuple(QUIET)) -> subprocess.CompletedProcess:
+    """``diffalign-train <args>`` on 2 CPU processes under FSDP (with `quiet`: no trackers, no evaluation)."""
     script = cwd / "train.py"
     script.write_text("import sys\nfrom diffalign.cli import train\nsys.argv[0] = 'diffalign-train'\ntrain()\n")
     with socket.socket() as s:
@@ -44,7 +46,7 @@ def launch_fsdp(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
                "--num_processes", "2", "--main_process_port", str(port), str(script), *args, "trainer.cpu=true",
-               *QUIET]
+               *quiet]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400, check=False)
 
 
@@ -82,8 +84,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert logs["dpo_fsdp"].returncode == 0, logs["dpo_fsdp"].stderr[-3000:]
     one_process("preference", [f"output_dir={out['dpo_one']}", "trainer.batch_size=4", *DPO])
     ckpt1 = out["dpo_fsdp"] / "checkpoint-1"
+    # (with the monitors and the final evaluation: main-process sampling on the gathered weights)
     logs["resume_fsdp"] = launch_fsdp([f"output_dir={out['resume_fsdp']}", f"resume={ckpt1}", "trainer.batch_size=2",
-                                       *DPO], root)
+                                       *DPO, *MAIN_PROCESS_SAMPLING], root, quiet=("trainer.log_with=none",))
     assert logs["resume_fsdp"].returncode == 0, logs["resume_fsdp"].stderr[-3000:]
     one_process("preference", [f"output_dir={out['resume_one']}", f"resume={ckpt1}", "trainer.batch_size=4", *DPO])
     logs["grpo_fsdp"] = launch_fsdp([f"output_dir={out['grpo_fsdp']}", "trainer.batch_size=2", *GRPO], root)
@@ -131,6 +134,17 @@ def test_fsdp_resume_is_exact_and_crosses_process_counts(runs):
     assert max_difference(lora(runs["resume_one"]), final) < 1e-3 * moved
     resumed = json.loads((runs["resume_fsdp"] / "results.json").read_text())
     assert resumed["global_step"] == 2
+
+
+def test_fsdp_monitors_and_evaluation_sample_on_the_main_process(runs):
+    """The resumed FSDP run had the monitors (every step) and the final evaluation on: both sample on the main process
+    inside `full_weights` while the other waits; the run finishes with the report (the evaluation's weights hashes
+    used to leave the gathered storage unfreeable: "Trying to resize storage that is not resizable")."""
+    out = runs["logs"]["resume_fsdp"].stdout + runs["logs"]["resume_fsdp"].stderr
+    assert out.count("[diffalign] monitor step 2:") == 1
+    resumed = json.loads((runs["resume_fsdp"] / "results.json").read_text())
+    assert set(resumed["eval"]["variants"]) == {"base", "finetuned"}
+    assert (runs["resume_fsdp"] / "eval" / "report.html").is_file()
 
 
 def test_fsdp_flow_grpo_matches_one_process(runs):
