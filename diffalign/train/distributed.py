@@ -2,26 +2,28 @@
 
 Launch (docs/reliability.md#distributed): ``accelerate launch --config_file configs/accelerate/fsdp.yaml
 --num_processes N train.py ...``; on CPU (gloo) add ``trainer.cpu=true``. FSDP1 ``FULL_SHARD`` with
-``use_orig_params=True`` (only the LoRA trains, so the optimizer sees the original parameters).
+``use_orig_params=True`` (only the LoRA trains, so the optimizer sees the original parameters), the denoiser as one
+FSDP unit (``fsdp_auto_wrap_policy: NO_WRAP``; `fsdp_root` refuses several).
 
-What this module adds to accelerate 1.15:
+What this module adds to accelerate 1.15 / torch 2.14:
 
-- `fsdp_plugin_for` / `switch_fsdp_on`: with ``cpu=True`` accelerate sets up a ``MULTI_CPU`` (gloo) state and drops
-  the FSDP plugin without a word (``AcceleratorState`` turns FSDP on only for GPU-like device types), and its plugin
-  refuses ``sync_module_states`` without an accelerator device. The plugin is built with ``sync_module_states`` off at
-  construction and on afterwards (FSDP then broadcasts rank 0's weights over gloo), and the state switched to FSDP,
-  with a log line saying so.
+- `fsdp_plugin_for` / `switch_fsdp_on` / `wrap_on_cpu`: with ``cpu=True`` accelerate sets up a ``MULTI_CPU`` (gloo)
+  state and drops the FSDP plugin without a word (``AcceleratorState`` turns FSDP on only for GPU-like device
+  types); its plugin refuses ``sync_module_states`` without a GPU-like device, and FSDP1 refuses the ``device_id``
+  accelerate passes on CPU. The plugin is built with ``sync_module_states`` off, the state switched to FSDP (with a
+  log line), and the denoiser wrapped here with ``device_id=cpu`` after rank 0's weights are broadcast.
 - `clip_grad_norm`: ``Accelerator.clip_grad_norm_`` uses FSDP's norm only when it is given *all* the model's
   parameters; the loops pass the trainable ones, so it would clip each shard by its own local norm. Here the FSDP
   root's ``clip_grad_norm_`` is called: the norm over all shards.
-- `full_weights`: a context under which every process holds the full (unsharded) weights
-  (``FSDP.summon_full_params``): LoRA saving and loading, the data-preparation context, main-process-only sampling.
-  It is a collective: every process must enter it.
+- `full_weights` / `main_process_work`: every process holds the full (unsharded) weights inside
+  (``FSDP.summon_full_params``, a collective: every process must enter): LoRA saving and loading, the
+  data-preparation context, main-process-only sampling (evaluation, monitors).
 - `CheckpointOptimizer`: the optimizer as a checkpoint sees it: ``state_dict()`` gathers FSDP's sharded state into
   the one-process layout (parameter ids in the optimizer's order), ``load_state_dict`` re-shards it, so a
-  one-process run resumes an FSDP checkpoint and vice versa. The gather uses ``offload_to_cpu=False``: with torch
-  2.14 on CPU, ``FSDP.optim_state_dict`` with ``offload_to_cpu=True`` returned ``exp_avg_sq`` equal to ``exp_avg``
-  (tested in tests/test_fsdp.py).
+  one-process run resumes an FSDP checkpoint (and an FSDP run a one-process one). The gather uses
+  ``offload_to_cpu=False``: with torch 2.14 on CPU, ``FSDP.optim_state_dict`` with ``offload_to_cpu=True`` returns
+  ``exp_avg`` equal to ``exp_avg_sq`` (scripts/fsdp_offload_gather_check.py).
+- `check_launch` / `check_fsdp_run`: what is refused (DeepSpeed; under FSDP, state that snapshots the sharded LoRA).
 """
 
 from __future__ import annotations
