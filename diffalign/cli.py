@@ -86,6 +86,7 @@ def _command_line_overrides() -> list[str]:
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.deprecation import migrate_config
     from diffalign.init_lora import adopt_init_lora, command_line_model_keys
+    from diffalign.train.distributed import check_launch
     from diffalign.validation import validate_train_config
 
     try:
@@ -96,6 +97,7 @@ def _train_main(cfg: DictConfig) -> None:
         # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
         validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
+        check_launch(cfg)  # a DeepSpeed launch is refused with its causes (diffalign/train/distributed.py)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
@@ -119,7 +121,17 @@ def _train_main(cfg: DictConfig) -> None:
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
     except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
-        raise SystemExit(f"diffalign: error: {err}") from None
+        _exit_with_error(err)
+
+
+def _exit_with_error(err: BaseException) -> None:
+    """Exits with status 1 and ``diffalign: error: <err>`` on a line of its own: a progress bar still open on stderr
+    (the run stopped inside it) has no newline yet, so one is written first."""
+    from tqdm import tqdm
+
+    if any(not bar.disable for bar in list(tqdm._instances)):
+        sys.stderr.write("\n")
+    raise SystemExit(f"diffalign: error: {err}") from None
 
 
 def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
@@ -196,6 +208,7 @@ def _eval_main(cfg: DictConfig) -> None:
         raise SystemExit(f"diffalign: error: {err}") from None
 
     from diffalign.faults import StopSignals, TrainingInterrupted
+    from diffalign.rewards.base import RewardError
 
     # SIGTERM / SIGINT: the evaluation stops before its next batch (what is finished is kept; a rerun continues it)
     with StopSignals(hint="run the same command again to continue") as stop:
@@ -205,6 +218,8 @@ def _eval_main(cfg: DictConfig) -> None:
         except TrainingInterrupted as err:
             print(f"diffalign: {err}", file=sys.stderr)
             raise SystemExit(err.exit_code) from None
+        except RewardError as err:  # one line naming the reward, batch and prompt (finished batches are kept)
+            _exit_with_error(err)
 
 
 def _evaluate(cfg: DictConfig, variants: dict) -> None:

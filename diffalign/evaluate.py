@@ -349,7 +349,7 @@ def _fingerprint(policy, spec: bool | str | Path) -> str:
         return f"adapter-disabled:{base_weights_hash(policy)}"
     if spec is False:
         for p in policy.trainable_parameters():
-            digest.update(p.detach().float().cpu().numpy().tobytes())
+            digest.update(p.detach().float().cpu().clone().numpy().tobytes())  # (a copy: see below)
         return f"policy:{digest.hexdigest()[:16]}"
     digest.update((Path(spec) / LORA_FILE).read_bytes())
     return f"lora:{digest.hexdigest()[:16]}"
@@ -369,7 +369,9 @@ def base_weights_hash(policy) -> str:
     digest = hashlib.sha256()
     for name, t in sorted((n.replace(".base_layer.", "."), t) for n, t in tensors):  # a LoRA-wrapped layer's
         digest.update(name.encode())                                                # weight is ...base_layer.weight
-        digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        # (from a copy: .numpy() of a weight's own storage marks it not resizable, and FSDP's summon_full_params
+        # can then not free its gathered weights: "Trying to resize storage that is not resizable")
+        digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).clone().numpy().tobytes())
     policy.__dict__["_base_weights_hash"] = (signature, digest.hexdigest()[:16])
     return digest.hexdigest()[:16]
 

@@ -79,7 +79,9 @@ class NonFiniteGuard:
         Under fp16 mixed precision a non-finite gradient with finite losses is a loss-scale overflow: it is left to
         the GradScaler (which skips the step and lowers the scale), so it returns True and is not counted here.
         """
-        norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
+        from diffalign.train.distributed import clip_grad_norm  # (under FSDP: the norm over all shards)
+
+        norm = clip_grad_norm(accelerator, params, max_grad_norm if max_grad_norm is not None else float("inf"))
         grads_finite = norm is None or bool(torch.isfinite(torch.as_tensor(norm)).all())
         if accelerator.scaler is not None and loss_finite:
             grads_finite = True

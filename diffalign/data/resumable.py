@@ -55,7 +55,9 @@ def trainable_hash(policy) -> str:
     """16 hex digits of the SHA-256 of the policy's trainable parameters (what the LoRA adds to the base)."""
     digest = hashlib.sha256()
     for p in policy.trainable_parameters():
-        digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        # (hashed from a copy: .numpy() of the parameter's own storage marks it not resizable, and FSDP's
+        # summon_full_params can then not free its gathered weights: "Trying to resize storage that is not resizable")
+        digest.update(p.detach().float().cpu().contiguous().clone().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -232,7 +234,15 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
         return TrainingInterrupted(f"stopped by {stop.name} during the data preparation after {done} of {total} "
                                    f"chunks (kept in {folder}); continue with resume=latest", stop.signum)
 
-    preparation = Preparation(output_dir / "prepared", run_context(cfg, policy), write=accelerator.is_main_process,
+    from diffalign.train.distributed import full_weights
+
+    with full_weights(policy):  # (FSDP: every process hashes the full weights, as one process does)
+        context = run_context(cfg, policy)
+    if accelerator.num_processes > 1:  # the main process's context on every process: one key, one folder
+        from accelerate.utils import broadcast_object_list
+
+        context = broadcast_object_list([context], from_process=0)[0]
+    preparation = Preparation(output_dir / "prepared", context, write=accelerator.is_main_process,
                               progress=accelerator.is_main_process, log=lambda message: console_write(message, accelerator),
                               should_stop=(lambda: stop.requested(accelerator)) if stop is not None else None,
                               stop_error=stop_error, search=search, single_process=accelerator.num_processes == 1)

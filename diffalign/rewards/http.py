@@ -57,7 +57,20 @@ _DTYPES = {"uint8": np.dtype("u1"), "float32": np.dtype("<f4")}
 
 class HttpRewardError(RuntimeError):
     """A reward server could not be reached, timed out on every attempt, refused a batch or answered something that is
-    not the protocol; the message starts with ``reward server <url>``."""
+    not the protocol; the message starts with ``reward server <url>``. `status`: the HTTP status of a refusal (None
+    when there was no answer)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+HEALTH_CONNECT_TIMEOUT = 3.0
+"""Seconds the validation's ``GET <url>/health`` waits for a connection (`HttpReward.check_config`)."""
+HEALTH_READ_TIMEOUT = 30.0
+"""Seconds it then waits for the answer."""
+NO_HEALTH_ROUTE = ("reward server {url} has no /health route (HTTP 404): accepted without a health check; the first "
+                   "/score request will tell whether it speaks diffalign-reward/1")
 
 
 # ------------------------------------------------------------------------------------------------- wire format
@@ -320,6 +333,47 @@ class HttpReward:
         if check_health:
             self.server_info = self.health()
 
+    @classmethod
+    def check_config(cls, node, prefix: str) -> None:
+        """Checks of the reward's node before any model loads (`diffalign.validation`): ``url`` is an http(s)
+        address and, unless ``check_health`` is false, the server answers ``GET <url>/health``: one request, connect
+        timeout `HEALTH_CONNECT_TIMEOUT` (3 s), answer within `HEALTH_READ_TIMEOUT` (30 s), no retries. HTTP 200 is
+        accepted (the protocol is checked when the reward is built); HTTP 404 (a server without a health route, e.g.
+        one of your own that serves only ``/score``) is accepted with a warning, since the first ``/score`` request
+        tells; any other answer, no connection or no answer is refused.
+
+        Raises:
+            ConfigError: naming ``<prefix>.url``, the address asked and the fix.
+        """
+        from diffalign.config_checks import ConfigError
+
+        url = str(node.get("url") or "")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{prefix}.url is required: the reward server's address, e.g. {prefix}.url="
+                              f"http://127.0.0.1:8000 (got {url!r}); start a server with `diffalign-reward-server "
+                              "<reward> --port 8000` (docs/rewards.md#rewards-served-over-http)")
+        if not node.get("check_health", True):
+            return
+        health = f"{url.rstrip('/')}/health"
+        fix = (f"start it (`diffalign-reward-server <reward> --port {parts.port or '<port>'}`), correct {prefix}.url, "
+               f"or set {prefix}.check_health=false to skip this check (the run then fails at its first reward call)")
+        try:
+            response = requests.get(health, timeout=(HEALTH_CONNECT_TIMEOUT, HEALTH_READ_TIMEOUT))
+        except requests.Timeout as err:
+            raise ConfigError(f"{prefix}.url={url}: the reward server did not answer GET {health} (connect timeout "
+                              f"{HEALTH_CONNECT_TIMEOUT:g} s, answer {HEALTH_READ_TIMEOUT:g} s: {type(err).__name__}); "
+                              f"{fix}") from None
+        except requests.RequestException as err:
+            raise ConfigError(f"{prefix}.url={url}: the reward server cannot be reached (GET {health}: "
+                              f"{type(err).__name__}); {fix}") from None
+        if response.status_code == 404:
+            logger.warning(NO_HEALTH_ROUTE.format(url=url.rstrip("/")))
+            return
+        if response.status_code != 200:
+            raise ConfigError(f"{prefix}.url={url}: GET {health} answered HTTP {response.status_code}: "
+                              f"{_error_text(response)}; the server is up but not healthy: {fix}")
+
     def __repr__(self) -> str:
         served = self.server_info.get("reward")
         return f"HttpReward({self.url!r}{f', serving {served!r}' if served else ''})"
@@ -363,7 +417,7 @@ class HttpReward:
             message = _error_text(response)
             if response.status_code not in RETRY_STATUS:
                 raise HttpRewardError(f"reward server {self.url} refused {what}: HTTP {response.status_code}: "
-                                      f"{message}")
+                                      f"{message}", status=response.status_code)
             last = f"HTTP {response.status_code}: {message}"
         raise HttpRewardError(
             f"reward server {self.url} did not answer {what} after {self.max_retries + 1} attempt(s) "
@@ -376,7 +430,13 @@ class HttpReward:
         Raises:
             HttpRewardError: the server is not reachable (after the retries), not healthy, or speaks another protocol.
         """
-        answer = self._send("GET", "/health", "the health check")
+        try:
+            answer = self._send("GET", "/health", "the health check")
+        except HttpRewardError as err:
+            if err.status != 404:
+                raise
+            logger.warning(NO_HEALTH_ROUTE.format(url=self.url))
+            return {}
         if not isinstance(answer, dict) or answer.get("status") != "ok":
             raise HttpRewardError(f"reward server {self.url} is not healthy: {str(answer)[:200]}")
         if answer.get("protocol") != PROTOCOL:

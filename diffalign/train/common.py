@@ -38,6 +38,15 @@ from diffalign.plugins import build_checked_rewards, build_rewards
 from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
 from diffalign.trackers import tracker_init_kwargs
+from diffalign.train.distributed import (
+    CheckpointOptimizer,
+    fsdp_plugin_for,
+    fsdp_root,
+    full_weights,
+    is_fsdp,
+    switch_fsdp_on,
+    wrap_on_cpu,
+)
 from diffalign.world.prompts import load_prompts
 
 
@@ -63,6 +72,7 @@ def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> A
     ``<output_dir>/logs``), one LR step per optimizer step on any number of processes; then seeds every RNG with
     ``cfg.seed``."""
     tr, output_dir = cfg.trainer, Path(cfg.output_dir)
+    fsdp_plugin = fsdp_plugin_for(tr.cpu)  # an FSDP launch on CPU (accelerate drops FSDP there; diffalign.train.distributed)
     accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=tr.mixed_precision,
@@ -70,7 +80,9 @@ def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> A
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
         cpu=tr.cpu,
         step_scheduler_with_optimizer=False,  # one LR step per optimizer step, whatever the number of processes
+        fsdp_plugin=fsdp_plugin,
     )
+    switch_fsdp_on(accelerator, fsdp_plugin, accelerator.print)
     set_seed(cfg.seed)
     return accelerator
 
@@ -116,7 +128,9 @@ def prepare_training(accelerator: Accelerator, policy, tr: DictConfig, total_upd
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
-    wrapped, optimizer, lr_scheduler = accelerator.prepare(policy.denoiser, optimizer, lr_scheduler)
+    # (FSDP on CPU: wrapped here, without the device_id accelerate would pass; diffalign.train.distributed)
+    wrapped, optimizer, lr_scheduler = accelerator.prepare(wrap_on_cpu(accelerator, policy.denoiser), optimizer,
+                                                           lr_scheduler)
     if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
         policy.set_forward_module(wrapped)
     return params, optimizer, lr_scheduler
@@ -219,6 +233,8 @@ class Checkpoints:
                  states: dict[str, Any]):
         self.accelerator, self.output_dir, self.policy = accelerator, output_dir, policy
         self.optimizer, self.lr_scheduler, self.keep_last, self.states = optimizer, lr_scheduler, keep_last, states
+        if is_fsdp(accelerator):  # the optimizer state gathered into / re-sharded from the one-process layout
+            self.optimizer = CheckpointOptimizer(optimizer, fsdp_root(accelerator))
         self.lineage = new_lineage()  # keep_last prunes only this lineage's checkpoints; a resumed run carries it on
 
     def _write_dir(self, directory: Path) -> None:
@@ -227,21 +243,45 @@ class Checkpoints:
             write_state(part.state_dict(), directory, name)
 
     def write(self, step: int, trainer_state: dict) -> Path:
-        """Writes ``checkpoint-<step>`` with `trainer_state` as its ``trainer_state.json`` (call on the main process)."""
-        return save_checkpoint(self.output_dir, step, lora_dir_writer=self._write_dir, optimizer=self.optimizer,
-                               lr_scheduler=self.lr_scheduler, keep_last=self.keep_last, lineage=self.lineage,
-                               state=trainer_state)
+        """Writes ``checkpoint-<step>`` with `trainer_state` as its ``trainer_state.json``. Call it on every process:
+        under FSDP the LoRA and the optimizer state are gathered first (collectives, `diffalign.train.distributed`),
+        in the one-process layout; only the main process writes files."""
+        optimizer = self.optimizer
+        if is_fsdp(self.accelerator):
+            optimizer = _Gathered(self.optimizer.state_dict())
+        path = self.output_dir / f"checkpoint-{step}"
+        with full_weights(self.policy):
+            if self.accelerator.is_main_process:
+                path = save_checkpoint(self.output_dir, step, lora_dir_writer=self._write_dir, optimizer=optimizer,
+                                       lr_scheduler=self.lr_scheduler, keep_last=self.keep_last,
+                                       lineage=self.lineage, state=trainer_state)
+        if is_fsdp(self.accelerator):  # every process then sees the folder (a later `exists()` agrees everywhere)
+            self.accelerator.wait_for_everyone()
+        return path
 
-    def before_stop(self, step: int, trainer_state: Callable[[], dict]) -> Path | None:
-        """The checkpoint of `step`, written now unless it exists; None on the other processes (no barrier)."""
+    def before_stop(self, step: int, trainer_state: Callable[[], dict], collective: bool = False) -> Path | None:
+        """The checkpoint of `step`, written now unless it exists; None on the other processes (no barrier).
+
+        `collective`: every process calls it (a stop). Under FSDP a checkpoint needs every process (its weights are
+        sharded), so a stop on one process alone (a failing reward) writes none and says so."""
         existing = self.output_dir / f"checkpoint-{step}"
+        if is_fsdp(self.accelerator):
+            if not collective:
+                write("[diffalign] FSDP: no checkpoint written (the weights are sharded and this process stopped "
+                      "alone); resume=latest continues from the last one", self.accelerator)
+                return None
+            if existing.exists():  # (the same answer on every process: the folder is shared)
+                return existing if self.accelerator.is_main_process else None
+            path = self.write(step, trainer_state())
+            return path if self.accelerator.is_main_process else None
         if not self.accelerator.is_main_process:
             return None
         return existing if existing.exists() else self.write(step, trainer_state())
 
     def stop(self, step: int, trainer_state: Callable[[], dict]) -> Path:
-        """`before_stop`, then a barrier (the other processes wait for the write); the checkpoint's folder."""
-        self.before_stop(step, trainer_state)
+        """`before_stop` on every process, then a barrier (the other processes wait for the write); the checkpoint's
+        folder."""
+        self.before_stop(step, trainer_state, collective=True)
         self.accelerator.wait_for_everyone()
         return self.output_dir / f"checkpoint-{step}"
 
@@ -260,12 +300,23 @@ class Checkpoints:
         if resume != "latest":  # later checkpoints here: refused (validation says so first; this for Python callers)
             check_resume_target(self.output_dir, ckpt)
         state = load_checkpoint(ckpt, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
-        self.policy.load_lora_weights(ckpt)
+        with full_weights(self.policy, writeback=True):  # (under FSDP: loaded in full, re-sharded on exit)
+            self.policy.load_lora_weights(ckpt)
         self.lineage = state.get("lineage") or self.lineage
         for name, part in self.states.items():
             part.load_state_dict(read_state(ckpt, name))
         state["checkpoint"] = ckpt
         return state
+
+
+class _Gathered:
+    """An optimizer state already gathered (under FSDP, by every process), for `save_checkpoint`."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
 
 
 def build_reward_sets(cfg: DictConfig) -> tuple[WeightedSum, dict[str, CheckedReward]]:

@@ -75,6 +75,7 @@ from diffalign.train.common import (
     start_trackers,
     stop_if_requested,
 )
+from diffalign.train.distributed import check_fsdp_run, main_process_work
 from diffalign.world.prompts import load_prompts
 
 
@@ -180,6 +181,7 @@ def _setup(cfg: DictConfig) -> _Run:
     reference = instantiate(cfg.reference)
     reference.setup(policy)
     objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
+    check_fsdp_run(accelerator, reference, objective)  # what an FSDP launch does not run (diffalign.train.distributed)
     rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     rows = load_prompts(on.prompts, field="online.prompts")
@@ -224,14 +226,17 @@ def _resume(run: _Run) -> list[dict]:
 def _monitor_logs(run: _Run) -> dict:
     """The hacking monitors' metrics when due (main process), else `{}`; logged to the trackers (with the samples)
     at the loop's tracker step, the epoch (``monitor.every`` counts optimizer steps)."""
-    if run.monitor is None or not run.accelerator.is_main_process:
+    if run.monitor is None:
         return {}
-    run.policy.denoiser.eval()
-    with bare_forward(run.policy):
-        out = run.monitor.maybe_log(run.global_step, run.policy, accelerator=run.accelerator,
-                                    log=lambda message: write(message, run.accelerator),
-                                    tracker_step=run.epoch) or {}
-    run.policy.denoiser.train()
+    out = {}
+    with main_process_work(run.accelerator, run.policy, due=run.global_step % run.monitor.every == 0) as main:
+        if main:  # (FSDP: every process gathered the weights)
+            run.policy.denoiser.eval()
+            with bare_forward(run.policy):
+                out = run.monitor.maybe_log(run.global_step, run.policy, accelerator=run.accelerator,
+                                            log=lambda message: write(message, run.accelerator),
+                                            tracker_step=run.epoch) or {}
+            run.policy.denoiser.train()
     return out
 
 
@@ -263,7 +268,7 @@ def _train_epochs(run: _Run, stop: StopSignals, history: list[dict]) -> list[dic
         progress.update(1)
         progress.set_postfix(reward=f"{logs['reward/mean']:.3f}", loss=f"{logs.get('loss', float('nan')):.4f}",
                              **run.warnings.postfix())
-        if on.checkpointing_epochs and run.epoch % on.checkpointing_epochs == 0 and accelerator.is_main_process:
+        if on.checkpointing_epochs and run.epoch % on.checkpointing_epochs == 0:  # (every process: FSDP gathers)
             run.write_checkpoint(run.epoch)
     progress.close()
     return history
@@ -374,19 +379,22 @@ def _updates(run: _Run, data: OnlineEpoch) -> dict:
 def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: float) -> dict:
     """The last checkpoint, the final LoRA and history, the evaluation and ``results.json``."""
     accelerator, on, output_dir = run.accelerator, run.cfg.online, Path(run.cfg.output_dir)
-    if accelerator.is_main_process and not (output_dir / f"checkpoint-{run.global_step}").exists():
+    if not (output_dir / f"checkpoint-{run.global_step}").exists():  # (every process: FSDP gathers)
         run.write_checkpoint(run.epoch)
     final_dir = output_dir / "final"
+    with main_process_work(accelerator, run.policy) as main:
+        if main:
+            run.policy.save_lora_weights(final_dir)
     if accelerator.is_main_process:
-        run.policy.save_lora_weights(final_dir)
         (output_dir / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     results = {"epochs": run.epoch, "global_step": run.global_step, "train_seconds": train_seconds,
                "final_lora": str(final_dir), "rollouts": run.epoch * on.groups_per_epoch * on.group_size,
                "history_tail": history[-3:]}
-    results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
-                                    lambda: run.checkpoints.before_stop(run.global_step,
-                                                                        lambda: run.trainer_state(run.epoch)),
-                                    tracker_step=run.epoch))
+    with main_process_work(accelerator, run.policy, due=run.cfg.eval.enabled):
+        results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
+                                        lambda: run.checkpoints.before_stop(run.global_step,
+                                                                            lambda: run.trainer_state(run.epoch)),
+                                        tracker_step=run.epoch))
     results["total_seconds"] = time.time() - t_start
     results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:

@@ -68,6 +68,7 @@ from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-expor
     start_trackers,
     stop_if_requested,
 )
+from diffalign.train.distributed import check_fsdp_run, main_process_work
 
 _NOISE_TAG = 20  # stream tag of the training draws (diffalign.samplers.groups.stream_seed)
 
@@ -192,6 +193,7 @@ def _setup(cfg: DictConfig) -> _Run:
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
     objective.setup(policy)  # e.g. a method's own adapters, for the same reason
+    check_fsdp_run(accelerator, reference, objective)  # what an FSDP launch does not run (diffalign.train.distributed)
     latent_h, latent_w = policy.latent_shape[1:]
     pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
     data_kwargs = {}
@@ -291,9 +293,11 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
     say = lambda message: write(message, accelerator)  # (around the progress bar)
     every = tr.get("warnings_every", 10)
     interval_start = run.global_step + 1
-    if run.monitor is not None and run.global_step == 0 and accelerator.is_main_process:  # the monitors' baseline
-        with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=say), bare_forward(policy):
-            run.monitor.maybe_log(0, policy, accelerator, log=say)
+    if run.monitor is not None and run.global_step == 0:  # the monitors' baseline (main process; FSDP: gathered)
+        with main_process_work(accelerator, policy) as main:
+            if main:
+                with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=say), bare_forward(policy):
+                    run.monitor.maybe_log(0, policy, accelerator, log=say)
     while run.global_step < tr.max_steps:
         # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
         stop_if_requested(stop, accelerator, lambda: run.checkpoints.stop(
@@ -323,14 +327,16 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
             interval_start = step + 1
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)
-        if run.monitor is not None and accelerator.is_main_process:  # gold reward + diversity every monitor.every steps
-            with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step), log=say), \
-                    bare_forward(policy):
-                run.monitor.maybe_log(step, policy, accelerator, log=say)
+        if run.monitor is not None:  # gold reward + diversity every monitor.every steps (main process; FSDP: gathered)
+            with main_process_work(accelerator, policy, due=step % run.monitor.every == 0) as main:
+                if main:
+                    with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step), log=say), \
+                            bare_forward(policy):
+                        run.monitor.maybe_log(step, policy, accelerator, log=say)
         progress.update(1)
         progress.set_postfix(loss=f"{sums.get('loss', float('nan')):.4f}", acc=f"{sums.get('implicit_acc', 0):.2f}",
                              **run.warnings.postfix())
-        if tr.checkpointing_steps and step % tr.checkpointing_steps == 0 and accelerator.is_main_process:
+        if tr.checkpointing_steps and step % tr.checkpointing_steps == 0:  # (every process: FSDP gathers)
             run.checkpoints.write(step, run.trainer_state(step))
     progress.close()
     return history
@@ -340,16 +346,18 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     """The last checkpoint and the final LoRA; evaluation of base vs fine-tuned, the HTML report
     (<output_dir>/eval/report.html) and ``results.json``."""
     accelerator, output_dir, step = run.accelerator, Path(run.cfg.output_dir), run.global_step
-    if accelerator.is_main_process and not (output_dir / f"checkpoint-{step}").exists():
+    if not (output_dir / f"checkpoint-{step}").exists():  # (every process: FSDP gathers)
         run.checkpoints.write(step, run.trainer_state(step))  # (a resumed run that was already finished has it)
     final_dir = output_dir / "final"
-    if accelerator.is_main_process:
-        run.policy.save_lora_weights(final_dir)
+    with main_process_work(accelerator, run.policy) as main:
+        if main:
+            run.policy.save_lora_weights(final_dir)
     results = {"global_step": step, "train_seconds": train_seconds, "data_seconds": run.data_seconds,
                "data_stats": run.dataset.stats, "final_lora": str(final_dir),
                "history_tail": history[-5:]}
-    results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, step,
-                                    lambda: run.checkpoint_before_stop(step)))
+    with main_process_work(accelerator, run.policy, due=run.cfg.eval.enabled):
+        results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, step,
+                                        lambda: run.checkpoint_before_stop(step)))
     results["total_seconds"] = time.time() - t_start
     results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
