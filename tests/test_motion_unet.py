@@ -146,5 +146,5 @@ def test_pretrain_script_trains_saves_and_reloads_a_motion_unet(tmp_path):
 
 def test_arch_motion_without_an_image_model_to_inflate_raises():
     res = subprocess.run([sys.executable, "scripts/pretrain_tiny_video.py", "--arch", "motion", "--steps", "1"],
-                         capture_output=True, text=True, cwd=REPO)
+                         capture_output=True, text=True, cwd=REPO, check=False)
     assert res.returncode != 0 and "--arch motion builds the motion UNet from the image model" in res.stderr
