@@ -127,6 +127,14 @@ def direction_probe(unet, text_encoder, lat, ids, ids_swapped, noise_scheduler, 
     return res
 
 
+def text_direction_gap(text_encoder, ids, ids_swapped) -> float:
+    """How far apart the text encoder puts a caption and its direction-swapped copy (left↔right, up↔down): the mean
+    over captions and token positions of the L2 distance between the two output token states (the UNet sees the
+    direction word only through this difference; docs/vipo.md records it next to the swap gap)."""
+    with torch.no_grad():
+        return (text_encoder(ids)[0] - text_encoder(ids_swapped)[0]).norm(dim=-1).mean().item()
+
+
 def inflate_image_model(image_dir: Path, tokenizer):
     """(UNet3D, text encoder, names of the UNet3D tensors taken from the image UNet) built from the image pipeline in
     `image_dir`: same spatial layout (block channels, attention, norm groups), every image weight copied (the 1×1
@@ -369,6 +377,7 @@ def main() -> None:
         unet.eval()
         text_encoder.eval()
         res = {"probe": direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler),
+               "text_gap": text_direction_gap(text_encoder, probe_ids, probe_ids_swapped),
                "heldout": evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], seeds,
                                    steps=args.eval_steps),
                "minutes": (time.time() - t0) / 60}
@@ -378,7 +387,7 @@ def main() -> None:
         text_encoder.train()
         h = res["heldout"]
         log(f"checkpoint {step}: accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}"
-            f" probe " + " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
+            f" text gap {res['text_gap']:.3f} probe " + " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
                                    for t, v in res["probe"].items()))
         return res
 
@@ -421,15 +430,16 @@ def main() -> None:
     text_encoder.eval()
     pipe = eval_pipe
     probe = direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler)
+    text_gap = text_direction_gap(text_encoder, probe_ids, probe_ids_swapped)
     held = evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds,
                     steps=args.eval_steps)
     log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} direction "
-        f"{held['direction_sign']:.3f} {held['per_tag']}; probe {probe}")
+        f"{held['direction_sign']:.3f} {held['per_tag']}; text gap {text_gap:.3f}; probe {probe}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
-               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe,
+               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe, "text_gap": text_gap,
                "checkpoints": checkpoints, "args": vars(args),
                "total_minutes": (time.time() - t_start) / 60, "threads": args.threads}
     (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))

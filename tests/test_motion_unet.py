@@ -148,3 +148,32 @@ def test_arch_motion_without_an_image_model_to_inflate_raises():
     res = subprocess.run([sys.executable, "scripts/pretrain_tiny_video.py", "--arch", "motion", "--steps", "1"],
                          capture_output=True, text=True, cwd=REPO, check=False)
     assert res.returncode != 0 and "--arch motion builds the motion UNet from the image model" in res.stderr
+
+
+def test_text_direction_gap_is_zero_without_a_direction_word_and_grows_with_the_word_embeddings(motion):
+    """The text-side instrument: 0 exactly when the swap changes nothing ("staying still"), > 0 for a direction word,
+    and larger once the direction words' embeddings are drawn apart (the `--reinit-words` start)."""
+    _, text_encoder, _, _, tokenizer = motion
+    script = _script()
+
+    def ids(texts):
+        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length,
+                         return_tensors="pt").input_ids
+
+    still = ["a red circle staying still"]
+    assert script.text_direction_gap(text_encoder, ids(still), ids(still)) == 0
+    moving = ["a red circle moving up", "a blue square moving left"]
+    swapped = ["a red circle moving down", "a blue square moving right"]
+    before = script.text_direction_gap(text_encoder, ids(moving), ids(swapped))
+    assert before > 0
+    vocab = tokenizer.get_vocab()
+    emb = text_encoder.get_input_embeddings().weight
+    saved = emb.detach().clone()
+    try:
+        with torch.no_grad():
+            emb[vocab["up"]] += 0.5
+            emb[vocab["down"]] -= 0.5
+        assert script.text_direction_gap(text_encoder, ids(moving), ids(swapped)) > before
+    finally:
+        with torch.no_grad():
+            emb.copy_(saved)
