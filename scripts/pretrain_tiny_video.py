@@ -19,7 +19,8 @@ Diagnostics (docs/vipo.md, "why the tiny video model has not learned the directi
 evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
 moving objects whose net displacement points the named way) and runs `direction_probe` (how much the denoising loss
 depends on the caption's direction word and on the frame order); ``--text-lr``, ``--reinit-words`` and
-``--high-t-fraction`` are the knobs the pilots recorded there varied; ``--arch motion`` swaps the UNet3D for an
+``--high-t-fraction`` are the knobs the pilots recorded there varied; `text_direction_gap` measures how far apart the
+text encoder puts a caption and its direction-swapped copy; ``--arch motion`` swaps the UNet3D for an
 AnimateDiff-style `UNetMotionModel` (temporal attentions with sinusoidal frame positions) built from the image UNet. Everything is written to
 ``pretrain_metrics.json`` next to the model.
 """
