@@ -265,7 +265,7 @@ def main() -> None:
     p.add_argument("--spatial-lr", type=float, default=None,
                    help="learning rate of the inflated image weights (default: --lr); the temporal layers use --lr")
     p.add_argument("--text-lr", type=float, default=None,
-                   help="learning rate of the text encoder (default: the inflated weights' rate, --spatial-lr)")
+                   help="learning rate of the text encoder (default: the inflated weights' rate, --spatial-lr; 0 freezes it)")
     p.add_argument("--reinit-words", nargs="*", default=[],
                    help="words whose token embeddings are re-drawn at random (N(0, s²), s the rms of the trained "
                         "colour-word embeddings) before training, e.g. the video words that --inflate copies from [UNK]")
@@ -346,7 +346,7 @@ def main() -> None:
     groups = [{"params": temporal, "lr": args.lr}]
     if spatial:
         groups.append({"params": spatial, "lr": args.spatial_lr or args.lr})
-    text_lr = args.text_lr or ((args.spatial_lr or args.lr) if inflated else args.lr)
+    text_lr = args.text_lr if args.text_lr is not None else ((args.spatial_lr or args.lr) if inflated else args.lr)
     groups.append({"params": text, "lr": text_lr})
     opt = torch.optim.AdamW(groups, weight_decay=1e-2)
     warm = min(100, args.steps // 10)
