@@ -19,7 +19,9 @@ Diagnostics (docs/vipo.md, "why the tiny video model has not learned the directi
 evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
 moving objects whose net displacement points the named way) and runs `direction_probe` (how much the denoising loss
 depends on the caption's direction word and on the frame order); ``--text-lr``, ``--reinit-words`` and
-``--high-t-fraction`` are the knobs the pilots recorded there varied. Everything is written to
+``--high-t-fraction`` are the knobs the pilots recorded there varied; `text_direction_gap` measures how far apart the
+text encoder puts a caption and its direction-swapped copy; ``--arch motion`` swaps the UNet3D for an
+AnimateDiff-style `UNetMotionModel` (temporal attentions with sinusoidal frame positions) built from the image UNet. Everything is written to
 ``pretrain_metrics.json`` next to the model.
 """
 
@@ -126,16 +128,22 @@ def direction_probe(unet, text_encoder, lat, ids, ids_swapped, noise_scheduler, 
     return res
 
 
+def text_direction_gap(text_encoder, ids, ids_swapped) -> float:
+    """How far apart the text encoder puts a caption and its direction-swapped copy (left↔right, up↔down): the mean
+    over captions and token positions of the L2 distance between the two output token states (the UNet sees the
+    direction word only through this difference; docs/vipo.md records it next to the swap gap)."""
+    with torch.no_grad():
+        return (text_encoder(ids)[0] - text_encoder(ids_swapped)[0]).norm(dim=-1).mean().item()
+
+
 def inflate_image_model(image_dir: Path, tokenizer):
     """(UNet3D, text encoder, names of the UNet3D tensors taken from the image UNet) built from the image pipeline in
     `image_dir`: same spatial layout (block channels, attention, norm groups), every image weight copied (the 1×1
     convolution projections of the spatial transformers become the UNet3D's linear ones), and the output projections
     of every temporal attention (``transformer_in``, ``temp_attentions``) zeroed — the temporal convolutions' last
     layer is zero-initialised by diffusers — so the video model starts as the image model applied to each frame. The
-    text encoder gets the video vocabulary (image token ids unchanged, new words initialised from [UNK]) and 16
-    positions (positions 12–15 copied from position 11)."""
+    text encoder is `extend_text_encoder`'s."""
     from diffusers import UNet2DConditionModel, UNet3DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
 
     u2 = UNet2DConditionModel.from_pretrained(image_dir / "unet")
     c = u2.config
@@ -164,6 +172,14 @@ def inflate_image_model(image_dir: Path, tokenizer):
             if (name.startswith("transformer_in.") or ".temp_attentions." in name) and name.endswith("proj_out"):
                 module.weight.zero_()
                 module.bias.zero_()
+    return unet, extend_text_encoder(image_dir, tokenizer), set(source)
+
+
+def extend_text_encoder(image_dir: Path, tokenizer):
+    """The image pipeline's CLIP text encoder with the video vocabulary of `tokenizer` (image token ids unchanged, new
+    words initialised from [UNK]) and its 16 positions (positions 12–15 copied from position 11)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
     te2 = CLIPTextModel.from_pretrained(image_dir / "text_encoder")
     tc = te2.config
     text_encoder = CLIPTextModel(CLIPTextConfig(
@@ -186,7 +202,40 @@ def inflate_image_model(image_dir: Path, tokenizer):
             sd[k] = rows
     sd = {k: v for k, v in sd.items() if k in new}
     text_encoder.load_state_dict(sd, strict=False)
-    return unet, text_encoder, set(source)
+    return text_encoder
+
+
+def inflate_motion_model(image_dir: Path, tokenizer, num_frames: int = 8, motion_heads: int = 4, seed: int = 0):
+    """(UNetMotionModel, text encoder, names of the tensors taken from the image UNet): the AnimateDiff layout
+    (Guo et al., arXiv:2307.04725, §4.2; docs/vipo.md "Video") built from the image pipeline in `image_dir` with
+    diffusers' `UNetMotionModel.from_unet2d` and a fresh `MotionAdapter` (seeded with `seed`): after every ResNet +
+    spatial-attention pair, and in the mid block, a temporal transformer whose self-attention runs over the frames of
+    each latent position with sinusoidal frame positions (`motion_max_seq_length = num_frames`, `motion_heads` heads,
+    the image UNet's norm groups). Every image weight is copied unchanged and the output projection of every motion
+    module is zeroed (AnimateDiff's zero-initialised motion modules), so at step 0 the model is the image model applied
+    to each frame. The text encoder is `extend_text_encoder`'s.
+
+    Raises:
+        ValueError: if a block width of the image UNet is not divisible by `motion_heads`.
+    """
+    from diffusers import MotionAdapter, UNet2DConditionModel, UNetMotionModel
+
+    u2 = UNet2DConditionModel.from_pretrained(image_dir / "unet")
+    widths = tuple(u2.config.block_out_channels)
+    if any(w % motion_heads for w in widths):
+        raise ValueError(f"--motion-heads {motion_heads} must divide every block width {widths}")
+    torch.manual_seed(seed)
+    adapter = MotionAdapter(block_out_channels=widths, motion_layers_per_block=u2.config.layers_per_block,
+                            motion_num_attention_heads=motion_heads, motion_norm_num_groups=u2.config.norm_num_groups,
+                            motion_max_seq_length=num_frames, use_motion_mid_block=True)
+    unet = UNetMotionModel.from_unet2d(u2, adapter)
+    with torch.no_grad():
+        for name, module in unet.named_modules():
+            if ".motion_modules." in name and name.endswith("proj_out"):
+                module.weight.zero_()
+                module.bias.zero_()
+    image_names = {n for n in unet.state_dict() if ".motion_modules." not in n}
+    return unet, extend_text_encoder(image_dir, tokenizer), image_names
 
 
 def main() -> None:
@@ -207,10 +256,16 @@ def main() -> None:
                    help="start from the shipped image model (diffalign/assets/tiny_sd): its UNet inflated to a UNet3D "
                         "with the temporal layers' outputs zeroed (each frame = the image model at step 0) and its "
                         "text encoder extended to the video vocabulary")
+    p.add_argument("--arch", choices=["unet3d", "motion"], default="unet3d",
+                   help="with --inflate: unet3d = diffusers' UNet3DConditionModel (temporal convolutions + temporal "
+                        "attentions without frame positions; the shipped model); motion = an AnimateDiff-style "
+                        "UNetMotionModel (temporal attentions with sinusoidal frame positions, no temporal "
+                        "convolutions), see inflate_motion_model")
+    p.add_argument("--motion-heads", type=int, default=4, help="heads of the motion modules' attentions (--arch motion)")
     p.add_argument("--spatial-lr", type=float, default=None,
                    help="learning rate of the inflated image weights (default: --lr); the temporal layers use --lr")
     p.add_argument("--text-lr", type=float, default=None,
-                   help="learning rate of the text encoder (default: the inflated weights' rate, --spatial-lr)")
+                   help="learning rate of the text encoder (default: the inflated weights' rate, --spatial-lr; 0 freezes it)")
     p.add_argument("--reinit-words", nargs="*", default=[],
                    help="words whose token embeddings are re-drawn at random (N(0, s²), s the rms of the trained "
                         "colour-word embeddings) before training, e.g. the video words that --inflate copies from [UNK]")
@@ -225,6 +280,9 @@ def main() -> None:
     p.add_argument("--high-t-min", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.arch == "motion" and not (args.inflate or args.init):
+        raise ValueError("--arch motion builds the motion UNet from the image model: pass --inflate (or --init a "
+                         "folder this script wrote with --arch motion)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler
@@ -244,13 +302,18 @@ def main() -> None:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
     unet = tiny_unet3d(block_out_channels=tuple(args.channels), cross_attention_dim=64, attention_head_dim=8)
     inflated: set[str] = set()
-    if args.inflate:
+    if args.inflate and args.arch == "motion":
+        unet, text_encoder, inflated = inflate_motion_model(ASSETS / "tiny_sd", tokenizer, num_frames=args.frames,
+                                                            motion_heads=args.motion_heads, seed=args.seed)
+    elif args.inflate:
         unet, text_encoder, inflated = inflate_image_model(ASSETS / "tiny_sd", tokenizer)
+    if args.inflate:
         log(f"inflated {ASSETS / 'tiny_sd'}: {len(inflated)} image tensors reused")
     if args.init:  # a second stage: same architecture, weights from an earlier run (saved in float16)
-        from diffusers import UNet3DConditionModel
+        from diffusers import UNet3DConditionModel, UNetMotionModel
 
-        unet = UNet3DConditionModel.from_pretrained(Path(args.init) / "unet", torch_dtype=torch.float32)
+        unet_class = UNetMotionModel if args.arch == "motion" else UNet3DConditionModel
+        unet = unet_class.from_pretrained(Path(args.init) / "unet", torch_dtype=torch.float32)
         text_encoder = CLIPTextModel.from_pretrained(Path(args.init) / "text_encoder", torch_dtype=torch.float32)
         log(f"initialised from {args.init}")
     if args.reinit_words:
@@ -265,7 +328,7 @@ def main() -> None:
             for w in args.reinit_words:
                 emb[vocab[w]] = torch.randn(emb.shape[1], generator=g) * scale
         log(f"re-drew the embeddings of {args.reinit_words} (rms {scale:.3f})")
-    log(f"unet3d {sum(p.numel() for p in unet.parameters()) / 1e6:.3f}M params, text encoder "
+    log(f"unet ({type(unet).__name__}) {sum(p.numel() for p in unet.parameters()) / 1e6:.3f}M params, text encoder "
         f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M")
     rows = load_prompts("video_train")
     means, stds, prompts = encode_videos(vae, rows, args.num_videos, seed=1, frames=args.frames)
@@ -283,7 +346,7 @@ def main() -> None:
     groups = [{"params": temporal, "lr": args.lr}]
     if spatial:
         groups.append({"params": spatial, "lr": args.spatial_lr or args.lr})
-    text_lr = args.text_lr or ((args.spatial_lr or args.lr) if inflated else args.lr)
+    text_lr = args.text_lr if args.text_lr is not None else ((args.spatial_lr or args.lr) if inflated else args.lr)
     groups.append({"params": text, "lr": text_lr})
     opt = torch.optim.AdamW(groups, weight_decay=1e-2)
     warm = min(100, args.steps // 10)
@@ -315,6 +378,7 @@ def main() -> None:
         unet.eval()
         text_encoder.eval()
         res = {"probe": direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler),
+               "text_gap": text_direction_gap(text_encoder, probe_ids, probe_ids_swapped),
                "heldout": evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], seeds,
                                    steps=args.eval_steps),
                "minutes": (time.time() - t0) / 60}
@@ -324,7 +388,7 @@ def main() -> None:
         text_encoder.train()
         h = res["heldout"]
         log(f"checkpoint {step}: accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}"
-            f" probe " + " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
+            f" text gap {res['text_gap']:.3f} probe " + " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
                                    for t, v in res["probe"].items()))
         return res
 
@@ -367,15 +431,16 @@ def main() -> None:
     text_encoder.eval()
     pipe = eval_pipe
     probe = direction_probe(unet, text_encoder, probe_lat, probe_ids, probe_ids_swapped, noise_scheduler)
+    text_gap = text_direction_gap(text_encoder, probe_ids, probe_ids_swapped)
     held = evaluate(eval_policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds,
                     steps=args.eval_steps)
     log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} direction "
-        f"{held['direction_sign']:.3f} {held['per_tag']}; probe {probe}")
+        f"{held['direction_sign']:.3f} {held['per_tag']}; text gap {text_gap:.3f}; probe {probe}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
-               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe,
+               "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe, "text_gap": text_gap,
                "checkpoints": checkpoints, "args": vars(args),
                "total_minutes": (time.time() - t_start) / 60, "threads": args.threads}
     (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -11,6 +11,13 @@ The text encoding, the UNet call and the ε/v forward process are Stable Diffusi
 `StableDiffusionPolicy`); LoRA sits on the spatial and temporal attention projections and is saved with
 `TextToVideoSDPipeline.save_lora_weights`. diffusers' `UNet3DConditionModel` has no LoRA loader of its own, so the
 policy gives it peft adapter support (`diffusers.loaders.PeftAdapterMixin`) at construction.
+
+The denoiser may also be an AnimateDiff-style `UNetMotionModel` (an image UNet with motion modules: temporal
+attentions with sinusoidal frame positions; the tiny world's `--arch motion` base, docs/vipo.md). Its forward takes
+the same `(B, C, F, h, w)` latents, but diffusers' `AnimateDiffPipeline` hands it one text state per *frame*
+`(B·F, L, D)`, where `TextToVideoSDPipeline` and this policy pass one per *video* `(B, L, D)`; the policy therefore
+gives it a forward that repeats per-video text states over the frames (`_UNetMotionWithVideoText`), so both pipelines'
+calls work and the weights and saved config are unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import TextToVideoSDPipeline, UNet3DConditionModel
+from diffusers import TextToVideoSDPipeline, UNet3DConditionModel, UNetMotionModel
 from diffusers.loaders import PeftAdapterMixin
 from omegaconf import MISSING
 
@@ -34,12 +41,38 @@ class _UNet3DWithAdapters(UNet3DConditionModel, PeftAdapterMixin):
 _UNet3DWithAdapters.__name__ = "UNet3DConditionModel"  # configs saved from it keep the diffusers class name
 
 
+class _UNetMotionWithVideoText(UNetMotionModel):
+    """`UNetMotionModel` that also takes one text state per video, like `UNet3DConditionModel`.
+
+    `encoder_hidden_states` of shape `(B, L, D)` (one per video of `sample` `(B, C, F, h, w)`) is repeated over the F
+    frames (`repeat_interleave`, video-major, the order in which `UNetMotionModel` folds frames into the batch) before
+    diffusers' forward; `(B·F, L, D)` (`AnimateDiffPipeline`'s per-frame states) is passed through unchanged.
+
+    Raises:
+        ValueError: if `encoder_hidden_states` has neither B nor B·F rows.
+    """
+
+    def forward(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor, **kwargs):
+        videos, frames = sample.shape[0], sample.shape[2]
+        rows = encoder_hidden_states.shape[0]
+        if rows == videos and frames > 1:
+            encoder_hidden_states = encoder_hidden_states.repeat_interleave(frames, dim=0)
+        elif rows != videos * frames:
+            raise ValueError(f"`encoder_hidden_states` has {rows} rows for {videos} videos of {frames} frames; pass one "
+                             f"per video ({videos}) or one per frame ({videos * frames}).")
+        return super().forward(sample, timestep, encoder_hidden_states, **kwargs)
+
+
+_UNetMotionWithVideoText.__name__ = "UNetMotionModel"
+
+
 class TextToVideoPolicy(StableDiffusionPolicy):
     """A `TextToVideoSDPipeline` model (UNet3D, ε or v) as a policy; latents `(B, 4, F, h, w)`.
 
     Args:
         vae, text_encoder, tokenizer, scheduler, lora_*: as `StableDiffusionPolicy`.
-        unet (`UNet3DConditionModel`): the spatio-temporal denoiser.
+        unet (`UNet3DConditionModel` or `UNetMotionModel`): the spatio-temporal denoiser (a `UNetMotionModel` is
+            given a forward taking one text state per video, see the module docstring).
         num_frames (`int`, defaults to 8): F, the frames of a rollout (the UNet3D takes any F).
     """
 
@@ -47,10 +80,15 @@ class TextToVideoPolicy(StableDiffusionPolicy):
     pipeline_class = TextToVideoSDPipeline
     denoiser_label = "a text-to-video UNet3D"
 
-    def __init__(self, *, unet: UNet3DConditionModel, num_frames: int = 8, **kwargs):
+    def __init__(self, *, unet: UNet3DConditionModel | UNetMotionModel, num_frames: int = 8, **kwargs):
         if num_frames < 1:
             raise ValueError(f"`num_frames` must be >= 1, got {num_frames}.")
-        if not isinstance(unet, PeftAdapterMixin):
+        if isinstance(unet, UNetMotionModel):
+            if num_frames > unet.config.motion_max_seq_length:
+                raise ValueError(f"`num_frames` {num_frames} exceeds the motion modules' frame positions "
+                                 f"(motion_max_seq_length {unet.config.motion_max_seq_length}); sample at most that many.")
+            unet.__class__ = _UNetMotionWithVideoText
+        elif not isinstance(unet, PeftAdapterMixin):
             unet.__class__ = _UNet3DWithAdapters
         self.num_frames = num_frames
         super().__init__(unet=unet, **kwargs)
