@@ -19,8 +19,8 @@ class DDPOConfig:
     clip_range: float = 1.0e-4
     beta_kl: float = 0.0
     timestep_fraction: float = 1.0
-    timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch (ddpo-pytorch: one per
-                                        # sample); first: in order
+    timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch; per_sample: one per
+                                        # sample (ddpo-pytorch); first: in order
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
     logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 
@@ -30,8 +30,8 @@ class DDPO(ClippedPolicyGradient):
 
     With timestep_fraction 1 every stored transition of every sample is trained once per inner epoch, as in
     ddpo-pytorch (which permutes each sample's transitions with its own `torch.randperm` and trains the first
-    ⌊K · timestep_fraction⌋); below 1 the trained subset here is one random draw shared by the batch
-    (`timestep_selection="random"`), not one per sample."""
+    ⌊K · timestep_fraction⌋); below 1 the trained subset is by default one random draw shared by the batch
+    (`timestep_selection="random"`), and one per sample as ddpo-pytorch with `timestep_selection="per_sample"`."""
 
     def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.0, timestep_fraction: float = 1.0,
                  timestep_selection: str = "random", logprob_check: str = "stop",

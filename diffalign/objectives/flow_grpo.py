@@ -23,6 +23,7 @@ class FlowGRPOConfig:
     detach_unconditional: bool = True
     timestep_fraction: float = 0.99     # int(10 * 0.99) = 9 of 10 transitions [CODE]
     timestep_selection: str = "first"   # first: transitions 0..8 in order [CODE scripts/train_sd3.py]; random: a random 9
+                                        # for the batch; per_sample: a random 9 per sample (DanceGRPO)
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
     logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
 

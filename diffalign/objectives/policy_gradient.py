@@ -12,9 +12,9 @@ the same std s is ‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO cod
 where σ_t is the SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ absorbed in β);
 `kl_form="exact"` uses the step std s.
 
-Which stored transitions an inner epoch trains is `train_transitions` (``timestep_selection``): the first
-⌊K · timestep_fraction⌋ in order, as the released Flow-GRPO loop, or a random subset of that size shared by every
-rollout.
+Which stored transitions an inner epoch trains is set by ``timestep_selection``: the first ⌊K · timestep_fraction⌋
+in order, as the released Flow-GRPO loop, or a random subset of that size shared by every rollout (both
+`train_transitions`), or one random subset per rollout, as ddpo-pytorch and DanceGRPO/ViPO (`per_sample_transitions`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from diffalign.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
-TIMESTEP_SELECTIONS = ("first", "random")
+TIMESTEP_SELECTIONS = ("first", "random", "per_sample")
 
 
 def check_stochastic_sampler(cfg) -> None:
@@ -88,23 +88,45 @@ def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: in
 
 
 class TransitionUnit(NamedTuple):
-    """One policy-gradient micro-batch: transition `k` of the epoch's rows `rows` (int64 indices)."""
+    """One policy-gradient micro-batch: transition `k` of the epoch's rows `rows` (int64 indices).
+
+    `weight` scales the unit's loss (the loop divides each unit's loss by the number of units in its update): 1 for
+    "first"/"random", where every unit of an update has the same rows; for "per_sample", whose units hold different
+    numbers of rows, ``len(update) · len(rows) / Σ len(rows)`` over the update, so the update's loss is the mean over
+    all its (row, transition) pairs, as the released loops' accumulation over equal-sized micro-batches."""
 
     epoch: OnlineEpoch
     rows: torch.Tensor
     k: int
+    weight: float = 1.0
 
 
 def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selection: str
                     ) -> Iterator[list[TransitionUnit]]:
     """The updates of a policy-gradient epoch: ``epoch.inner_epochs`` passes, each over the minibatches of
-    `trajectory_minibatches` × the transitions of `train_transitions` (both drawn per pass from the epoch's streams),
-    those units cut into ``epoch.updates`` contiguous updates (`split_updates`)."""
+    `trajectory_minibatches` × the trained transitions (both drawn per pass from the epoch's streams), those units cut
+    into ``epoch.updates`` contiguous updates (`split_updates`).
+
+    With "first"/"random" a minibatch gives one unit per transition of `train_transitions` (every row at that
+    transition). With "per_sample" each row trains its own transitions (`per_sample_transitions`, drawn over the
+    process's rows in order from the pass's stream); a minibatch then gives one unit per transition index k, holding
+    the rows that train k (at most K units, none empty), weighted so that an update's loss is the mean over its
+    (row, transition) pairs (`TransitionUnit.weight`).
+
+    Raises:
+        ValueError: for an unknown `timestep_selection` or a fraction outside (0, 1].
+    """
     traj = epoch.trajectory
+    num_steps = len(traj.timesteps)
+    if timestep_selection == "per_sample" and epoch.num_processes > 1:
+        epoch.note("[diffalign] note: method.timestep_selection=per_sample draws each process's rows' transitions on "
+                   "their own (by local row index), so a run on another number of processes will differ")
     for inner in range(epoch.inner_epochs):
-        # the trained transitions are the same on every process (their own stream)
-        steps = train_transitions(len(traj.timesteps), timestep_fraction, timestep_selection,
-                                  generator=epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS, inner))
+        generator = epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS, inner)
+        if timestep_selection == "per_sample":
+            chosen = per_sample_transitions(len(epoch.group_ids), num_steps, timestep_fraction, generator=generator)
+        else:  # the trained transitions are the same on every process (their own stream)
+            steps = train_transitions(num_steps, timestep_fraction, timestep_selection, generator=generator)
         minibatches, stratified = trajectory_minibatches(epoch.group_ids, epoch.batch_size, seed=epoch.seed,
                                                          epoch=epoch.epoch, inner=inner)
         if epoch.split == "members" and epoch.num_processes > 1:
@@ -115,8 +137,18 @@ def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selec
             epoch.note(f"[diffalign] note: trainer.batch_size={epoch.batch_size} is not a whole number of members from "
                        "each of a process's groups, so minibatches are shuffled per process (a run on another number "
                        "of processes will differ)")
-        units = [TransitionUnit(epoch, idx, k) for idx in minibatches for k in steps]
-        yield from split_updates(units, epoch.updates)
+        if timestep_selection != "per_sample":
+            units = [TransitionUnit(epoch, idx, k) for idx in minibatches for k in steps]
+            yield from split_updates(units, epoch.updates)
+            continue
+        units = []
+        for idx in minibatches:
+            trains = torch.zeros(len(idx), num_steps, dtype=torch.bool)  # trains[r, k]: row idx[r] trains k
+            trains[torch.arange(len(idx))[:, None], chosen[idx]] = True
+            units += [TransitionUnit(epoch, idx[trains[:, k]], k) for k in range(num_steps) if trains[:, k].any()]
+        for update in split_updates(units, epoch.updates):
+            pairs = sum(len(u.rows) for u in update)
+            yield [u._replace(weight=len(update) * len(u.rows) / pairs) for u in update]
 
 
 def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
@@ -130,9 +162,9 @@ def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
       range(num_train_timesteps)`` over ``sample["timesteps"][:, j]``, which it never permutes), so the last K − n
       transitions, the low-noise end, are never trained: with K = 10 and 0.99, transitions 0 … 8.
     - ``"random"``: the first n of a permutation of 0 … K − 1 drawn from `generator`, sorted; one draw for all rollouts
-      (diffalign's alternative). ddpo-pytorch and DanceGRPO/ViPO draw one permutation *per sample* instead
-      (``torch.randperm`` per sample, then the first n): with timestep_fraction 1 every transition is trained either
-      way; below 1 the per-sample draw is not implemented.
+      (diffalign's alternative). ddpo-pytorch and DanceGRPO/ViPO draw one permutation *per sample* instead:
+      ``"per_sample"``, which is not one list for all rollouts and so is `per_sample_transitions` (this function
+      rejects it). With timestep_fraction 1 every transition is trained in all three.
 
     Args:
         num_steps (`int`): K, the stored transitions per rollout (≥ 1).
@@ -148,12 +180,49 @@ def train_transitions(num_steps: int, timestep_fraction: float, selection: str,
     """
     if selection not in TIMESTEP_SELECTIONS:
         raise ValueError(f"method.timestep_selection={selection!r} must be one of {TIMESTEP_SELECTIONS}.")
+    if selection == "per_sample":
+        raise ValueError(f"method.timestep_selection={selection!r}: train_transitions gives one list for all rollouts, "
+                         "so it takes 'first' or 'random'; 'per_sample' is per_sample_transitions.")
     if not 0 < timestep_fraction <= 1:
         raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
     n_train = max(1, math.floor(num_steps * timestep_fraction))
     if selection == "first":
         return list(range(n_train))
     return torch.randperm(num_steps, generator=generator)[:n_train].sort().values.tolist()
+
+
+def per_sample_transitions(num_rows: int, num_steps: int, timestep_fraction: float,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """The stored transitions each rollout trains in one inner epoch, drawn per rollout (``"per_sample"``).
+
+    The released recipe of ddpo-pytorch (``scripts/train.py``: ``perms = torch.stack([torch.randperm(num_timesteps)
+    for _ in range(total_batch_size)])``, then ``for j in range(num_train_timesteps)`` trains transition
+    ``perms[i, j]`` of sample i) and of DanceGRPO/ViPO (the same ``torch.randperm`` per sample and the first
+    ``int(K · timestep_fraction)`` of it): row i's permutation is the i-th ``torch.randperm(K, generator=generator)``
+    call, and it trains the first n = max(1, ⌊K · timestep_fraction⌋) entries. Here the rows are in the epoch's order
+    (the released scripts shuffle the batch first; the minibatch shuffle here has its own stream), so the draw is
+    the same as theirs per row, not the same rows.
+
+    Args:
+        num_rows (`int`): N, the rollouts (≥ 0).
+        num_steps (`int`): K, the stored transitions per rollout (≥ 1).
+        timestep_fraction (`float`): in (0, 1].
+        generator (`torch.Generator`, *optional*): the stream of the draws.
+
+    Returns:
+        `torch.Tensor` `(N, n)` int64: row i's trained transition indices in [0, K), distinct, in draw order.
+
+    Raises:
+        ValueError: for a fraction outside (0, 1] or K < 1.
+    """
+    if not 0 < timestep_fraction <= 1:
+        raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
+    if num_steps < 1:
+        raise ValueError(f"the trajectory has {num_steps} stored transitions; per-sample selection needs at least 1.")
+    n_train = max(1, math.floor(num_steps * timestep_fraction))
+    if num_rows == 0:
+        return torch.zeros(0, n_train, dtype=torch.long)
+    return torch.stack([torch.randperm(num_steps, generator=generator) for _ in range(num_rows)])[:, :n_train]
 
 
 LOGPROB_CHECKS = ("stop", "warn", "off")
@@ -282,7 +351,8 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         detach_unconditional (`bool`): stop gradients through the unconditional CFG branch when recomputing.
         advantage (`str`): how the loop normalises rewards: "group" (GRPO) or "per_prompt" (DDPO's stat tracker).
         timestep_fraction (`float`, defaults to 1.0): fraction of each rollout's transitions trained per epoch.
-        timestep_selection (`str`, defaults to "random"): which of them, "first" or "random" (`train_transitions`).
+        timestep_selection (`str`, defaults to "random"): which of them: "first" or "random" (`train_transitions`),
+            or "per_sample" (`per_sample_transitions`: one random subset per rollout, the released DDPO recipe).
         logprob_check (`str`, defaults to "stop"): the train/rollout consistency alarm (`StoredTransitionMethod`):
             "stop", "warn" or "off".
         logprob_tolerance (`float`, defaults to `LOGPROB_TOLERANCE`): its tolerance on |Δ log π|.
@@ -327,9 +397,12 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         return self.checked_updates(epoch, transition_plan(epoch, self.timestep_fraction, self.timestep_selection))
 
     def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of one unit: `__call__` on rows ``unit.rows`` of the epoch at transition ``unit.k``."""
+        """The loss of one unit: `__call__` on rows ``unit.rows`` of the epoch at transition ``unit.k``, times
+        ``unit.weight`` (the metrics unscaled)."""
         mb = unit.epoch.trajectory.index(unit.rows)
-        return self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k, reference=reference)
+        loss, metrics = self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k,
+                             reference=reference)
+        return (loss if unit.weight == 1 else loss * unit.weight), metrics
 
     def __call__(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, *, reference=None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

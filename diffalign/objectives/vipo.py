@@ -65,7 +65,7 @@ class ViPOConfig:
     spatial_sigma: float = 1.0          # Gaussian on the patch grid [PAPER: sigma = 1]
     temporal_sigma: float = 0.3         # video: Gaussian along latent frames [CODE]
     advantage_per_reward: bool = False  # true: one advantage (and map) per selected reward, sum_r weight_r L_r (Wan)
-    timestep_selection: str = "random"  # random: one random 60% for the batch (released: one per sample) | first
+    timestep_selection: str = "random"  # random: one random 60% for the batch | per_sample: one per sample [CODE] | first
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
@@ -79,9 +79,9 @@ class ViPO(StoredTransitionMethod):
         clip_range (`float`, defaults to 1e-4): ε_c of the per-position clipped ratio (released code: 1e-4).
         reduction (`str`): "per_position" (paper form; Wan script) or "scalar_weighted" (released FLUX script).
         timestep_fraction (`float`, defaults to 0.6): fraction of each rollout's transitions trained per epoch.
-        timestep_selection (`str`, defaults to "random"): "random" (a random subset, one draw for the whole batch) or
-            "first" (`diffalign.objectives.policy_gradient.train_transitions`); the released scripts draw one
-            permutation per sample, which is not implemented.
+        timestep_selection (`str`, defaults to "random"): "random" (a random subset, one draw for the whole batch),
+            "first" (`diffalign.objectives.policy_gradient.train_transitions`) or "per_sample" (one random subset per
+            rollout, as the released scripts: `diffalign.objectives.policy_gradient.per_sample_transitions`).
         detach_unconditional (`bool`, defaults to True): the unconditional CFG branch under no-grad (Wan script).
         advantage_clip (`float`, defaults to 5): clip of A_i^p.
         map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
@@ -167,10 +167,12 @@ class ViPO(StoredTransitionMethod):
         return self.checked_updates(epoch, transition_plan(epoch, self.timestep_fraction, self.timestep_selection))
 
     def loss(self, policy, unit: TransitionUnit, *, reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of one unit, with the advantage maps `prepare` built for its rows."""
+        """The loss of one unit, with the advantage maps `prepare` built for its rows, times ``unit.weight`` (the
+        metrics unscaled; `diffalign.objectives.policy_gradient.TransitionUnit`)."""
         mb = unit.epoch.trajectory.index(unit.rows)
-        return self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k, reference=reference,
-                    rows=unit.rows)
+        loss, metrics = self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k,
+                             reference=reference, rows=unit.rows)
+        return (loss if unit.weight == 1 else loss * unit.weight), metrics
 
     @property
     def psm(self) -> PerceptualStructuring:
