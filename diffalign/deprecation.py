@@ -44,8 +44,12 @@ def migrate_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> DictConfig
         FutureWarning: for each old key or value used, naming its replacement and the value carried over.
 
     Raises:
-        ValueError: when an old key and its new key are both set on the command line (both named).
+        ValueError: when an old key and its new key are both set on the command line (both named), or a structured
+            node holds a key its schema does not have (`diffalign.validation.check_structured_keys`).
     """
+    from diffalign.validation import check_structured_keys
+
+    check_structured_keys(cfg)  # a key added with + that no schema has (it would break the re-typing below)
     given = override_keys(overrides)
     for group in list(cfg.keys()):
         node = cfg._get_node(group)

@@ -35,6 +35,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from diffalign.models.base import readable_by_umask
+
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file a diffalign (or diffusers) LoRA folder holds."""
 KOHYA_DENOISER_PREFIXES = ("lora_unet_", "lora_transformer_")
@@ -491,6 +493,7 @@ def write_kohya(weights: LoraWeights, file: str | os.PathLike, *, layout: Layout
     file.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(kohya_state_dict(weights, layout, dtype), str(file),
                                 metadata=kohya_metadata(weights, layout))
+    readable_by_umask(file)  # safetensors writes 0600
     return file
 
 
@@ -513,6 +516,7 @@ def write_diffusers(weights: LoraWeights, directory: str | os.PathLike, *, layou
     pipeline.save_lora_weights(save_directory=str(directory), safe_serialization=True,
                                **{f"{layout.component}_lora_layers": tensors,
                                   f"{layout.component}_lora_adapter_metadata": config.to_dict()})
+    readable_by_umask(Path(directory) / LORA_WEIGHT_NAME)  # safetensors writes 0600
     return Path(directory) / LORA_WEIGHT_NAME
 
 

@@ -22,6 +22,8 @@ prints it as ``diffalign: error: <message>`` and exits with 1 before anything el
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import tempfile
 from pathlib import Path
@@ -57,6 +59,7 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
     migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
     check_run_settings(cfg)
+    check_structured_keys(cfg)
     check_trainer_config(cfg, online=online)
     if overrides:
         check_ignored_overrides(overrides, online=online)
@@ -80,6 +83,34 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
     else:
         boolean(cfg.eval, "enabled", "eval")
     check_resume(cfg)
+
+
+def check_structured_keys(cfg: DictConfig) -> None:
+    """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
+    ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
+    its message suggests ``+trainer.max_step=2``, which adds the key and would otherwise run with it ignored.
+
+    Raises:
+        ConfigError: naming the key, the closest real keys and the fix.
+    """
+    for group, node in cfg.items():
+        nodes = [(str(group), node)]
+        if isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            nodes = [(f"{group}.{k}", v) for k, v in node.items()]  # reward.<name>: one schema per entry
+        for name, sub in nodes:
+            if not isinstance(sub, DictConfig):
+                continue
+            schema = OmegaConf.get_type(sub)
+            if not dataclasses.is_dataclass(schema):
+                continue
+            fields = {f.name for f in dataclasses.fields(schema)}
+            for key in sub:
+                if key not in fields:
+                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
+                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
+                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
+                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
+                                      f"{', '.join(sorted(fields))}")
 
 
 def check_run_settings(cfg: DictConfig) -> None:

@@ -96,6 +96,28 @@ def test_run_folder_to_kohya_and_back_is_exact(tmp_path, sd_policy):
     assert read_lora(folder).settings == ours.settings
 
 
+def test_lora_files_get_the_umasks_permissions_not_safetensors_0600(tmp_path, sd_policy):
+    """safetensors writes files 0600 whatever the umask; a LoRA folder, a kohya export and a diffusers export must be
+    readable as any other file of the process (0644 under umask 022, 0640 under 027), e.g. by a ComfyUI of another
+    user."""
+    import os
+    import stat
+
+    saved = os.umask(0o022)
+    try:
+        for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+            os.umask(mask)
+            out = tmp_path / f"umask{mask:o}"
+            sd_policy.save_lora_weights(out / "final")
+            files = [out / "final" / "pytorch_lora_weights.safetensors",
+                     export(str(out / "final"), str(out / "lora.safetensors")),
+                     export(str(out / "final"), str(out / "as-diffusers"), fmt="diffusers")]
+            for file in files:
+                assert stat.S_IMODE(os.stat(file).st_mode) == mode, (file, oct(os.stat(file).st_mode))
+    finally:
+        os.umask(saved)
+
+
 def test_kohya_keys_are_diffusers_own_and_its_kohya_reader_inverts_them(tmp_path, sd_policy):
     """diffusers' peft→kohya writer (`convert_state_dict_to_kohya`) names the same keys (but writes alpha = r, which
     is wrong for alpha ≠ r); diffusers' kohya reader (what `load_lora_weights` runs) returns the policy's tensors."""

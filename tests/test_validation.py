@@ -107,6 +107,13 @@ def train_cli(tmp_path, monkeypatch, capsys):
     (["recipe=tiny_dgpo", "online.num_epochs=2.5"], (r"Value '2.5' of type 'float' could not be converted to "
                                                     r"Integer\s+full_key: online.num_epochs")),
     (["recipe=tiny_dgpo", "online.advantage_std=batch"], r"online.advantage_std='batch' must be one of"),
+    # a typo added with +, as Hydra's own message for the typo suggests: the key would be ignored (it ran the default
+    # job); refused with the real key that is closest
+    (["+trainer.max_step=2"], (r"trainer.max_step is not a setting of trainer \(TrainerConfig\); did you mean "
+                               r"trainer.max_steps\?")),
+    (["recipe=tiny_dgpo", "+online.num_epoch=1"], (r"online.num_epoch is not a setting of online .*did you mean "
+                                                   r"online.num_epochs")),
+    (["+sampler.guidance=3"], r"sampler.guidance is not a setting of sampler .*did you mean sampler.guidance_scale"),
 ])
 def test_a_bad_setting_is_refused_naming_the_field(train_cli, overrides, expected):
     import re

@@ -28,7 +28,7 @@ from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from diffalign.models.base import ForwardModuleMixin, add_trainable_lora
+from diffalign.models.base import ForwardModuleMixin, add_trainable_lora, readable_by_umask
 from diffalign.types import PromptEmbeds
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -400,6 +400,7 @@ class PipelinePolicy(ForwardModuleMixin, nn.Module):
             **{f"{name}_lora_layers": self.lora_state_dict(),
                f"{name}_lora_adapter_metadata": self.denoiser.peft_config["default"].to_dict()},
         )
+        readable_by_umask(os.path.join(directory, LORA_WEIGHT_NAME))  # safetensors writes 0600
 
     def load_lora_weights(self, directory: str | os.PathLike) -> None:
         """Loads `directory/pytorch_lora_weights.safetensors` (written by `save_lora_weights`) into this policy's
