@@ -141,15 +141,19 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
     are left alone.
 
     Raises:
-        ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), or a
-            LoRA file cannot be read.
+        ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), a
+            LoRA file cannot be read, or a LoRA is for the other kind of denoiser (`init_lora.check_lora_family`).
     """
     import inspect
 
     from hydra.utils import get_method
 
+    from diffalign.init_lora import check_lora_family
+    from diffalign.lora_io import read_lora
     from diffalign.models.base import saved_lora_settings
 
+    for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse): named before loading
+        check_lora_family(cfg, read_lora(folder, field_name="checkpoint"), field="checkpoint")
     found = {str(f): saved_lora_settings(f) for f in folders}
     distinct = {json.dumps(v, sort_keys=True) for v in found.values() if v}
     if len(distinct) > 1:

@@ -85,9 +85,13 @@ def _lora_settings_taken(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(k for k in SETTINGS if k in params)
 
 
-def _check_component(cfg: DictConfig, weights: LoraWeights) -> None:
-    """A LoRA for a UNet on a transformer model (or the reverse), seen from a local model folder's
-    ``model_index.json``, before the model loads."""
+def check_lora_family(cfg: DictConfig, weights: LoraWeights, field: str = FIELD) -> None:
+    """Refuses a LoRA for a UNet on a transformer model (or the reverse), seen from a local model folder's
+    ``model_index.json``, before the model loads (a hub id is not looked up: peft names the mismatch at load).
+
+    Raises:
+        ValueError: naming `field`, the LoRA's denoiser, the model's and the fix.
+    """
     path = cfg.model.get("pretrained_model_name_or_path")
     if not isinstance(path, str):
         return
@@ -97,8 +101,9 @@ def _check_component(cfg: DictConfig, weights: LoraWeights) -> None:
     components = {k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0] is not None}
     denoiser = next((c for c in ("unet", "transformer") if c in components), None)
     if denoiser is not None and denoiser != weights.component:
-        raise ValueError(f"{FIELD}: {weights.path} is a LoRA for a {weights.component}, but the model {path} has a "
-                         f"{denoiser}; use a LoRA trained on this model (or model=... of the LoRA's family)")
+        raise ValueError(f"{field}: {weights.path} is a LoRA for a {weights.component}, but the model {path} has a "
+                         f"{denoiser}; use a LoRA trained on this model (or model=... of the LoRA's family, e.g. "
+                         f"model={'tiny_sd3' if weights.component == 'transformer' else 'tiny_sd'} in the tiny world)")
 
 
 def _same(key: str, current, wanted) -> bool:
@@ -138,7 +143,7 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
     source = f"the checkpoint {ckpt} (resume={cfg.resume})" if ckpt is not None else f"{FIELD}={init!r}"
     weights = read_lora(ckpt if ckpt is not None else init, field_name="resume" if ckpt is not None else FIELD)
     if ckpt is None:
-        _check_component(cfg, weights)
+        check_lora_family(cfg, weights)
     settings = {k: v for k, v in weights.settings.items() if k in taken}
     for key in taken:
         current = cfg.model.get(key)

@@ -247,3 +247,22 @@ def test_cli_names_an_explicit_conflict_before_the_model_loads(tmp_path, loras):
     assert ("diffalign: error: model.lora_rank=16 (set on the command line) conflicts with model.init_lora="
             in proc.stderr) and "which has rank 4" in proc.stderr
     assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_of_a_transformer_lora_on_a_unet_model_names_the_model_before_loading(tmp_path, loras, monkeypatch):
+    """``diffalign-eval checkpoint=<an SD3 run's final>`` without ``model=tiny_sd3`` ran into peft's
+    NoMatchingPeftModuleError inside Hydra's "Error in call to target"; now it is refused before any model loads,
+    naming the checkpoint, both denoisers and the model to pass (the default eval model is the tiny SD one)."""
+    import diffusers
+
+    from diffalign.cli import _eval_main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained", no_loading)
+    cfg = compose_cfg([f"checkpoint={loras['tiny_sd3']['folder']}", f"output_dir={tmp_path / 'ev'}"], name="evaluate")
+    with pytest.raises(SystemExit, match=r"checkpoint: .* is a LoRA for a transformer, but the model .* has a unet; "
+                                         r".*model=tiny_sd3"):
+        _eval_main(cfg)
+    assert not (tmp_path / "ev" / "samples.jsonl").exists()
