@@ -58,8 +58,7 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
 
     migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
-    check_run_settings(cfg)
-    check_structured_keys(cfg)
+    check_run_settings(cfg)  # (unknown keys of structured nodes: refused by migrate_config, above)
     check_trainer_config(cfg, online=online)
     if overrides:
         check_ignored_overrides(overrides, online=online)
