@@ -229,7 +229,8 @@ def _eval_main(cfg: DictConfig) -> None:
 def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
+    from diffalign.evaluate import (base_reuse_key, comparison_lines, eval_config_from, evaluate_policy,
+                                    select_prompts)
     from diffalign.plugins import build_checked_rewards
     from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts
@@ -242,10 +243,9 @@ def _evaluate(cfg: DictConfig, variants: dict) -> None:
     metrics = evaluate_policy(policy, rows, rewards, ecfg, output_dir, variants, resume=cfg.resume,
                               context={"model": OmegaConf.to_container(cfg.model, resolve=True)},
                               base_key=base_reuse_key(cfg.model, cfg.reward))
-    print(json.dumps({"variants": {label: {k: v for k, v in summary.items() if isinstance(v, float)}
-                                   for label, summary in metrics["variants"].items()},
-                      **{k: v for k, v in metrics.items() if "_vs_" in k}}, indent=2))
-    print(f"[diffalign] eval written to {output_dir}")
+    for line in comparison_lines(metrics):  # (each variant's own figures were logged as it finished)
+        print(f"[diffalign] {line}")
+    print(f"[diffalign] eval written to {output_dir} (metrics.json, metrics.csv: every figure)")
     if cfg.report:
         run_dirs = {Path(v).resolve().parent for v in variants.values() if not isinstance(v, bool)}
         run_dir = cfg.run_dir if cfg.run_dir is not None else (run_dirs.pop() if len(run_dirs) == 1 else None)

@@ -194,6 +194,18 @@ def _sample(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: EvalConf
     return traj.images.float().cpu()
 
 
+def sampler_description(policy, cfg: EvalConfig) -> str:
+    """The evaluation's sampler in words, for the report's header: ``"20 DDIM steps, η 0.0"`` for a `DDIMScheduler`
+    policy, ``"20 Euler ODE steps"`` (η = 0) or ``"20 flow SDE steps (Flow-GRPO's, a = 0.7)"`` for a rectified-flow one
+    (`rollout`'s choice of sampler)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    steps = cfg.num_inference_steps
+    if isinstance(getattr(policy, "scheduler", None), FlowMatchEulerDiscreteScheduler):
+        return f"{steps} Euler ODE steps" if cfg.eta == 0 else f"{steps} flow SDE steps (Flow-GRPO's, a = {cfg.eta})"
+    return f"{steps} DDIM steps, η {cfg.eta}"
+
+
 def _mean_se(values: list[float]) -> tuple[float, float]:
     n = len(values)
     mean = sum(values) / n
@@ -583,7 +595,8 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         bar.close()
 
     # statistics, grids and tables from the samples (finished in this run or an earlier one)
-    return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context)
+    return _write_metrics(samples, rows, variants, rewards, cfg, out_dir, slugs, log, context,
+                          sampler_description(policy, cfg))
 
 
 def _earlier_state(out_dir: Path, key: dict, resume: bool, log) -> tuple[dict, list[dict]]:
@@ -617,7 +630,7 @@ def _save_sample(images: torch.Tensor, scored: dict, i: int, label: str, slug: s
 
 
 def _write_metrics(samples: list[dict], rows: list[dict], variants: dict, rewards: dict, cfg: EvalConfig,
-                   out_dir: Path, slugs: dict[str, str], log, context: dict | None) -> dict:
+                   out_dir: Path, slugs: dict[str, str], log, context: dict | None, sampler: str | None = None) -> dict:
     """`evaluate_policy`'s last stage: the sorted ``samples.jsonl``, the statistics of each variant and its comparison
     with the first, the overview and per-prompt grids, ``metrics.json`` and ``metrics.csv``; returns the metrics."""
     labels, seeds = list(variants), list(cfg.seeds)
@@ -632,7 +645,7 @@ def _write_metrics(samples: list[dict], rows: list[dict], variants: dict, reward
                      "checkpoints": {label: str(v) if v not in (True, False) else ("base" if v else "policy")
                                      for label, v in variants.items()},
                      "steps": {label: checkpoint_step(label) for label in labels}, "config": asdict(cfg),
-                     "context": context, "variants": {}}
+                     "sampler": sampler, "context": context, "variants": {}}
     for label in labels:
         records = by_variant[label]
         scored_all[label] = {n: {"scores": [r[n] for r in records],
@@ -690,6 +703,23 @@ def metrics_table(metrics: dict) -> list[dict]:
             else:
                 add(label, k, v["gain"], v["se"])
     return out
+
+
+def comparison_lines(metrics: dict) -> list[str]:
+    """One line per compared variant for the console: each statistic's paired gain ± s.e. against the first variant
+    and each reward's win rate with its interval, e.g. ``finetuned vs base: geneval_shapes/mean +0.071 ± 0.018 (4.0
+    s.e.); geneval_shapes/win_rate 0.61 [0.55, 0.67]`` (metrics.json / metrics.csv hold every figure)."""
+    base, lines = metrics["labels"][0], []
+    for label in metrics["labels"][1:]:
+        parts = []
+        for k, v in metrics.get(f"{label}_vs_{base}", {}).items():
+            if k.endswith("/win_rate"):
+                parts.append(f"{k} {v['win_rate']:.2f} [{v['ci'][0]:.2f}, {v['ci'][1]:.2f}]")
+            else:
+                ratio = f" ({v['gain'] / v['se']:.1f} s.e.)" if v.get("se") else ""
+                parts.append(f"{k} {v['gain']:+.3f} ± {v['se']:.3f}{ratio}")
+        lines.append(f"{label} vs {base}: " + "; ".join(parts))
+    return lines
 
 
 def write_metrics_csv(metrics: dict, path: Path) -> None:

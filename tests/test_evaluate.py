@@ -252,3 +252,16 @@ def test_save_video_writes_gif_and_mp4(tmp_path):
         save_video(torch.zeros(3, 8, 8), tmp_path / "x.gif")
     with pytest.raises(ValueError, match="gif or .mp4"):
         save_video(frames, tmp_path / "x.avi")
+
+
+def test_comparison_lines_give_each_gain_with_its_se_and_ratio():
+    """diffalign-eval's console summary (it printed metrics.json's variants and comparisons as indented JSON)."""
+    from diffalign.evaluate import comparison_lines
+
+    metrics = {"labels": ["base", "ft", "ft2"],
+               "ft_vs_base": {"r/mean": {"gain": 0.071, "se": 0.0178}, "r/accuracy": {"gain": -0.02, "se": 0.0},
+                              "r/win_rate": {"win_rate": 0.614, "ci": [0.551, 0.672]}},
+               "ft2_vs_base": {}}
+    assert comparison_lines(metrics) == [
+        "ft vs base: r/mean +0.071 ± 0.018 (4.0 s.e.); r/accuracy -0.020 ± 0.000; r/win_rate 0.61 [0.55, 0.67]",
+        "ft2 vs base: "]

@@ -3,6 +3,7 @@ logs, and the eval command on a run folder's checkpoints (tiny random model)."""
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -115,3 +116,24 @@ def test_main_job_and_eval_command_write_the_report_with_curves(tmp_path, capsys
     with pytest.raises(SystemExit, match="not both"):
         _eval_main(compose_cfg(["model=tiny_random", f"checkpoints=[{run}]", f"checkpoint={run / 'final'}"],
                                name="evaluate"))
+
+
+@pytest.mark.parametrize("flow, eta, expected", [
+    (False, 0.0, "2 DDIM steps, η 0.0"),
+    (True, 0.0, "2 Euler ODE steps"),
+    (True, 0.7, "2 flow SDE steps (Flow-GRPO's, a = 0.7)"),
+])
+def test_the_header_names_the_sampler_the_evaluation_used(tmp_path, flow, eta, expected):
+    """A flow model is sampled by `rollout` with the Euler ODE (η = 0) or the Flow-GRPO SDE, never DDIM: the
+    header said "DDIM steps … η" for every model. A checkpoint whose label is its value ("base") is named once."""
+    from diffalign.models.tiny_flow import build_tiny_flow_policy
+
+    policy = build_tiny_flow_policy(seed=0) if flow else build_tiny_random_policy(seed=0)
+    rows = [{"prompt": "a red circle", "tag": "colors"}]
+    cfg = EvalConfig(seeds=[0], num_inference_steps=2, eta=eta)
+    metrics = evaluate_policy(policy, rows, {"geneval_shapes": GenevalShapes()}, cfg, tmp_path / "ev",
+                              {"base": True, "finetuned": False}, progress=False)
+    assert metrics["sampler"] == expected
+    page = write_report(tmp_path / "ev").read_text()
+    assert html.escape(expected) in page and ("DDIM" in page) == (not flow)
+    assert "<b>base</b>, <b>finetuned</b> = policy" in page and "base</b> = base" not in page
