@@ -285,6 +285,12 @@ def main() -> None:
                         "up to 215× instead of ~1×; divided by its mean over t so the loss keeps its scale")
     p.add_argument("--max-loss-weight", type=float, default=0.0,
                    help="with --loss-weighting v: clamp (1 + SNR_t) / SNR_t at this value before normalising (0 = none)")
+    p.add_argument("--freeze-except", nargs="*", default=[],
+                   help="train only the UNet tensors whose names contain one of these substrings (e.g. attn2: the "
+                        "cross-attentions, where the caption enters); the rest of the UNet is frozen")
+    p.add_argument("--reinit-scale", type=float, default=1.0,
+                   help="with --reinit-words: the re-drawn embeddings' rms, in units of the colour words' rms")
+    p.add_argument("--t-min", type=int, default=0, help="draw every training timestep from [--t-min, 1000)")
     p.add_argument("--probe-every", type=int, default=0,
                    help="every N steps: log the direction probe and the text gap only (cheap; no held-out sampling)")
     p.add_argument("--seed", type=int, default=0)
@@ -332,7 +338,7 @@ def main() -> None:
         if unknown:
             raise ValueError(f"--reinit-words: {unknown} are not in the video vocabulary {sorted(vocab)}")
         with torch.no_grad():
-            scale = emb[[vocab[c] for c in ("red", "green", "blue", "yellow")]].pow(2).mean().sqrt()
+            scale = emb[[vocab[c] for c in ("red", "green", "blue", "yellow")]].pow(2).mean().sqrt() * args.reinit_scale
             g = torch.Generator().manual_seed(args.seed)
             for w in args.reinit_words:
                 emb[vocab[w]] = torch.randn(emb.shape[1], generator=g) * scale
@@ -354,6 +360,12 @@ def main() -> None:
         if args.max_loss_weight:
             loss_weight = loss_weight.clamp(max=args.max_loss_weight)
         loss_weight = loss_weight / loss_weight.mean()
+    if args.freeze_except:
+        kept = [n for n, p in unet.named_parameters() if any(k in n for k in args.freeze_except)]
+        if not kept:
+            raise ValueError(f"--freeze-except {args.freeze_except}: no UNet tensor name contains any of these")
+        log(f"training {len(kept)} UNet tensors ({sum(p.numel() for n, p in unet.named_parameters() if n in kept) / 1e6:.3f}M"
+            f" params) matching {args.freeze_except}; the rest frozen")
     params = list(unet.parameters()) + list(text_encoder.parameters())
     spatial = [p for n, p in unet.named_parameters() if n in inflated]
     text = list(text_encoder.parameters())
@@ -384,6 +396,9 @@ def main() -> None:
     eval_policy = TextToVideoPolicy.from_video_pipeline(eval_pipe, num_frames=args.frames, lora_rank=None)
     unet.requires_grad_(True)  # the policy freezes the text encoder (and the UNet's base weights): train them again
     text_encoder.requires_grad_(True)
+    if args.freeze_except:
+        for n, p in unet.named_parameters():
+            p.requires_grad_(any(k in n for k in args.freeze_except))
     checkpoints = {}
 
     def checkpoint(step: int, seeds) -> dict:
@@ -419,7 +434,7 @@ def main() -> None:
         tok = ids[idx].clone()
         tok[torch.rand(len(idx), generator=gen) < 0.1] = empty
         noise = torch.randn(lat.shape, generator=gen)
-        t = torch.randint(0, 1000, (len(idx),), generator=gen)
+        t = torch.randint(args.t_min, 1000, (len(idx),), generator=gen)
         if args.high_t_fraction:
             high = torch.rand(len(idx), generator=gen) < args.high_t_fraction
             t = torch.where(high, torch.randint(args.high_t_min, 1000, (len(idx),), generator=gen), t)

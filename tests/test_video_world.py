@@ -120,6 +120,17 @@ def test_temporal_consistency_is_one_for_a_still_video_and_lower_for_a_changing_
 
 
 def test_video_prompt_splits_cover_every_motion():
+    """Every motion in both splits and both tags. The held-out single-object captions were all "moving up" (every 5th
+    of the (colour, shape, motion) product holds the same motion), and the train split had no single-object "moving
+    up" left. Now type k holds out motion k + 2 (mod 5): 12 held-out captions, each motion 2 or 3 times."""
+    from collections import Counter
+
     splits = all_video_prompts()
-    motions = {e["motion"] for r in splits["video_train"] for e in r["include"]}
-    assert motions == {"left", "right", "up", "down", "still"}
+    for split in ("video_train", "video_heldout"):
+        for tag in ("motion", "two_motion"):
+            motions = Counter(e["motion"] for r in splits[split] if r["tag"] == tag for e in r["include"])
+            assert set(motions) == {"left", "right", "up", "down", "still"}, (split, tag, motions)
+    held = Counter(r["include"][0]["motion"] for r in splits["video_heldout"] if r["tag"] == "motion")
+    assert sorted(held.values()) == [2, 2, 2, 3, 3]
+    types = {(r["include"][0]["color"], r["include"][0]["class"]) for r in splits["video_heldout"] if r["tag"] == "motion"}
+    assert len(types) == 12  # one held-out motion per (colour, shape); its other four motions are trained on

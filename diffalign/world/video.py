@@ -199,8 +199,9 @@ def verify_video(video: np.ndarray, spec: dict) -> VideoVerdict:
 
 def all_video_prompts() -> dict[str, list[dict]]:
     """Every video prompt, by split ``{"video_train": [...], "video_heldout": [...]}``: every (colour, shape, motion)
-    single-object caption (60: every 5th held out) and the two-object captions of 40 object pairs with 2 motion
-    combinations each (every 5th pair held out; deterministic)."""
+    single-object caption (60; 12 held out: one motion per (colour, shape), cycling through the five motions, so
+    both splits hold every motion) and the two-object captions of 40 object pairs with 2 motion combinations each
+    (every 5th pair held out; the combinations vary with the pair; deterministic)."""
     types = [(c, s) for c in COLORS for s in SHAPES]
     train, held = [], []
 
@@ -209,13 +210,18 @@ def all_video_prompts() -> dict[str, list[dict]]:
         return {"prompt": video_caption(spec), **spec}
 
     for i, ((c, s), m) in enumerate(itertools.product(types, MOTIONS)):
-        (held if i % 5 == 2 else train).append(row("motion", [{"class": s, "color": c, "count": 1, "motion": m}]))
+        # type k holds out motion (k + 2) mod 5, so the held-out captions cover every motion (an earlier `i % 5 == 2`
+        # held out "moving up" for every type: no single-object "moving up" caption was left to train on)
+        k, j = divmod(i, len(MOTIONS))
+        (held if j == (k + 2) % len(MOTIONS) else train).append(
+            row("motion", [{"class": s, "color": c, "count": 1, "motion": m}]))
     rng = np.random.default_rng(7)
     pairs = [p for p in itertools.combinations(types, 2) if p[0][0] != p[1][0]]
     chosen = [pairs[k] for k in sorted(rng.choice(len(pairs), size=40, replace=False))]
     for i, (a, b) in enumerate(chosen):
         for j in range(2):
-            ma, mb = MOTIONS[(i + 2 * j) % 5], MOTIONS[(3 * i + j + 1) % 5]
+            shift = i // 5  # varies the held-out pairs' motions (without it every held-out pair had the same two)
+            ma, mb = MOTIONS[(i + 2 * j + shift) % 5], MOTIONS[(3 * i + j + 1 + shift) % 5]
             (held if i % 5 == 3 else train).append(row("two_motion", [
                 {"class": a[1], "color": a[0], "count": 1, "motion": ma},
                 {"class": b[1], "color": b[0], "count": 1, "motion": mb}]))
