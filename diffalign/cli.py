@@ -284,3 +284,8 @@ def evaluate() -> None:
     except KeyboardInterrupt:  # Ctrl-C before the evaluation started, or a second one
         _say_interrupted()
         sys.exit(130)
+
+
+if __name__ == "__main__":  # `python -m diffalign.cli <overrides>`, and `accelerate launch ... -m diffalign.cli <overrides>`
+    sys.argv[0] = "diffalign-train"
+    train()

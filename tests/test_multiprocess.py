@@ -37,17 +37,19 @@ def test_shipped_accelerate_configs_load(name, kind):
 
 
 def launch_two_processes(args: list[str], tmp_path: Path, prelude: str = "") -> subprocess.CompletedProcess:
-    """``diffalign-train <args>`` on 2 CPU processes from `tmp_path`, after the Python `prelude` (e.g. a patch)."""
+    """``diffalign-train <args>`` on 2 CPU processes from `tmp_path`, after the Python `prelude` (e.g. a patch); without
+    a prelude, as the docs launch it: ``accelerate launch ... -m diffalign.cli <args>``."""
     script = tmp_path / "train.py"
     script.write_text(f"{prelude}\nimport sys\nfrom diffalign.cli import train\nsys.argv[0] = 'diffalign-train'\n"
                       "train()\n")
+    target = [str(script)] if prelude else ["-m", "diffalign.cli"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(port), str(script), *args, "trainer.cpu=true", "trainer.log_with=none", "eval.enabled=false"]
+               str(port), *target, *args, "trainer.cpu=true", "trainer.log_with=none", "eval.enabled=false"]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
