@@ -19,7 +19,9 @@ Diagnostics (docs/vipo.md, "why the tiny video model has not learned the directi
 evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
 moving objects whose net displacement points the named way) and runs `direction_probe` (how much the denoising loss
 depends on the caption's direction word and on the frame order); ``--text-lr``, ``--reinit-words`` and
-``--high-t-fraction`` are the knobs the pilots recorded there varied; `text_direction_gap` measures how far apart the
+``--high-t-fraction`` are the knobs the pilots recorded there varied, with ``--loss-weighting v``
+(`loss_weights`: the high-noise steps weighted as the v-prediction loss weights them), ``--freeze-except``,
+``--reinit-scale``, ``--t-min`` and ``--probe-every`` (the direction probe every N steps); `text_direction_gap` measures how far apart the
 text encoder puts a caption and its direction-swapped copy; ``--arch motion`` swaps the UNet3D for an
 AnimateDiff-style `UNetMotionModel` (temporal attentions with sinusoidal frame positions) built from the image UNet. Everything is written to
 ``pretrain_metrics.json`` next to the model.
@@ -126,6 +128,19 @@ def direction_probe(unet, text_encoder, lat, ids, ids_swapped, noise_scheduler, 
             rev = F.mse_loss(unet(x.flip(2), tt, cond).sample, noise.flip(2)).item()
             res[t] = {"true": true, "swapped_caption_gap": swap / true - 1, "reversed_frames_gap": rev / true - 1}
     return res
+
+
+def loss_weights(alphas_cumprod: torch.Tensor, kind: str = "eps", max_weight: float = 0.0) -> torch.Tensor:
+    """Per-timestep weights `(T,)` of the ε-MSE. ``"eps"``: all 1. ``"v"``: (1 + SNR_t) / SNR_t = 1 / ᾱ_t, the factor
+    that turns an ε-model's ε-MSE into its v-prediction MSE (v = √ᾱ ε − √(1 − ᾱ) x0, Salimans & Ho 2022,
+    arXiv:2202.00512), clamped at `max_weight` (0 = no clamp) and divided by its mean over t."""
+    if kind == "eps":
+        return torch.ones(len(alphas_cumprod))
+    snr = alphas_cumprod / (1 - alphas_cumprod)
+    weight = (1 + snr) / snr
+    if max_weight:
+        weight = weight.clamp(max=max_weight)
+    return weight / weight.mean()
 
 
 def text_direction_gap(text_encoder, ids, ids_swapped) -> float:
@@ -280,8 +295,8 @@ def main() -> None:
     p.add_argument("--high-t-min", type=int, default=600)
     p.add_argument("--loss-weighting", choices=["eps", "v"], default="eps",
                    help="eps = the plain ε-MSE (the shipped model); v = each sample's ε-MSE times (1 + SNR_t) / SNR_t, "
-                        "i.e. the v-prediction loss of the same ε-model (Salimans & Ho 2022, arXiv:2202.00512, eq. 10 "
-                        "with v = α ε − σ x0), which weights the high-noise steps where an object's path is decided by "
+                        "i.e. the v-prediction loss of the same ε-model (Salimans & Ho 2022, arXiv:2202.00512, "
+                        "v = α ε − σ x0), which weights the high-noise steps where an object's path is decided by "
                         "up to 215× instead of ~1×; divided by its mean over t so the loss keeps its scale")
     p.add_argument("--max-loss-weight", type=float, default=0.0,
                    help="with --loss-weighting v: clamp (1 + SNR_t) / SNR_t at this value before normalising (0 = none)")
@@ -295,6 +310,12 @@ def main() -> None:
                    help="every N steps: log the direction probe and the text gap only (cheap; no held-out sampling)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if not 0 <= args.t_min < 1000:
+        raise ValueError(f"--t-min {args.t_min}: the training timesteps are 0..999; pass a value in [0, 999]")
+    if args.max_loss_weight < 0 or (args.max_loss_weight and args.loss_weighting != "v"):
+        raise ValueError(f"--max-loss-weight {args.max_loss_weight}: a clamp > 0 of --loss-weighting v (0 = none)")
+    if args.reinit_scale <= 0:
+        raise ValueError(f"--reinit-scale {args.reinit_scale}: the re-drawn embeddings' rms factor must be > 0")
     if args.arch == "motion" and not (args.inflate or args.init):
         raise ValueError("--arch motion builds the motion UNet from the image model: pass --inflate (or --init a "
                          "folder this script wrote with --arch motion)")
@@ -353,13 +374,7 @@ def main() -> None:
     log(f"encoded {len(prompts)} videos {tuple(means.shape[1:])} in {time.time() - t_start:.0f}s")
     noise_scheduler = DDPMScheduler(**{k: v for k, v in SD15_SCHEDULER_CONFIG.items()
                                        if k not in ("set_alpha_to_one", "timestep_spacing")})
-    snr = noise_scheduler.alphas_cumprod / (1 - noise_scheduler.alphas_cumprod)
-    loss_weight = torch.ones(len(snr))
-    if args.loss_weighting == "v":
-        loss_weight = (1 + snr) / snr
-        if args.max_loss_weight:
-            loss_weight = loss_weight.clamp(max=args.max_loss_weight)
-        loss_weight = loss_weight / loss_weight.mean()
+    loss_weight = loss_weights(noise_scheduler.alphas_cumprod, args.loss_weighting, args.max_loss_weight)
     if args.freeze_except:
         kept = [n for n, p in unet.named_parameters() if any(k in n for k in args.freeze_except)]
         if not kept:

@@ -177,3 +177,29 @@ def test_text_direction_gap_is_zero_without_a_direction_word_and_grows_with_the_
     finally:
         with torch.no_grad():
             emb.copy_(saved)
+
+
+@pytest.mark.parametrize("t", [0, 300, 600, 900, 999])
+def test_v_loss_weighting_turns_the_eps_mse_into_the_v_prediction_mse(t):
+    """`--loss-weighting v`: weight_t × ε-MSE equals the MSE of the v-prediction derived from the same ε̂ (v = √ᾱ ε −
+    √(1 − ᾱ) x0, x̂0 = (x_t − √(1 − ᾱ) ε̂) / √ᾱ), computed directly, up to the normalising mean over t."""
+    from diffusers import DDPMScheduler
+
+    from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
+
+    sched = DDPMScheduler(**{k: v for k, v in SD15_SCHEDULER_CONFIG.items()
+                             if k not in ("set_alpha_to_one", "timestep_spacing")})
+    script = _script()
+    raw = 1 / sched.alphas_cumprod.double()  # (1 + SNR) / SNR
+    weights = script.loss_weights(sched.alphas_cumprod.double(), "v")
+    g = torch.Generator().manual_seed(t)
+    x0, eps, eps_hat = (torch.randn(4, 4, 8, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    a = sched.alphas_cumprod[t].double()
+    x_t = a.sqrt() * x0 + (1 - a).sqrt() * eps
+    x0_hat = (x_t - (1 - a).sqrt() * eps_hat) / a.sqrt()
+    v_mse = ((a.sqrt() * eps_hat - (1 - a).sqrt() * x0_hat) - (a.sqrt() * eps - (1 - a).sqrt() * x0)).pow(2).mean()
+    eps_mse = (eps_hat - eps).pow(2).mean()
+    torch.testing.assert_close(weights[t] * raw.mean() * eps_mse, v_mse, rtol=1e-9, atol=0)
+    assert torch.equal(script.loss_weights(sched.alphas_cumprod, "eps"), torch.ones(1000))
+    clamped = script.loss_weights(sched.alphas_cumprod.double(), "v", max_weight=50.0)
+    assert clamped.max() / clamped.min() == pytest.approx(50.0 / float(raw.min()))
