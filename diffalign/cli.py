@@ -229,8 +229,7 @@ def _eval_main(cfg: DictConfig) -> None:
 def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import (base_reuse_key, comparison_lines, eval_config_from, evaluate_policy,
-                                    select_prompts)
+    from diffalign.evaluate import base_reuse_key, comparison_lines, eval_config_from, evaluate_policy, select_prompts
     from diffalign.plugins import build_checked_rewards
     from diffalign.report import write_report
     from diffalign.world.prompts import load_prompts

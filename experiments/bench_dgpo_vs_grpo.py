@@ -122,6 +122,8 @@ def main() -> None:
     p.add_argument("--force", action="store_true")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
+    if args.reward == "brightness" and "flow_grpo" not in args.methods:  # (before any run starts)
+        p.error("--reward brightness takes its target from Flow-GRPO's curve: keep flow_grpo in --methods")
 
     histories = {}
     for method in args.methods:
@@ -129,8 +131,6 @@ def main() -> None:
             out = run(method, seed, args)
             histories[method, seed] = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     if args.reward == "brightness":
-        if "flow_grpo" not in args.methods:
-            p.error("--reward brightness takes its target from Flow-GRPO's curve: keep flow_grpo in --methods")
         summary = time_to_target(histories, args)
         (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
         return
