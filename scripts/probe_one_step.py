@@ -97,8 +97,8 @@ def main() -> None:
     gnorm = torch.sqrt(sum((g**2).sum() for g in grads))
     print(f"loss {total:.6f}; ‖g‖ {float(gnorm):.3e}; trained transitions {steps}")
     policy.denoiser.eval()
-    probe_rows = load_prompts("heldout")[:: max(1, len(load_prompts("heldout")) // args.probe_prompts)][
-        : args.probe_prompts]
+    held = load_prompts(cfg.monitor.prompts)  # the monitor's held-out prompts (video_heldout for video recipes)
+    probe_rows = held[:: max(1, len(held) // args.probe_prompts)][: args.probe_prompts]
     jobs = [(s, i) for s in range(args.probe_seeds) for i in range(len(probe_rows))]
 
     @torch.no_grad()
