@@ -28,27 +28,13 @@ from pathlib import Path
 import numpy as np
 
 
-def direction_sign(tracks, spec) -> list[bool]:
-    from diffalign.world.video import VELOCITY
-
-    out = []
-    for track, e in zip(tracks, spec["include"]):
-        if e["motion"] == "still" or any(p is None for p in track):
-            continue
-        vx, vy = VELOCITY[e["motion"]]
-        axis, sgn = (0, vx) if vx else (1, vy)
-        along = sgn * (track[-1][axis] - track[0][axis])
-        out.append(bool(along > 0 and along > abs(track[-1][1 - axis] - track[0][1 - axis])))
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("eval_dir", type=Path)
     args = p.parse_args(argv)
     import imageio.v3 as iio
 
-    from diffalign.world.video import parse_video_caption, verify_video
+    from diffalign.world.video import direction_sign, parse_video_caption, verify_video
 
     rows = [json.loads(line) for line in (args.eval_dir / "samples.jsonl").open()]
     if not rows or "video" not in rows[0]:

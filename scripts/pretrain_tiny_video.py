@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from diffalign.world.prompts import load_prompts
 from diffalign.world.tokenizer import build_tokenizer
-from diffalign.world.video import render_video, videos_to_tensor
+from diffalign.world.video import direction_sign, render_video, videos_to_tensor
 
 ASSETS = Path(__file__).resolve().parent.parent / "diffalign" / "assets"
 
@@ -90,22 +90,6 @@ def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
     return {"accuracy": acc, "se": float(np.std(correct) / math.sqrt(len(correct))), "n": len(correct),
             "per_tag": per_tag, "dense": float(np.mean(dense)),
             "direction_sign": float(np.mean(sign)) if sign else float("nan")}
-
-
-def direction_sign(tracks, row) -> list[bool]:
-    """Per moving object of `row` with a complete track: does its first→last displacement point the named way
-    (positive along the named axis and larger than across it)? A softer motion measure than the verifier's."""
-    from diffalign.world.video import VELOCITY
-
-    out = []
-    for track, e in zip(tracks, row["include"]):
-        if e["motion"] == "still" or any(p is None for p in track):
-            continue
-        vx, vy = VELOCITY[e["motion"]]
-        axis, sgn = (0, vx) if vx else (1, vy)
-        along = sgn * (track[-1][axis] - track[0][axis])
-        out.append(bool(along > 0 and along > abs(track[-1][1 - axis] - track[0][1 - axis])))
-    return out
 
 
 SWAP_DIRECTION = {"left": "right", "right": "left", "up": "down", "down": "up"}

@@ -14,6 +14,7 @@ from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 from diffalign.world.video import (
     all_video_prompts,
+    direction_sign,
     parse_video_caption,
     render_video,
     verify_video,
@@ -46,6 +47,21 @@ def test_the_verifier_rejects_every_other_direction(motion):
         verdict = verify_video(video, o)
         assert verdict.constraints["motion/0"] == (other == motion)
         assert verdict.constraints["identity/0"]
+
+
+def test_direction_sign_by_hand():
+    spec = parse_video_caption("a red circle moving left and a blue square moving up")
+    # left: x falls by 6 px, y drifts 2 px -> right way; up: y falls by 3 px but x moves 4 px -> across dominates
+    tracks = [[(20.0, 10.0), (17.0, 11.0), (14.0, 12.0)], [(8.0, 20.0), (10.0, 19.0), (12.0, 17.0)]]
+    assert direction_sign(tracks, spec) == [True, False]
+    # the wrong way along the named axis, a track with a missing frame (skipped), and a still entry (skipped)
+    assert direction_sign([[(14.0, 10.0), (20.0, 10.0)], [(8.0, 20.0), None]], spec) == [False]
+    still = parse_video_caption("a red circle staying still and a blue square moving down")
+    assert direction_sign([[(5.0, 5.0), (5.0, 5.0)], [(8.0, 10.0), (8.0, 14.0)]], still) == [True]
+    # ground truth: every moving object of a rendered video points the named way
+    for motion in ("left", "right", "up", "down"):
+        s = parse_video_caption(f"a green triangle moving {motion}")
+        assert direction_sign(verify_video(render_video(s, seed=3), s).tracks, s) == [True]
 
 
 def test_identity_must_be_kept_across_frames():
