@@ -100,6 +100,10 @@ class TransitionUnit(NamedTuple):
     k: int
     weight: float = 1.0
 
+    def weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times `weight` (unchanged, no new graph node, when the weight is 1)."""
+        return loss if self.weight == 1 else loss * self.weight
+
 
 def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selection: str
                     ) -> Iterator[list[TransitionUnit]]:
@@ -402,7 +406,7 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         mb = unit.epoch.trajectory.index(unit.rows)
         loss, metrics = self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k,
                              reference=reference)
-        return (loss if unit.weight == 1 else loss * unit.weight), metrics
+        return unit.weighted(loss), metrics
 
     def __call__(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, *, reference=None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -172,7 +172,7 @@ class ViPO(StoredTransitionMethod):
         mb = unit.epoch.trajectory.index(unit.rows)
         loss, metrics = self(policy, mb, unit.epoch.advantages[unit.rows].to(mb.latents.device), unit.k,
                              reference=reference, rows=unit.rows)
-        return (loss if unit.weight == 1 else loss * unit.weight), metrics
+        return unit.weighted(loss), metrics
 
     @property
     def psm(self) -> PerceptualStructuring:
