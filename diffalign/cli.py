@@ -171,6 +171,41 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
             cfg.model[key] = value
 
 
+def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> None:
+    """Evaluates checkpoints on the model their run trained: when the command line names no model (no ``model=...``
+    or ``model.<key>=...`` override), the ``model`` node of the runs' saved config (``<run>/.hydra/config.yaml``, in
+    the folder above each checkpoint folder) replaces the evaluation's default one (the tiny SD model), so that
+    ``diffalign-eval checkpoints=[base,<an SD3 run>/final]`` needs no ``model=tiny_sd3``. Checkpoints without a saved
+    config (a LoRA folder copied elsewhere) keep the command line's model; a model named on the command line always
+    wins.
+
+    Raises:
+        ValueError: if the checkpoints' runs trained different models (naming the checkpoints and their models).
+    """
+    if any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "model" for o in overrides):
+        return
+    found = {}
+    for folder in folders:
+        saved = Path(folder).resolve().parent / ".hydra" / "config.yaml"
+        if saved.is_file() and OmegaConf.load(saved).get("model") is not None:
+            found[str(folder)] = OmegaConf.load(saved).model
+    if not found:
+        return
+    containers = {k: OmegaConf.to_container(v, resolve=False) for k, v in found.items()}
+    if len({json.dumps(c, sort_keys=True) for c in containers.values()}) > 1:
+        named = "; ".join(f"{k}: {c.get('_target_')} {c.get('pretrained_model_name_or_path')}"
+                          for k, c in containers.items())
+        raise ValueError(f"the checkpoints come from runs that trained different models ({named}); evaluate them in "
+                         "separate diffalign-eval runs, or pass model=... to evaluate all of them on one model")
+    folder, model = next(iter(found.items()))
+    if containers[folder] == OmegaConf.to_container(cfg.model, resolve=False):
+        return
+    print(f"[diffalign] model from the run's config ({Path(folder).resolve().parent / '.hydra' / 'config.yaml'}): "
+          f"{model.get('_target_')} ({model.get('pretrained_model_name_or_path')}); pass model=... to override")
+    with open_dict(cfg):
+        cfg.model = model
+
+
 def _eval_main(cfg: DictConfig) -> None:
     from diffalign.config_checks import boolean
     from diffalign.deprecation import migrate_config
@@ -207,7 +242,9 @@ def _eval_main(cfg: DictConfig) -> None:
                 variants["checkpoint"] = Path(cfg.checkpoint)
         if cfg.run_dir is not None and not Path(cfg.run_dir).is_dir():
             raise FileNotFoundError(f"run_dir={cfg.run_dir!r} is not a folder; pass a diffalign-train output_dir")
-        _adopt_saved_lora_settings(cfg, [v for v in variants.values() if not isinstance(v, bool)])
+        folders = [v for v in variants.values() if not isinstance(v, bool)]
+        _adopt_run_model(cfg, folders, _command_line_overrides())
+        _adopt_saved_lora_settings(cfg, folders)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 

@@ -266,3 +266,43 @@ def test_eval_of_a_transformer_lora_on_a_unet_model_names_the_model_before_loadi
                                          r".*model=tiny_sd3"):
         _eval_main(cfg)
     assert not (tmp_path / "ev" / "samples.jsonl").exists()
+
+
+def _fake_run(root, lora_folder, model: str):
+    """A run folder as diffalign-train leaves it: ``final/`` with the LoRA and the composed config in ``.hydra/``."""
+    from omegaconf import OmegaConf
+
+    shutil.copytree(lora_folder, root / "final")
+    (root / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_cfg([f"output_dir={root}", f"model={model}"]), root / ".hydra" / "config.yaml")
+    return root / "final"
+
+
+def test_eval_takes_the_model_from_the_runs_config(tmp_path, loras, monkeypatch):
+    """``diffalign-eval checkpoints=[base,<an SD3 run>/final]`` without ``model=tiny_sd3`` evaluates on the run's
+    model (the default eval model is the tiny SD one, which the test above shows refusing this LoRA); a model named on
+    the command line still wins, and runs of different models are refused, naming both."""
+    from diffalign import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_evaluate", lambda cfg, variants: seen.update(model=cfg.model, variants=variants))
+    sd3_final = _fake_run(tmp_path / "sd3run", loras["tiny_sd3"]["folder"], "tiny_sd3")
+    cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev'}"], name="evaluate")
+    assert cfg.model._target_.endswith("StableDiffusionPolicy.from_pretrained")
+    cli._eval_main(cfg)
+    assert seen["model"]._target_ == "diffalign.models.sd3.StableDiffusion3Policy.from_pretrained"
+    assert seen["model"].pretrained_model_name_or_path == asset_path("tiny_sd3")
+    assert seen["model"].lora_rank == 4 and seen["model"].lora_alpha == 2  # (then the file's LoRA settings)
+
+    monkeypatch.setattr(cli, "_command_line_overrides", lambda: ["model=tiny_sd"])  # explicit: the family check
+    cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev2'}"], name="evaluate")
+    with pytest.raises(SystemExit, match=r"is a LoRA for a transformer, but the model .* has a unet"):
+        cli._eval_main(cfg)
+
+    monkeypatch.setattr(cli, "_command_line_overrides", list)
+    sd_final = _fake_run(tmp_path / "sdrun", loras["tiny_sd"]["folder"], "tiny_sd")
+    cfg = compose_cfg([f"checkpoints=[base,{sd3_final},{sd_final}]", f"output_dir={tmp_path / 'ev3'}"],
+                      name="evaluate")
+    with pytest.raises(SystemExit, match=r"runs that trained different models .*StableDiffusion3Policy.*"
+                                         r"StableDiffusionPolicy"):
+        cli._eval_main(cfg)
