@@ -172,38 +172,45 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
 
 def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> None:
-    """Evaluates checkpoints on the model their run trained: when the command line names no model (no ``model=...``
-    or ``model.<key>=...`` override), the ``model`` node of the runs' saved config (``<run>/.hydra/config.yaml``, in
-    the folder above each checkpoint folder) replaces the evaluation's default one (the tiny SD model), so that
-    ``diffalign-eval checkpoints=[base,<an SD3 run>/final]`` needs no ``model=tiny_sd3``. Checkpoints without a saved
-    config (a LoRA folder copied elsewhere) keep the command line's model; a model named on the command line always
-    wins.
+    """Evaluates checkpoints on the model their run trained: when the command line does not choose a model (no
+    ``model=...``), the ``model`` node of the runs' saved config (``<run>/.hydra/config.yaml``, in the folder above
+    each checkpoint folder) replaces the evaluation's default one (the tiny SD model), so that
+    ``diffalign-eval checkpoints=[base,<an SD3 run>/final]`` needs no ``model=tiny_sd3``. ``model.<key>=...`` overrides
+    on the command line are applied on top of it; the run's ``init_lora`` is dropped (a checkpoint holds the whole
+    adapter). Checkpoints without a saved config (a LoRA folder copied elsewhere) keep the command line's model.
 
     Raises:
         ValueError: if the checkpoints' runs trained different models (naming the checkpoints and their models).
     """
-    if any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "model" for o in overrides):
+    from diffalign.init_lora import model_config
+
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    if "model" in keys:
         return
     found = {}
     for folder in folders:
         saved = Path(folder).resolve().parent / ".hydra" / "config.yaml"
-        if saved.is_file() and OmegaConf.load(saved).get("model") is not None:
-            found[str(folder)] = OmegaConf.load(saved).model
+        if saved.is_file():
+            run_cfg = OmegaConf.load(saved)
+            if run_cfg.get("model") is not None:
+                found[str(folder)] = (saved, OmegaConf.to_container(model_config(run_cfg.model)))
     if not found:
         return
-    containers = {k: OmegaConf.to_container(v, resolve=False) for k, v in found.items()}
-    if len({json.dumps(c, sort_keys=True) for c in containers.values()}) > 1:
-        named = "; ".join(f"{k}: {c.get('_target_')} {c.get('pretrained_model_name_or_path')}"
-                          for k, c in containers.items())
+    if len({json.dumps(m, sort_keys=True) for _, m in found.values()}) > 1:
+        named = "; ".join(f"{k}: {m.get('_target_')} ({m.get('pretrained_model_name_or_path')})"
+                          for k, (_, m) in found.items())
         raise ValueError(f"the checkpoints come from runs that trained different models ({named}); evaluate them in "
-                         "separate diffalign-eval runs, or pass model=... to evaluate all of them on one model")
-    folder, model = next(iter(found.items()))
-    if containers[folder] == OmegaConf.to_container(cfg.model, resolve=False):
+                         "separate diffalign-eval runs")
+    saved, model = next(iter(found.values()))
+    for key in keys:  # the command line's model.<key>=... still apply
+        if key.startswith("model.") and "." not in key[len("model."):]:
+            model[key[len("model."):]] = OmegaConf.to_container(cfg.model, resolve=True)[key[len("model."):]]
+    if model == OmegaConf.to_container(model_config(cfg.model)):
         return
-    print(f"[diffalign] model from the run's config ({Path(folder).resolve().parent / '.hydra' / 'config.yaml'}): "
-          f"{model.get('_target_')} ({model.get('pretrained_model_name_or_path')}); pass model=... to override")
+    print(f"[diffalign] model from the run's config ({saved}): {model.get('_target_')} "
+          f"({model.get('pretrained_model_name_or_path')}); pass model=... to override")
     with open_dict(cfg):
-        cfg.model = model
+        cfg.model = OmegaConf.create(model)
 
 
 def _eval_main(cfg: DictConfig) -> None:

@@ -4,6 +4,7 @@ errors raised before any model loads."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -280,19 +281,30 @@ def _fake_run(root, lora_folder, model: str):
 
 def test_eval_takes_the_model_from_the_runs_config(tmp_path, loras, monkeypatch):
     """``diffalign-eval checkpoints=[base,<an SD3 run>/final]`` without ``model=tiny_sd3`` evaluates on the run's
-    model (the default eval model is the tiny SD one, which the test above shows refusing this LoRA); a model named on
-    the command line still wins, and runs of different models are refused, naming both."""
+    model (the default eval model is the tiny SD one, which the test above shows refusing this LoRA), for real: the
+    run's saved config carries ``model.init_lora: null``, which the policy constructors do not take. ``model.<key>=``
+    overrides apply on top of it, ``model=...`` replaces it, and runs of different models are refused, naming both."""
     from diffalign import cli
 
-    seen = {}
-    monkeypatch.setattr(cli, "_evaluate", lambda cfg, variants: seen.update(model=cfg.model, variants=variants))
     sd3_final = _fake_run(tmp_path / "sd3run", loras["tiny_sd3"]["folder"], "tiny_sd3")
-    cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev'}"], name="evaluate")
+    assert "init_lora" in (tmp_path / "sd3run" / ".hydra" / "config.yaml").read_text()
+    tiny = ["eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2", "report=false"]
+    cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev'}", *tiny], name="evaluate")
     assert cfg.model._target_.endswith("StableDiffusionPolicy.from_pretrained")
+    cli._eval_main(cfg)  # a real evaluation
+    state = json.loads((tmp_path / "ev" / "eval_state.json").read_text())
+    assert state["key"]["context"]["model"]["_target_"] == "diffalign.models.sd3.StableDiffusion3Policy.from_pretrained"
+    assert state["key"]["context"]["model"]["lora_rank"] == 4  # (then the file's LoRA settings)
+    assert len((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()) == 2 * 6  # base + LoRA, 6 prompts
+
+    seen = {}
+    monkeypatch.setattr(cli, "_evaluate", lambda cfg, variants: seen.update(model=cfg.model))
+    monkeypatch.setattr(cli, "_command_line_overrides", lambda: ["model.torch_dtype=float64"])
+    cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev1'}",
+                       "model.torch_dtype=float64"], name="evaluate")
     cli._eval_main(cfg)
-    assert seen["model"]._target_ == "diffalign.models.sd3.StableDiffusion3Policy.from_pretrained"
-    assert seen["model"].pretrained_model_name_or_path == asset_path("tiny_sd3")
-    assert seen["model"].lora_rank == 4 and seen["model"].lora_alpha == 2  # (then the file's LoRA settings)
+    assert seen["model"]._target_.endswith("StableDiffusion3Policy.from_pretrained")
+    assert seen["model"].torch_dtype == "float64" and "init_lora" not in seen["model"]
 
     monkeypatch.setattr(cli, "_command_line_overrides", lambda: ["model=tiny_sd"])  # explicit: the family check
     cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev2'}"], name="evaluate")
@@ -304,5 +316,5 @@ def test_eval_takes_the_model_from_the_runs_config(tmp_path, loras, monkeypatch)
     cfg = compose_cfg([f"checkpoints=[base,{sd3_final},{sd_final}]", f"output_dir={tmp_path / 'ev3'}"],
                       name="evaluate")
     with pytest.raises(SystemExit, match=r"runs that trained different models .*StableDiffusion3Policy.*"
-                                         r"StableDiffusionPolicy"):
+                                         r"assets/tiny_sd3.*StableDiffusionPolicy.*assets/tiny_sd\)"):
         cli._eval_main(cfg)
