@@ -41,9 +41,12 @@ def compose_run_config(overrides: list[str], output_dir: str):
     ``output_dir`` set to a scratch folder.
 
     Raises:
-        ValueError: an unknown reward name in ``reward=...`` (`diffalign.cli.check_reward_overrides`).
+        ValueError: an unknown reward name in ``reward=...`` (`diffalign.cli.check_reward_overrides`), or an override
+            Hydra cannot apply (an unknown key: Hydra's message).
+        ImportError: a ``python:`` reward cannot be imported.
     """
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
 
     from diffalign.cli import CONFIG_DIR, _setup, check_reward_overrides
     from diffalign.deprecation import migrate_config
@@ -51,7 +54,10 @@ def compose_run_config(overrides: list[str], output_dir: str):
     _setup()
     check_reward_overrides(overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"output_dir={output_dir}", *overrides])
+        try:
+            cfg = compose(config_name="train", overrides=[f"output_dir={output_dir}", *overrides])
+        except HydraException as err:
+            raise ValueError(str(err)) from err
     migrate_config(cfg, overrides)
     return cfg
 

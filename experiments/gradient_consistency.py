@@ -36,7 +36,11 @@ def main() -> int:
 
     from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
 
-    setup = build_probe_setup(compose_run_config(args.overrides, "/tmp/gradient_consistency"))
+    try:
+        cfg = compose_run_config(args.overrides, "/tmp/gradient_consistency")
+    except (ValueError, ImportError) as err:  # an unknown key or reward: one line, not a traceback
+        raise SystemExit(f"gradient_consistency.py: error: {err}") from None
+    setup = build_probe_setup(cfg)
 
     def gradient(traj, advantages) -> torch.Tensor:
         return torch.cat([g.flatten() for g in epoch_gradient(setup, traj, advantages)["grads"]])
@@ -62,7 +66,8 @@ def main() -> int:
               f"(mean {sum(pairs) / len(pairs):+.3f}); of their signs (Adam's first step) "
               f"{' '.join(f'{c:+.3f}' for c in signs)}")
     same = [cos(a, b) for a, b in zip(grads["reward"], grads["random"])]
-    print(f"reward vs random, same epoch: {' '.join(f'{c:+.3f}' for c in same)}")
+    print(f"cosine of the reward and random gradients of the same epoch (epochs 0..{args.epochs - 1}): "
+          f"{' '.join(f'{c:+.3f}' for c in same)}")
     return 0
 
 

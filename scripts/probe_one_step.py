@@ -33,12 +33,21 @@ def main() -> None:
     p.add_argument("--epoch", type=int, default=0, help="which epoch's rollouts (seeds) to take the gradient on")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    for flag, value, least in (("--probe-prompts", args.probe_prompts, 1), ("--probe-seeds", args.probe_seeds, 1),
+                               ("--epoch", args.epoch, 0)):
+        if value < least:
+            raise SystemExit(f"{flag} {value}: pass an integer ≥ {least}")
+    if any(lr <= 0 for lr in args.lrs):
+        raise SystemExit(f"--lrs {args.lrs}: every learning rate must be > 0")
 
     from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
     from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
-    cfg = compose_run_config(args.overrides, "/tmp/probe")
+    try:
+        cfg = compose_run_config(args.overrides, "/tmp/probe")
+    except (ValueError, ImportError) as err:  # an unknown key or reward: one line, not a traceback
+        raise SystemExit(f"probe_one_step.py: error: {err}") from None
     setup = build_probe_setup(cfg)
     policy, reward, sp = setup.policy, setup.reward, cfg.sampler
     # the probe's own prompt draw (docs' figures use it), not the online loop's: diffalign.probes.PROMPT_DRAWS

@@ -47,3 +47,10 @@ def test_methods_without_a_per_transition_loss_are_refused(tmp_path):
     overrides = ONLINE_CASES["dgpo_flow"] + online_overrides(tmp_path)
     with pytest.raises(SystemExit, match="policy-gradient"):
         build_probe_setup(compose_run_config(overrides, str(tmp_path)))
+
+
+def test_bad_overrides_are_one_value_error(tmp_path):
+    with pytest.raises(ValueError, match=r"online\.nosuch"):
+        compose_run_config(["recipe=tiny_flow_grpo", "online.nosuch=3"], str(tmp_path))
+    with pytest.raises(ValueError, match="unknown reward"):
+        compose_run_config(["recipe=tiny_flow_grpo", "reward=[nosuch]"], str(tmp_path))
