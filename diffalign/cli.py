@@ -202,9 +202,14 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
         raise ValueError(f"the checkpoints come from runs that trained different models ({named}); evaluate them in "
                          "separate diffalign-eval runs")
     saved, model = next(iter(found.values()))
-    for key in keys:  # the command line's model.<key>=... still apply
-        if key.startswith("model.") and "." not in key[len("model."):]:
-            model[key[len("model."):]] = OmegaConf.to_container(cfg.model, resolve=True)[key[len("model."):]]
+    current = OmegaConf.to_container(cfg.model, resolve=True)
+    for key in keys:  # the command line's model.<key>=... (and ~model.<key>) still apply
+        name = key[len("model."):] if key.startswith("model.") else None
+        if name and "." not in name:
+            if name in current:
+                model[name] = current[name]
+            else:
+                model.pop(name, None)
     if model == OmegaConf.to_container(model_config(cfg.model)):
         return
     print(f"[diffalign] model from the run's config ({saved}): {model.get('_target_')} "

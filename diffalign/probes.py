@@ -67,7 +67,7 @@ def build_probe_setup(cfg) -> ProbeSetup:
     on the policy, as the online loop does) and the first selected reward.
 
     Raises:
-        SystemExit: the method is not a policy-gradient one (DGPO, DiffusionNFT and the offline methods have no
+        ValueError: the method is not a policy-gradient one (DGPO, DiffusionNFT and the offline methods have no
             per-transition loss to probe).
     """
     from hydra.utils import instantiate
@@ -80,7 +80,7 @@ def build_probe_setup(cfg) -> ProbeSetup:
     policy = build_policy(cfg)
     objective = instantiate(cfg.method)
     if getattr(objective, "data_flow", None) != "online_trajectories":
-        raise SystemExit(f"method={cfg.method.get('_target_', '?')}: the probes handle the policy-gradient methods "
+        raise ValueError(f"method={cfg.method.get('_target_', '?')}: the probes handle the policy-gradient methods "
                          "(DDPO, Flow-GRPO, ViPO), whose data_flow is 'online_trajectories'")
     reference = instantiate(cfg.reference)
     reference.setup(policy)

@@ -37,10 +37,9 @@ def main() -> int:
     from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
 
     try:
-        cfg = compose_run_config(args.overrides, "/tmp/gradient_consistency")
-    except (ValueError, ImportError) as err:  # an unknown key or reward: one line, not a traceback
+        setup = build_probe_setup(compose_run_config(args.overrides, "/tmp/gradient_consistency"))
+    except (ValueError, ImportError) as err:  # an unknown key or reward, or not a policy-gradient method: one line
         raise SystemExit(f"gradient_consistency.py: error: {err}") from None
-    setup = build_probe_setup(cfg)
 
     def gradient(traj, advantages) -> torch.Tensor:
         return torch.cat([g.flatten() for g in epoch_gradient(setup, traj, advantages)["grads"]])

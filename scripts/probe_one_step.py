@@ -45,10 +45,10 @@ def main() -> None:
     from diffalign.world.prompts import load_prompts
 
     try:
-        cfg = compose_run_config(args.overrides, "/tmp/probe")
-    except (ValueError, ImportError) as err:  # an unknown key or reward: one line, not a traceback
+        setup = build_probe_setup(compose_run_config(args.overrides, "/tmp/probe"))
+    except (ValueError, ImportError) as err:  # an unknown key or reward, or not a policy-gradient method: one line
         raise SystemExit(f"probe_one_step.py: error: {err}") from None
-    setup = build_probe_setup(cfg)
+    cfg = setup.cfg
     policy, reward, sp = setup.policy, setup.reward, cfg.sampler
     # the probe's own prompt draw (docs' figures use it), not the online loop's: diffalign.probes.PROMPT_DRAWS
     traj, group_ids, scores, _ = sample_epoch(setup, args.epoch, draw="probe")

@@ -45,7 +45,7 @@ def test_the_gradient_is_the_policy_gradient_linear_in_the_advantages(tmp_path):
 
 def test_methods_without_a_per_transition_loss_are_refused(tmp_path):
     overrides = ONLINE_CASES["dgpo_flow"] + online_overrides(tmp_path)
-    with pytest.raises(SystemExit, match="policy-gradient"):
+    with pytest.raises(ValueError, match="policy-gradient"):
         build_probe_setup(compose_run_config(overrides, str(tmp_path)))
 
 
