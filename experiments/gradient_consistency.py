@@ -30,7 +30,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=3, help="epochs (0..N-1) whose gradients are compared (≥ 2)")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # overrides may come before, between or after the flags
     if args.epochs < 2:
         raise SystemExit(f"--epochs {args.epochs}: at least 2 epochs are needed to compare gradients")
 

@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--probe-seeds", type=int, default=4)
     p.add_argument("--epoch", type=int, default=0, help="which epoch's rollouts (seeds) to take the gradient on")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # overrides may come before, between or after the flags
     for flag, value, least in (("--probe-prompts", args.probe_prompts, 1), ("--probe-seeds", args.probe_seeds, 1),
                                ("--epoch", args.epoch, 0)):
         if value < least:
