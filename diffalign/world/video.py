@@ -155,14 +155,24 @@ class VideoVerdict:
     detections: list[list[Detection]] = field(default_factory=list)
 
 
+def _named_axis(motion: str) -> tuple[int, int]:
+    """The axis (0 = x, 1 = y) a moving `motion` runs along, and its sign there (image y grows downwards)."""
+    vx, vy = VELOCITY[motion]
+    return (0, vx) if vx else (1, vy)
+
+
+def _net_displacement(track, motion: str) -> tuple[float, float]:
+    """A complete track's first→last displacement for a moving `motion`: (along the named way, |across it|) in px."""
+    axis, sign = _named_axis(motion)
+    return sign * (track[-1][axis] - track[0][axis]), abs(track[-1][1 - axis] - track[0][1 - axis])
+
+
 def _motion_ok(track: list[tuple[float, float]], motion: str) -> bool:
     xy = np.asarray(track, dtype=np.float64)
     if motion == "still":
         return bool(np.abs(xy - xy[0]).max() <= STILL_TOLERANCE)
-    vx, vy = VELOCITY[motion]
-    axis, sign = (0, vx) if vx else (1, vy)
-    along = sign * (xy[-1, axis] - xy[0, axis])
-    across = abs(xy[-1, 1 - axis] - xy[0, 1 - axis])
+    along, across = _net_displacement(xy, motion)
+    axis, sign = _named_axis(motion)
     steps = sign * np.diff(xy[:, axis])
     return bool(along >= MIN_TRAVEL and along > across and (steps >= -BACKTRACK_TOLERANCE).all())
 
@@ -178,10 +188,8 @@ def direction_sign(tracks: list[list[tuple[float, float] | None]], spec: dict) -
     for track, e in zip(tracks, spec["include"]):
         if e["motion"] == "still" or any(p is None for p in track):
             continue
-        vx, vy = VELOCITY[e["motion"]]
-        axis, sign = (0, vx) if vx else (1, vy)
-        along = sign * (track[-1][axis] - track[0][axis])
-        out.append(bool(along > 0 and along > abs(track[-1][1 - axis] - track[0][1 - axis])))
+        along, across = _net_displacement(track, e["motion"])
+        out.append(bool(along > 0 and along > across))
     return out
 
 
