@@ -4,7 +4,8 @@ Composes a run's config exactly as ``diffalign-train`` would (recipe + overrides
 online loop does (with the probe's own fixed prompt draw, ``diffalign.probes.PROMPT_DRAWS``), scores them, computes
 the group advantages and the method's loss over every trained transition, and takes its gradient g
 (``diffalign.probes``, shared with ``experiments/gradient_consistency.py``). Then it measures the mean reward of
-fixed probe samples (deterministic sampler, fixed seeds, the monitor's convention) after one step θ − lr·d along two directions, each with its opposite:
+fixed probe samples (deterministic sampler, fixed seeds, the monitor's convention) after one step θ − lr·d along two
+directions, each with its opposite:
 
 - ``adam``: d = sign(g), what Adam's first update is (m̂/√v̂ = g/|g| elementwise, bias-corrected, ε ≪ |g|);
 - ``sgd``: d = g/‖g‖ scaled to the same norm as lr·sign(g).
