@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from diffalign.lora_io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
+from diffalign.lora.io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
@@ -56,7 +56,7 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
         `Path`: the file written.
 
     Raises:
-        FileNotFoundError, ValueError: an unreadable source (`diffalign.lora_io.read_lora`), a destination that exists
+        FileNotFoundError, ValueError: an unreadable source (`diffalign.lora.io.read_lora`), a destination that exists
             (without `overwrite`) or has the wrong form, or a family kohya export does not cover.
     """
     if fmt not in ("kohya", "diffusers"):

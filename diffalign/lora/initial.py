@@ -1,7 +1,7 @@
 """Starting a training run from a saved LoRA: ``model.init_lora=<folder or .safetensors file>`` (docs/lora.md).
 
 The file (a diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA, or a kohya-format file; see
-`diffalign.lora_io`) becomes the policy's adapter before the reference strategy is set up, so
+`diffalign.lora.io`) becomes the policy's adapter before the reference strategy is set up, so
 
 - ``reference=frozen_base`` is the base model without any adapter (the init LoRA is part of the policy only);
 - ``reference=checkpoint reference.path=<the same file>`` is the init LoRA itself: the policy starts equal to its
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffalign.lora_io import LoraWeights, load_into_policy, read_lora
+from diffalign.lora.io import LoraWeights, load_into_policy, read_lora
 
 FIELD = "model.init_lora"
 SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules")
@@ -40,7 +40,7 @@ def model_config(model_cfg: DictConfig) -> DictConfig:
 def resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The checkpoint folder ``cfg.resume`` resumes from (``latest``: the newest in ``output_dir``, None when there is
     none), as `diffalign.train.common.Checkpoints.resume` picks it; None without ``resume``."""
-    from diffalign.checkpoint import latest_checkpoint
+    from diffalign.runtime.checkpoint import latest_checkpoint
 
     resume = cfg.get("resume")
     if resume is None:
@@ -171,7 +171,7 @@ def build_policy(cfg: DictConfig, log: Callable[[str], None] = print):
     says so). Call before the reference strategy's ``setup``.
 
     Raises:
-        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora_io.load_into_policy`.
+        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora.io.load_into_policy`.
     """
     from hydra.utils import instantiate
 

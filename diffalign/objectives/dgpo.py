@@ -39,13 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates
+from diffalign.config.schemas import config_schema, deprecated
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates, stream_seed
 from diffalign.objectives.common import per_sample_mse
-from diffalign.old_policy import EmaRolloutPolicy
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.reference.old_policy import EmaRolloutPolicy
 from diffalign.samplers.configs import describe, noise_scale
-from diffalign.samplers.groups import stream_seed
-from diffalign.schemas import config_schema, deprecated
 from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")
@@ -140,7 +139,7 @@ class DGPO:
         timesteps_per_epoch (`int`, defaults to 4): M, the timesteps trained per epoch (the released code's
             ``num_train_timesteps``; the config key ``method.num_train_timesteps`` is accepted until 0.3).
         timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
-        old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.old_policy`).
+        old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.reference.old_policy`).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range, guidance < 1 or an unknown `kl_reference`

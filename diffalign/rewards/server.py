@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("name the reward to serve (e.g. diffalign-reward-server brightness), or pass --template")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from diffalign.plugins import build_reward
+    from diffalign.rewards.reward_set import build_reward
 
     try:
         reward = build_reward(args.reward, **parse_overrides(args.overrides))
