@@ -12,11 +12,12 @@ import torch
 from conftest import perturb_lora_
 from PIL import Image
 
-import diffalign.evaluation as evaluate_module
+import diffalign.evaluation.evaluate as evaluate_module
+import diffalign.evaluation.generation as generation_module
 from diffalign.evaluation.evaluate import evaluate_policy
-from diffalign.evaluation.files import resolve_checkpoints
+from diffalign.evaluation.files import checkpoint_step, resolve_checkpoints
 from diffalign.evaluation.generation import EvalConfig
-from diffalign.evaluation.scoring import summarize
+from diffalign.evaluation.scoring import compare, summarize
 from diffalign.evaluation.stats import bootstrap_ci, paired_wins
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.runtime.media import save_video
@@ -83,7 +84,7 @@ def test_two_identical_checkpoints_give_identical_images_and_a_win_rate_of_one_h
     scores_b = [by["b", p, s]["mean"] for s in (0, 1) for p in range(3)]
     wins = paired_wins(scores_b, scores_a)
     assert wins.mean() == 0.5 and set(wins) == {0.5}
-    same = evaluate_module.compare({"mean": {"scores": scores_a}}, {"mean": {"scores": scores_b}}, "a", "b",
+    same = compare({"mean": {"scores": scores_a}}, {"mean": {"scores": scores_b}}, "a", "b",
                                    groups=[0, 1, 2, 0, 1, 2])
     assert same["mean/win_rate"]["win_rate"] == 0.5 and same["mean/win_rate"]["ties"] == 6
     assert same["mean/win_rate"]["ci"] == [0.5, 0.5]
@@ -183,7 +184,7 @@ def test_checkpoint_lists_expand_run_folders_in_step_order(tmp_path):
     variants = resolve_checkpoints(["base", str(run / "final"), str(run)])
     assert list(variants) == ["base", "my-run/final", "my-run/checkpoint-2", "my-run/checkpoint-10"]
     assert variants["base"] is True and variants["my-run/checkpoint-10"] == run / "checkpoint-10"
-    assert evaluate_module.checkpoint_step("my-run/checkpoint-10") == 10
+    assert checkpoint_step("my-run/checkpoint-10") == 10
     with pytest.raises(ValueError, match="listed twice"):
         resolve_checkpoints(["base", str(run / "final"), str(run / "final")])
     with pytest.raises(FileNotFoundError, match="neither 'base'"):
@@ -207,8 +208,8 @@ def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(
     lines = (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == (4 + 2) * 2
     sampled = []
-    original = evaluate_module.rollout
-    monkeypatch.setattr(evaluate_module, "rollout", lambda policy, prompts, **kw: (sampled.extend(prompts),
+    original = generation_module.rollout
+    monkeypatch.setattr(generation_module, "rollout", lambda policy, prompts, **kw: (sampled.extend(prompts),
                                                                                   original(policy, prompts, **kw))[1])
     resumed = run("ev", KnownOutcomes())
     assert sampled == [rows[2]["prompt"]] * 2 + [rows[3]["prompt"]] * 2  # only ft's unfinished prompts

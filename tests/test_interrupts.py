@@ -20,7 +20,7 @@ from diffalign.runtime.faults import StopSignals, stop_received
 
 SLOW_EVAL = """
 import time
-import diffalign.evaluation as evaluate
+import diffalign.evaluation.evaluate as evaluate
 sample_images = evaluate.sample_images
 def slow(*args, **kwargs):
     time.sleep(0.4)  # room for a signal between two batches

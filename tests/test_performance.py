@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import perturb_lora_
 
-import diffalign.evaluation as evaluate_module
+import diffalign.evaluation.evaluate as evaluate_module
 from diffalign.evaluation.evaluate import evaluate_policy
 from diffalign.evaluation.generation import EvalConfig
 from diffalign.models.base import inference_lora
