@@ -26,7 +26,7 @@ def check_reward_overrides(argv: list[str]) -> None:
         ValueError: naming the unknown reward(s) and listing the installed ones.
         ImportError: a ``python:`` reward cannot be imported.
     """
-    from diffalign.config.registry import REWARD_GROUPS, entry_point_configs
+    from diffalign.config.registry import REWARD_GROUPS, reward_names
     from diffalign.rewards.python_function import PREFIX, load_function, register_python_reward
 
     for arg in argv:
@@ -34,15 +34,15 @@ def check_reward_overrides(argv: list[str]) -> None:
         if not sep or key.lstrip("+~") not in REWARD_GROUPS:
             continue
         names = [n.strip() for n in value.strip().strip("[]").split(",") if n.strip()]
-        known = sorted(entry_point_configs("diffalign.rewards"))
+        known = reward_names()
         for name in names:
             if name.startswith(PREFIX):
                 load_function(name)
                 register_python_reward(name)
         unknown = [n for n in names if n not in known and not n.startswith(PREFIX)]
         if unknown:
-            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; installed rewards (entry-point "
-                             f"group diffalign.rewards): {known}. Select e.g. reward=[{known[0]}], or a one-off "
+            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; the rewards (diffalign's "
+                             f"and the entry-point group diffalign.rewards'): {known}. Select e.g. reward=[{known[0]}], or a one-off "
                              "function with reward=[python:<module>:<function>]")
 
 
@@ -57,14 +57,13 @@ def _command_line_overrides() -> list[str]:
 
 
 def _train_main(cfg: DictConfig) -> None:
-    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.checks import check_structured_keys
     from diffalign.config.validation import validate_train_config
     from diffalign.lora.initial import adopt_init_lora, command_line_model_keys
     from diffalign.runtime.distributed import check_launch
 
     try:
-        # old config keys → new ones, a FutureWarning each; an old key beside its new one is an error
-        migrate_config(cfg, _command_line_overrides())  # (diffalign.config.deprecation)
+        check_structured_keys(cfg)  # a key added with + that no structured node has
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
         # command line is an error), read before any model is loaded (diffalign/lora/initial.py); then every setting,
         # the adopted ones included, is checked
@@ -192,8 +191,7 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
 
 
 def _eval_main(cfg: DictConfig) -> None:
-    from diffalign.config.checks import boolean
-    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.checks import boolean, check_structured_keys
     from diffalign.config.validation import (
         check_output_dir,
         check_reward_nodes,
@@ -203,7 +201,7 @@ def _eval_main(cfg: DictConfig) -> None:
     from diffalign.evaluation.files import resolve_checkpoints
 
     try:
-        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.config.deprecation)
+        check_structured_keys(cfg)  # a key added with + that no structured node has
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):
             boolean(cfg, key, "")

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from diffalign.config.checks import (
     ConfigError,
     boolean,
+    check_structured_keys,
     choice,
     int_list,
     integer,
@@ -46,7 +47,6 @@ from diffalign.config.checks import (
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 
-MIXED_PRECISION = ("no", "fp16", "bf16")
 VIDEO_FORMATS = ("gif", "mp4")
 
 
@@ -58,15 +58,10 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         cfg (`DictConfig`): the composed ``train`` config.
         overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
             override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
-
-    The config's deprecated keys are moved to their new names first (`diffalign.config.deprecation.migrate_config`, in
-    place), so the checks read only the current names.
     """
-    from diffalign.config.deprecation import migrate_config
-
-    migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
+    check_structured_keys(cfg)  # a key added with + that no structured node has (Hydra suggests adding one)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
-    check_run_settings(cfg)  # (unknown keys of structured nodes: refused by migrate_config, above)
+    check_run_settings(cfg)
     registered_check("trainer")(cfg, online=online)
     if overrides:
         registered_check("overrides")(overrides, online=online)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 
 
@@ -65,6 +66,7 @@ class RandomControl:
         return RewardOutput(scores=hashed_uniform(images, self.seed))
 
 
+@config_schema("reward", "random_control")
 @dataclass
 class RandomControlConfig:
     """Config of `RandomControl`."""

@@ -44,7 +44,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from diffalign.config.registry import COMBINE_FIELDS, entry_points, load_entry_point
+from diffalign.config.registry import COMBINE_FIELDS, reward_config
 from diffalign.rewards.base import Reward, RewardError
 from diffalign.rewards.python_function import PREFIX, PythonFunctionConfig, python_config
 from diffalign.types import RewardOutput
@@ -543,8 +543,7 @@ def build_reward(name: str, **kwargs: Any) -> Any:
         omegaconf.errors.ConfigKeyError: if a kwarg is not a field of the reward's config.
         hydra.errors.InstantiationException: wrapping any error of the reward's constructor (e.g. a bad value).
     """
-    config_class = python_config(name) if name.startswith(PREFIX) else load_entry_point(
-        "diffalign.rewards", name, entry_points("diffalign.rewards"))
+    config_class = python_config(name) if name.startswith(PREFIX) else reward_config(name)
     config = OmegaConf.merge(OmegaConf.structured(config_class), kwargs)
     return instantiate(config)
 

@@ -39,8 +39,7 @@ def sampler_family(sampler) -> str | None:
 
 @node_check("sampler")
 def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> None:
-    """Checks ``cfg.sampler`` (after `diffalign.config.deprecation.migrate_config`; an unmigrated old ``eta`` alias of
-    a flow SDE, still null, passes).
+    """Checks ``cfg.sampler``.
 
     Args:
         flow_matching (`bool` or None): the model's ``flow_matching`` class attribute (True: a rectified-flow model,
@@ -58,8 +57,7 @@ def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> No
     choice(sp, "model_family", p, MODEL_FAMILIES, nullable=True)
     integer(sp, "num_inference_steps", p, ge=1)
     number(sp, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
-    number(sp, "eta", p, ge=0, nullable=sp.get("name") != "ddim",  # (a flow SDE's unmigrated old alias: null)
-           hint="DDIM's eta; 0 is deterministic DDIM")
+    number(sp, "eta", p, ge=0, hint="DDIM's eta; 0 is deterministic DDIM")
     number(sp, "noise_level", p, ge=0, hint="the flow SDE's noise scale; 0 is the Euler ODE")
     family = sampler_family(sp)
     if not online or flow_matching is None or family in (None, "any"):

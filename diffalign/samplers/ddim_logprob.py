@@ -1,5 +1,5 @@
 # Mirrors `diffusers.schedulers.scheduling_ddim.DDIMScheduler.step` (diffusers==0.42.1), written against the installed
-# package and pinned by tests/test_ddim_logprob.py, with these differences:
+# package and pinned by tests/unit/samplers/test_ddim_logprob.py, with these differences:
 # - It returns the Gaussian transition's mean, std and the log-probability of `prev_sample`
 # (docs/algorithms.md#ddim-step; DDPO, arXiv:2305.13301, eq. 4 with the DDIM posterior of arXiv:2010.02502, eq. 12 and
 # 16).

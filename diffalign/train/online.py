@@ -44,7 +44,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
-from diffalign.config.deprecation import migrate_config
+from diffalign.config.checks import check_structured_keys
 from diffalign.evaluation.monitors import build_monitor
 from diffalign.lora.initial import build_policy
 from diffalign.methods import (
@@ -95,7 +95,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
-    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
+    check_structured_keys(cfg)  # a key added with + that no structured node has (checked by the CLI too)
     # repeating warnings counted, one summary line per epoch; log lines around the progress bars
     # (diffalign.runtime.console)
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:

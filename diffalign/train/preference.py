@@ -44,7 +44,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from diffalign.config.deprecation import migrate_config
+from diffalign.config.checks import check_structured_keys
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
 from diffalign.evaluation.monitors import build_monitor
@@ -135,7 +135,7 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
-    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
+    check_structured_keys(cfg)  # a key added with + that no structured node has (checked by the CLI too)
     # repeating warnings (saturation, skipped updates, ...) counted, one summary line per trainer.warnings_every
     # steps; every log line written around the progress bars (diffalign.runtime.console)
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:

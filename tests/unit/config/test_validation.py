@@ -288,7 +288,7 @@ REAL_VALUED = {"lora_alpha"}
 """Fields whose shipped value is written as an integer (``lora_alpha: 8``) but which take any real number."""
 
 
-NAMES = {"lr_scheduler", "mixed_precision", "log_with", "name", "sde_type", "model_family", "split", "advantage_std",
+NAMES = {"lr_scheduler", "mixed_precision", "log_with", "name", "model_family", "split", "advantage_std",
          "video_format", "torch_dtype", "kl_form", "timestep_selection", "reduction", "map", "aggregation",
          "orientation", "smoothing_padding", "loss_weighting", "kl_reference", "cpp", "prediction_space",
          "rand_cond_schedule", "aaf_mode", "aaf_tie", "sample_cache", "logprob_check", "losers", "scheduler",
