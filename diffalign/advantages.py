@@ -184,8 +184,12 @@ class EpochAdvantages:
 
     Args:
         kind (`str`): one of the kinds above.
-        std, clip, correction, eps: `group_advantages`' options (``online.advantage_*``); `clip` also the tracker's.
-        tracker_buffer_size, tracker_min_count (`int`): the tracker's (``online.tracker_*``).
+        std (`str`): `group_advantages`' ``std`` (``online.advantage_std``).
+        clip (`float`, *optional*): `group_advantages`' ``clip`` (``online.advantage_clip``); also the tracker's.
+        correction (`int`): `group_advantages`' ``correction`` (``online.advantage_std_correction``).
+        eps (`float`): `group_advantages`' ``eps`` (``online.advantage_eps``).
+        tracker_buffer_size (`int`): the tracker's buffer size (``online.tracker_buffer_size``).
+        tracker_min_count (`int`): the tracker's minimum count (``online.tracker_min_count``).
 
     Raises:
         ValueError: for an unknown `kind` (naming the method's ``advantage``).

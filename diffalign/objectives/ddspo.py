@@ -76,8 +76,10 @@ def ddspo_loss(
     is ``ln 2`` (times the mean weight).
 
     Args:
-        model_losses_w, model_losses_l (`torch.Tensor` of shape `(B,)`): m_w, m_l ≥ 0 (carry the gradient).
-        ref_losses_w, ref_losses_l (`torch.Tensor` of shape `(B,)`): r_w, r_l ≥ 0.
+        model_losses_w (`torch.Tensor` of shape `(B,)`): m_w ≥ 0 (carries the gradient).
+        model_losses_l (`torch.Tensor` of shape `(B,)`): m_l ≥ 0 (carries the gradient).
+        ref_losses_w (`torch.Tensor` of shape `(B,)`): r_w ≥ 0.
+        ref_losses_l (`torch.Tensor` of shape `(B,)`): r_l ≥ 0.
         beta (`float`): β > 0 (SD1.x TF-CPP 16000, DD-CPP 8000, SD3/SANA 2000; docs/algorithms.md#ddspo).
         weights (`torch.Tensor` of shape `(B,)`, *optional*): per-pair timestep weights ω_t ≥ 0 (e.g. ``t / (T-1)``,
             the "linear" weighting used for SDXL); `None` weights every pair 1.
@@ -144,7 +146,7 @@ class TargetPolicyAdapters:
     never require grad, are not in `policy.trainable_parameters()`, and are active only inside `use`.
 
     Args:
-        policy: a LoRA policy whose adapter is named "default" (`StableDiffusionPolicy`).
+        policy (`StableDiffusionPolicy`): a LoRA policy whose adapter is named "default".
         paths (`dict[str, str]`): adapter name → folder.
 
     Raises:
@@ -247,7 +249,8 @@ class DDSPO(nn.Module):
         rand_cond_schedule (`str`, defaults to "sigmoid"), rand_cond_lambda (`float`, defaults to 20.0): p(t).
         rand_cond_prompts (`str`, *optional*): a prompt file (jsonl/txt) of unpaired prompts; rows with a
             ``"degraded_prompts"`` list use it, others get `random_word_removal` (seed 0); `None` uses the batch.
-        target_lora_w, target_lora_l (`str`, *optional*): DD-CPP's φ^w and φ^l LoRA folders (required for "dd").
+        target_lora_w (`str`, *optional*): DD-CPP's φ^w LoRA folder (required for "dd").
+        target_lora_l (`str`, *optional*): DD-CPP's φ^l LoRA folder (required for "dd").
         timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive.
 
     Raises:

@@ -68,8 +68,8 @@ def diffusion_dpo_loss(
         - ``rewards/margins``: mean ``z``.
         - ``model_loss/chosen``, ``model_loss/rejected``, ``ref_loss/chosen``, ``ref_loss/rejected``: mean losses.
         - ``saturated``: number of pairs with ``|z| > 30``. Such pairs give ~0 gradient, and a batch of them can log
-          a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
-          logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
+            logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0 or the four inputs are not 1-D tensors of one shape.

@@ -135,7 +135,9 @@ class SoftUpdateOldPolicy:
     start, soft-updated once per epoch (`soft_update`, after the epoch's last optimizer step).
 
     Args:
-        decay_max, decay_rate (`float`), flat_steps (`int`): the η schedule of `old_policy_decay`.
+        decay_max (`float`, defaults to 0.5): the η schedule's maximum (`old_policy_decay`).
+        decay_rate (`float`, defaults to 0.001): its rate per step.
+        flat_steps (`int`, defaults to 0): the steps before it rises.
     """
 
     def __init__(self, decay_max: float = 0.5, decay_rate: float = 0.001, flat_steps: int = 0):
@@ -202,8 +204,10 @@ class DiffusionNFT:
         loss_weighting (`str`, defaults to "adaptive"): "adaptive" (x_0-space, released) or "uniform" (velocity MSE).
         timestep_fraction (`float`, defaults to 0.99): each sample trains on max(1, ⌊K · fraction⌋) of the K
             timesteps of `training_schedule` (K = the rollout's steps), a per-sample random subset.
-        old_policy_decay_max, old_policy_decay_rate, old_policy_flat_steps: the soft update's η schedule
-            (`old_policy_decay`).
+        old_policy_decay_max (`float`, defaults to 0.5): the soft update's η schedule (`old_policy_decay`): its
+            maximum (0.5 GenEval, 0.999 OCR).
+        old_policy_decay_rate (`float`, defaults to 0.001): its rate per optimizer step (0.0075 OCR).
+        old_policy_flat_steps (`int`, defaults to 0): the steps before it rises (75 OCR).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, A_max ≤ 0, an unknown weighting, a fraction outside (0, 1], η_max outside
@@ -332,7 +336,8 @@ class DiffusionNFT:
             advantages (`torch.Tensor`): `(B,)` group advantages A.
             timesteps (`torch.Tensor`): `(B,)` training timesteps t = 1000 σ (or a scalar).
             noise (`torch.Tensor`): `(B, C, h, w)` ε of the forward process.
-            reference: the run's reference strategy (a `use(policy)` context); needed when β_KL > 0.
+            reference (`ReferenceStrategy`, *optional*): the run's reference strategy (a `use(policy)` context);
+                needed when β_KL > 0.
 
         Returns:
             (scalar loss (A_max / β) · mean_i [r_i ℓ⁺_i + (1 − r_i) ℓ⁻_i] + β_KL · mean ‖v_θ − v_ref‖², detached

@@ -413,11 +413,12 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         """The loss of transition `k` of every rollout in `trajectory` (a minibatch).
 
         Args:
-            policy: the policy θ.
+            policy (`DiffusionPolicy`): the policy θ.
             trajectory (`Trajectory`): `B` stochastic rollouts with stored `log_probs` `(B, K)` (θ_old's).
             advantages (`torch.Tensor`): `(B,)` advantages.
             k (`int`): the transition index.
-            reference: a reference strategy (`use(policy)` context), needed when `beta_kl > 0`.
+            reference (`ReferenceStrategy`, *optional*): a reference strategy (`use(policy)` context), needed when
+                `beta_kl > 0`.
 
         Returns:
             (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, kl``).

@@ -128,7 +128,7 @@ def seppo_loss(
         - ``anchor_gap``: mean ℓ_θr(x^w) − ℓ_θ(x^w), the AAF statistic (> 0: the policy fits winners better);
         - ``model_loss/chosen``, ``model_loss/reference_sample``, ``ref_loss/chosen``, ``ref_loss/reference_sample``;
         - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero; counted and
-          reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0, the inputs are not four `(B,)` tensors, or `aaf_mode`/`aaf_tie` is unknown.

@@ -56,7 +56,8 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, re
     deterministic step has no density).
 
     Args:
-        x, mean (`torch.Tensor`): `(B, ...)`.
+        x (`torch.Tensor`): `(B, ...)` the sample scored.
+        mean (`torch.Tensor`): `(B, ...)` the Gaussian's mean.
         std (`torch.Tensor`): broadcastable to `x`, ≥ 0.
         reduction (`str`): "mean" (nats per element, the DDPO/Flow-GRPO convention), "sum", or "per_position"
             (sum over the channel dim 1 only, keeping the latent grid: ViPO's per-position log-prob,
@@ -123,7 +124,8 @@ def flow_sde_step(
 
     Args:
         model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
-        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], σ_next < σ.
+        sigma (`float` or `torch.Tensor`): σ, a scalar or `(B,)` in [0, 1].
+        sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
         noise_level (`float`, defaults to 0.7): a ≥ 0 (0.7 is Flow-GRPO's default; 0 gives the Euler ODE step).
         sigma_max (`float`, *optional*): replaces σ = 1 in the denominator of σ_t (the schedule's second sigma in the
@@ -175,7 +177,8 @@ def dance_sde_step(
 
     Args:
         model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
-        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], 0 < σ, σ_next < σ.
+        sigma (`float` or `torch.Tensor`): σ > 0, a scalar or `(B,)` in [0, 1].
+        sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
         eta (`float`, defaults to 0.25): η ≥ 0 (ViPO-Wan 0.25, ViPO-FLUX 0.3; 0 gives the Euler ODE step).
         generator: noise source for drawing x_{k+1}; a list must have one generator per sample.

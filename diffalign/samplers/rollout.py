@@ -19,8 +19,8 @@ from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy, inference_lora
-from diffalign.samplers.ddim_logprob import ddim_step
-from diffalign.samplers.flow_sde import SDE_TYPES, flow_step
+from diffalign.samplers.ddim_logprob import DDIMStepOutput, ddim_step
+from diffalign.samplers.flow_sde import SDE_TYPES, FlowStepOutput, flow_step
 from diffalign.types import PromptEmbeds, Trajectory
 
 STOCHASTIC_SAMPLERS = ("ddim", "flow_sde", "dance_sde")  # trajectories with per-step log-probs (when eta > 0)
@@ -232,7 +232,7 @@ def recompute_step(
     guidance_scale: float | None = None,
     reduction: str = "mean",
     detach_unconditional: bool = False,
-):
+) -> DDIMStepOutput | FlowStepOutput:
     """Re-evaluates stored transition `k` of every rollout in `trajectory` and returns the whole step output (mean,
     std and log-prob of the stored next latent) — what policy-gradient objectives with a KL term need
     (`recompute_log_probs` returns only the log-probs). Gradients flow unless called under `torch.no_grad()`.
