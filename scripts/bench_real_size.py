@@ -62,7 +62,7 @@ MODELS = {
 # SDXL's smallest valid latent is 4x4 (two downsamplings); 8x8 (64 px) is used so that the VAE, whose encoder has
 # three, sees the same 64 px images as SD1.5's.
 
-# The applicable methods (README's method table) with the paper recipe whose settings they run with; "~recipe"
+# The applicable methods (docs/methods/index.md) with the paper recipe whose settings they run with; "~recipe"
 # means no recipe matches that pair, so the method's and model's own configs apply.
 METHODS = {
     "sd15": {

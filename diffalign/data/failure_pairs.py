@@ -9,8 +9,8 @@ are needed and the losers are on-policy samples of the reference model, here the
 (Wallace et al., arXiv:2311.12908, Eq. 14) uses as its reference. Where SePPO decides from the model's own likelihoods
 whether a reference sample may serve as a loser (its anchor-based criterion), this data set asks a verifier, so that
 only samples that really fail become losers: the contrast is between what the model draws when it is wrong and what a
-right image looks like. ``losers="all"`` keeps every sample as a loser (the ablation of the filter; the README's
-main-job table compares the two on the tiny world).
+right image looks like. ``losers="all"`` keeps every sample as a loser (the ablation of the filter;
+docs/results/budgets.md compares the two on the tiny world).
 """
 
 from __future__ import annotations
