@@ -1,5 +1,5 @@
 """Group-relative advantages (GRPO, Flow-GRPO, DGPO) and DDPO's per-prompt running statistics
-(docs/algorithms.md#group-advantages).
+(docs/methods/algorithms.md#group-advantages).
 
 For a prompt c with group rewards r_1..r_G:  A_i = (r_i − mean_c) / (std + ε), with the std of the group
 (``std="group"``, DGPO GenEval) or of the whole batch (``std="global"``, every Flow-GRPO task config), then clipped to
@@ -140,8 +140,9 @@ class PerPromptStatTracker:
 
 def best_of_n_rows(rewards: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
     """The rows kept by DanceGRPO/ViPO's best-of-N selection: in every group, the n/2 highest and the n/2 lowest
-    rewards (docs/algorithms.md#dancegrpo, docs/algorithms.md#vipo); the others are not trained on. Ties are broken by
-    row order (stable sort). With n ≥ the group size every row is kept (the released scripts' G = N = 8 is a no-op).
+    rewards (docs/methods/algorithms.md#dancegrpo, docs/methods/algorithms.md#vipo); the others are not trained on.
+    Ties are broken by row order (stable sort). With n ≥ the group size every row is kept (the released scripts' G = N
+    = 8 is a no-op).
 
     Args:
         rewards (`torch.Tensor`): `(N,)` rewards.

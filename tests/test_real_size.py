@@ -3,7 +3,7 @@ Wan2.1-T2V-1.3B): built on the meta device, their parameter counts are the publi
 by hand from the config; the LoRA of each ``model=`` config (its rank and targets) has r × Σ(in + out) parameters over
 the targeted layers, counted by hand; and SD1.5 (the one that fits in a few GiB) is wrapped by the project's policy
 and runs one forward at its minimum size. The step of every method at real
-size is ``scripts/bench_real_size.py`` (docs/real_size.md)."""
+size is ``scripts/bench_real_size.py`` (docs/guides/real_size.md)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     """The shipped tiny text-to-video model (scripts/pretrain_tiny_video.py --inflate) loads with
     `TextToVideoSDPipeline.from_pretrained` and as a policy; 8 held-out prompts give 8 videos of 8 frames, whose
     objects the motion verifier tracks across frames (identity kept, the dense score's 2 of 3 constraints) while the
-    direction of motion is not learned (docs/vipo.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
+    direction of motion is not learned (docs/results/video.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
     from diffusers import TextToVideoSDPipeline
 
     from diffalign.models.text_to_video import TextToVideoPolicy

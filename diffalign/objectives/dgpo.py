@@ -1,8 +1,9 @@
-r"""DGPO — Direct Group Preference Optimization (Luo, Hu, Tang; ICLR 2026; arXiv:2510.08425), docs/algorithms.md#dgpo.
+r"""DGPO — Direct Group Preference Optimization (Luo, Hu, Tang; ICLR 2026; arXiv:2510.08425),
+docs/methods/algorithms.md#dgpo.
 
 Online and without a policy gradient: for each prompt a group of G samples x^i (from the rollout policy θ⁻ with a
 deterministic ODE sampler), rewards, group-normalised advantages A_i, and a group Bradley–Terry objective whose
-trainable bound is (paper Eq. 17, with the per-sample denoising loss ℓ of docs/algorithms.md#denoising-loss)
+trainable bound is (paper Eq. 17, with the per-sample denoising loss ℓ of docs/methods/algorithms.md#denoising-loss)
 
 $$\mathcal L = -\log\sigma\Big(-\beta\lambda_t \sum_{i=1}^{G} A_i\,[\ell_\theta(x^i) - \ell_{ref}(x^i)]\Big),$$
 
@@ -194,7 +195,7 @@ class DGPO:
                              "trains on whole groups: set online.best_of_n=null")
         if noise_scale(sp) > 0:
             raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
-                             f"docs/algorithms.md#dgpo), but sampler={describe(sp)} is stochastic. Use "
+                             f"docs/methods/algorithms.md#dgpo), but sampler={describe(sp)} is stochastic. Use "
                              "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler=ddim sampler.eta=0 "
                              "for deterministic DDIM")
         if m.timestep_max_index >= sp.num_inference_steps:

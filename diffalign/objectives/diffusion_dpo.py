@@ -1,7 +1,7 @@
 """Diffusion-DPO (Wallace et al., CVPR 2024, [arXiv:2311.12908](https://arxiv.org/abs/2311.12908)).
 
-docs/algorithms.md#diffusion-dpo. Offline preference pairs ``(c, x_0^w, x_0^l)``; per pair one timestep and one noise
-draw shared by winner and loser; the reference is the initial model (``policy.reference()``) unless a reference
+docs/methods/algorithms.md#diffusion-dpo. Offline preference pairs ``(c, x_0^w, x_0^l)``; per pair one timestep and one
+noise draw shared by winner and loser; the reference is the initial model (``policy.reference()``) unless a reference
 strategy of `diffalign.reference` is passed (e.g. a named checkpoint or an EMA).
 """
 
@@ -121,7 +121,7 @@ class DiffusionDPOConfig:
 
 
 class DiffusionDPO(nn.Module):
-    r"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14; docs/algorithms.md#diffusion-dpo).
+    r"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14; docs/methods/algorithms.md#diffusion-dpo).
 
     One call, for a batch of ``B`` pairs:
 
@@ -136,7 +136,7 @@ class DiffusionDPO(nn.Module):
     Args:
         beta (`float`, defaults to 5000.0):
             KL strength β > 0 (released SD1.5/SDXL value; the paper/SePPO also quote 2000). β does not transfer
-            between ε, v and flow parametrizations (docs/algorithms.md#forward-processes).
+            between ε, v and flow parametrizations (docs/methods/algorithms.md#forward-processes).
         timestep_min (`int`, defaults to 0):
             Smallest training timestep drawn, inclusive, ≥ 0.
         timestep_max (`int`, *optional*):

@@ -1,4 +1,5 @@
-r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719), docs/algorithms.md#vipo.
+r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719),
+docs/methods/algorithms.md#vipo.
 
 GRPO whose scalar group advantage A_i is redistributed over latent positions p (space, and time for video) by a
 perceptual allocation map M_i ∈ [0, 1] (`diffalign.vipo.psm.PerceptualStructuring`, built once per epoch from the
@@ -69,7 +70,7 @@ class ViPOConfig:
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
-    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/guides/reliability.md)
 
 
 class ViPO(StoredTransitionMethod):

@@ -1,11 +1,11 @@
 """Group rollouts for online methods: G samples per prompt, with initial noise shared inside a group or not.
 
 DGPO draws independent initial noises for the G samples of a prompt; DanceGRPO/ViPO start all G from the same noise
-(`init_same_noise`); Flow-GRPO and DDPO draw independently (docs/algorithms.md#dancegrpo, docs/algorithms.md#dgpo).
-Noise is never shared across groups or across processes: every random stream is seeded from ``(seed, epoch, global
-group index[, member])`` through `numpy.random.SeedSequence`, and each process owns distinct global group indices. The
-same seed therefore reproduces the same rollouts bit for bit; another chunking (`rollout_batch_size`) draws the same
-noise and differs only by the float rounding of batched forwards.
+(`init_same_noise`); Flow-GRPO and DDPO draw independently (docs/methods/algorithms.md#dancegrpo,
+docs/methods/algorithms.md#dgpo). Noise is never shared across groups or across processes: every random stream is
+seeded from ``(seed, epoch, global group index[, member])`` through `numpy.random.SeedSequence`, and each process owns
+distinct global group indices. The same seed therefore reproduces the same rollouts bit for bit; another chunking
+(`rollout_batch_size`) draws the same noise and differs only by the float rounding of batched forwards.
 """
 
 from __future__ import annotations
