@@ -231,3 +231,92 @@ def test_online_methods_run_an_epoch_on_flux_and_update_the_lora(case, tmp_path)
     lora = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
     assert all(k.startswith("transformer.") for k in lora)
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)
+
+
+# ------------------------------------------------------------------------------------------------- kohya / ComfyUI
+
+
+def _real_shaped_lora(rank=2):
+    """A LoRA with FLUX.1-dev's layer shapes (d = 3072, MLP 4d) on the default targets of double block 0 and single
+    block 0 (q, k, v there, not the MLP input fused with them in ``linear1``) plus the single block's output layer
+    (in 5d), random A and B."""
+    d, gen = 3072, torch.Generator().manual_seed(0)
+    shapes = {f"transformer_blocks.0.attn.{m}": (d, d) for m in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
+                                                                  "add_k_proj", "add_v_proj", "to_add_out")}
+    shapes |= {f"single_transformer_blocks.0.attn.{m}": (d, d) for m in ("to_q", "to_k", "to_v")}
+    shapes["single_transformer_blocks.0.proj_out"] = (5 * d, d)
+    state = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        state[f"{module}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen)
+        state[f"{module}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen)
+    return state
+
+
+def test_kohya_export_has_comfyuis_flux_names_and_diffusers_converter_gives_back_the_tensors(tmp_path):
+    """The export names the original FLUX layers (what ComfyUI's and Forge's FLUX loaders and kohya sd-scripts use);
+    diffusers' own FLUX kohya converter (`FluxPipeline.lora_state_dict`, what `load_lora_weights` runs) splits the
+    fused qkv / linear1 back into exactly the adapter's matrices, with α/r = 2 folded into A (its scale_down 2,
+    scale_up 1); the MLP input fused into linear1, not adapted, comes back as zeros. diffalign reads the file back
+    to the same tensors, r and α."""
+    from pathlib import Path
+
+    from diffalign.lora_io import LAYOUTS, LoraWeights, read_lora, write_kohya
+
+    state = _real_shaped_lora(rank=2)
+    modules = sorted(k.removesuffix(".lora_A.weight") for k in state if k.endswith("lora_A.weight"))
+    weights = LoraWeights(Path("<test>"), "policy", "transformer", state, 2, 4.0, modules, LAYOUTS["flux"])
+    file = write_kohya(weights, tmp_path / "flux.safetensors")
+    from safetensors.torch import load_file
+
+    kohya = load_file(file)
+    names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in kohya}
+    assert names == {f"lora_unet_double_blocks_0_{n}" for n in ("img_attn_qkv", "img_attn_proj", "txt_attn_qkv",
+                                                                 "txt_attn_proj")} | \
+        {"lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
+    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
+    assert kohya[f"{qkv}.lora_down.weight"].shape == (6, 3072) and kohya[f"{qkv}.lora_up.weight"].shape == (9216, 6)
+    assert kohya[f"{qkv}.alpha"].item() == 12.0 and kohya["lora_unet_double_blocks_0_img_attn_proj.alpha"].item() == 4
+    linear1 = "lora_unet_single_blocks_0_linear1"
+    assert kohya[f"{linear1}.lora_up.weight"].shape == (3 * 3072 + 4 * 3072, 8)
+    # the fused update is the stacked updates of the members: (12 / 6) up @ down == rows of (4 / 2) B_j A_j
+    fused = 2.0 * kohya[f"{qkv}.lora_up.weight"] @ kohya[f"{qkv}.lora_down.weight"]
+    member = 2.0 * state["transformer_blocks.0.attn.to_k.lora_B.weight"] @ state[
+        "transformer_blocks.0.attn.to_k.lora_A.weight"]
+    torch.testing.assert_close(fused[3072:6144], member)
+
+    converted = FluxPipeline.lora_state_dict(str(file))
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    for module in modules:
+        torch.testing.assert_close(converted[f"transformer.{module}.lora_A.weight"],
+                                   2.0 * state[f"{module}.lora_A.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(converted[f"transformer.{module}.lora_B.weight"],
+                                   state[f"{module}.lora_B.weight"], rtol=0, atol=0)
+    padding = [k for k in converted if "proj_mlp" in k]
+    assert len(padding) == 2 and all(not converted[k].any() for k in padding)
+    assert {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in converted} == set(modules) | {
+        "single_transformer_blocks.0.proj_mlp"}
+
+    back = read_lora(file)
+    assert back.layout is LAYOUTS["flux"] and (back.rank, back.alpha) == (2, 4.0) and back.modules == modules
+    for key, value in state.items():
+        assert torch.equal(back.state[key], value)
+
+
+def test_tiny_flux_kohya_export_loads_back_into_a_policy_with_the_same_outputs(tmp_path):
+    from diffalign.export import export
+    from diffalign.lora_io import load_into_policy, read_lora
+
+    policy = build_tiny_flux_policy(seed=1, lora_alpha=8)
+    _perturb(policy, 0.2)
+    policy.save_lora_weights(tmp_path / "final")
+    file = export(str(tmp_path / "final"), str(tmp_path / "tiny.safetensors"))
+    weights = read_lora(file)
+    assert weights.source == "kohya" and (weights.rank, weights.alpha) == (4, 8.0)
+    assert "single_transformer_blocks.0.attn.to_q" in weights.modules
+    other = build_tiny_flux_policy(seed=1, lora_alpha=8)
+    load_into_policy(other, weights)
+    embeds = policy.encode_prompts(PROMPTS)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(other.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5),
+                                   policy.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5), rtol=1e-5, atol=1e-6)

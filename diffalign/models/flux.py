@@ -336,3 +336,177 @@ class FluxPolicyConfig:
     lora_seed: int = 0
     max_sequence_length: int = 512
 
+
+
+# ------------------------------------------------------------------------------------------------ kohya / ComfyUI keys
+
+FLUX_KOHYA_DOUBLE = {
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+"""Double-stream block ``double_blocks.<i>.<name>`` of the original (BFL) FLUX → the diffusers modules of
+``transformer_blocks.<i>`` it holds, in the order its output rows stack them (the fused qkv: q, k, v). The map of
+diffusers' `_convert_kohya_flux_lora_to_diffusers`."""
+FLUX_KOHYA_SINGLE = {
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+"""Single-stream block ``single_blocks.<i>.<name>`` → the modules of ``single_transformer_blocks.<i>``; ``linear1``
+stacks q, k, v (d rows each) and the MLP input (4d rows, FLUX's mlp_ratio 4)."""
+FLUX_KOHYA_GLOBAL = {
+    "img_in": "x_embedder", "txt_in": "context_embedder",
+    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
+}
+"""Layers outside the blocks with a kohya name (the final layer's modulation, stored with scale and shift swapped, is
+not mapped)."""
+_ROW_RATIOS = {"linear1": (1, 1, 1, 4)}  # output rows of the fused members, relative (others: equal)
+_KOHYA_BLOCK = {"transformer_blocks": ("double_blocks", FLUX_KOHYA_DOUBLE),
+                "single_transformer_blocks": ("single_blocks", FLUX_KOHYA_SINGLE)}
+
+
+def _kohya_groups(modules) -> dict[str, tuple[str, ...]]:
+    """kohya name (without ``lora_unet_``) → the diffusers module paths it fuses, for the groups `modules` touch.
+
+    Raises:
+        ValueError: for a module with no kohya name.
+    """
+    globals_ = {v: k for k, v in FLUX_KOHYA_GLOBAL.items()}
+    groups: dict[str, tuple[str, ...]] = {}
+    for module in modules:
+        if module in globals_:
+            groups[globals_[module]] = (module,)
+            continue
+        parts = module.split(".", 2)
+        if len(parts) == 3 and parts[0] in _KOHYA_BLOCK and parts[1].isdigit():
+            kohya_block, table = _KOHYA_BLOCK[parts[0]]
+            for name, members in table.items():
+                if parts[2] in members:
+                    groups[f"{kohya_block}_{parts[1]}_{name}"] = tuple(f"{parts[0]}.{parts[1]}.{m}" for m in members)
+                    break
+            else:
+                parts = None
+        if parts is None or module not in {m for g in groups.values() for m in g}:
+            raise ValueError(f"FLUX module {module!r} has no kohya/ComfyUI name (mapped: the blocks' attention, MLP "
+                             "and modulation layers and the input embedders); export this LoRA with --format "
+                             "diffusers, or train without that module")
+    return groups
+
+
+def flux_kohya_state_dict(state: dict[str, torch.Tensor], rank: int, alpha: float,
+                          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A FLUX transformer LoRA under PEFT names (``<module>.lora_A.weight`` `(r, in)`, ``.lora_B.weight`` `(out, r)`,
+    scale α / r) → kohya names of the original FLUX layers, the format ComfyUI, Forge and kohya sd-scripts read:
+    ``lora_unet_double_blocks_<i>_img_attn_qkv.lora_down.weight`` ...
+
+    Fused layers (the double blocks' ``img_attn_qkv`` / ``txt_attn_qkv``, the single blocks' ``linear1`` = q, k, v and
+    the MLP input) get one LoRA of rank n·r: ``lora_down`` the n down matrices stacked `(n·r, in)`, ``lora_up`` the
+    block-diagonal of the n up matrices `(Σ out_j, n·r)`, ``alpha`` n·α, so that the fused layer's update
+    ``(nα / nr) · up @ down`` is exactly the stacked updates of its members; members the LoRA does not adapt get zero
+    blocks. This is the "sparse" layout diffusers' `_convert_kohya_flux_lora_to_diffusers` splits back into the
+    members. Other layers map one to one, ``alpha`` α.
+
+    Args:
+        state: PEFT-named tensors of one adapter (rank `rank` everywhere).
+        rank, alpha: r and α of the adapter.
+        dtype: dtype of the matrices (default: as given); ``alpha`` is float32.
+
+    Returns:
+        `dict[str, torch.Tensor]`: ``lora_unet_<name>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``.
+
+    Raises:
+        ValueError: for a module with no kohya name.
+    """
+    modules = sorted(k.removesuffix(".lora_A.weight") for k in state if k.endswith(".lora_A.weight"))
+    out = {}
+    for name, members in _kohya_groups(modules).items():
+        present = [m for m in members if f"{m}.lora_A.weight" in state]
+        a0, b0 = state[f"{present[0]}.lora_A.weight"], state[f"{present[0]}.lora_B.weight"]
+        ratios = _ROW_RATIOS.get(name.rsplit("_", 1)[-1] if name.startswith("single") else "", (1,) * len(members))
+        unit = b0.shape[0] // ratios[members.index(present[0])]
+        downs, ups = [], []
+        for member, ratio in zip(members, ratios):
+            if member in present:
+                downs.append(state[f"{member}.lora_A.weight"])
+                ups.append(state[f"{member}.lora_B.weight"])
+            else:  # not adapted: a zero block keeps the fused layout
+                downs.append(a0.new_zeros(a0.shape))
+                ups.append(b0.new_zeros((unit * ratio, rank)))
+        n = len(members)
+        down = torch.cat(downs) if n > 1 else downs[0]
+        up = torch.block_diag(*ups) if n > 1 else ups[0]
+        key = f"lora_unet_{name}"
+        out[f"{key}.lora_down.weight"] = down.to(dtype or down.dtype).contiguous()
+        out[f"{key}.lora_up.weight"] = up.to(dtype or up.dtype).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(float(alpha) * n, dtype=torch.float32)
+    return out
+
+
+def is_flux_kohya_name(name: str) -> bool:
+    """Whether a kohya module name (``lora_unet_...``) names an original-FLUX layer."""
+    flat = name.removeprefix("lora_unet_")
+    return flat.startswith(("double_blocks_", "single_blocks_")) or flat in FLUX_KOHYA_GLOBAL
+
+
+def flux_modules_from_kohya(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float
+                            ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """One kohya FLUX layer → ``{diffusers module path: (A (r, in), B (out, r), α)}``, the inverse of
+    `flux_kohya_state_dict` and the split diffusers' converter makes: a fused layer whose ``lora_up`` is
+    block-diagonal with rank n·r ("sparse") gives each member its r rows of ``lora_down``, its diagonal block and α/n
+    (same scale); a dense one (sd-scripts' own trainings: one down for all) gives every member the whole ``lora_down``,
+    its rows of ``lora_up`` and α. Members whose matrices are both zero (the padding of a partial export) are left
+    out.
+
+    Raises:
+        ValueError: for a name that is no FLUX layer.
+    """
+    flat = name.removeprefix("lora_unet_")
+    if flat in FLUX_KOHYA_GLOBAL:
+        return {FLUX_KOHYA_GLOBAL[flat]: (down, up, alpha)}
+    block, _, rest = flat.partition("_blocks_")
+    index, _, layer = rest.partition("_")
+    table = FLUX_KOHYA_DOUBLE if block == "double" else FLUX_KOHYA_SINGLE if block == "single" else {}
+    if not index.isdigit() or layer not in table:
+        known = sorted(FLUX_KOHYA_DOUBLE) + sorted(FLUX_KOHYA_SINGLE)
+        raise ValueError(f"kohya name {name!r} is no FLUX layer diffalign maps (the blocks' {known} and the input "
+                         "embedders)")
+    prefix = f"{'transformer_blocks' if block == 'double' else 'single_transformer_blocks'}.{index}."
+    members = table[layer]
+    n = len(members)
+    if n == 1:
+        return {prefix + members[0]: (down, up, alpha)}
+    ratios = _ROW_RATIOS.get(layer, (1,) * n)
+    unit = up.shape[0] // sum(ratios)
+    rows = [unit * r for r in ratios]
+    starts = [sum(rows[:j]) for j in range(n)]
+    big_rank = down.shape[0]
+    sparse = big_rank % n == 0
+    r = big_rank // n
+    if sparse:
+        for j in range(n):
+            for k in range(n):
+                if j != k and up[starts[j]:starts[j] + rows[j], k * r:(k + 1) * r].any():
+                    sparse = False
+    result = {}
+    for j, member in enumerate(members):
+        b_rows = up[starts[j]:starts[j] + rows[j]]
+        if sparse:
+            a, b, member_alpha = down[j * r:(j + 1) * r], b_rows[:, j * r:(j + 1) * r], alpha / n
+        else:
+            a, b, member_alpha = down, b_rows, alpha
+        if a.any() or b.any():
+            result[prefix + member] = (a.contiguous(), b.contiguous(), member_alpha)
+    return result
