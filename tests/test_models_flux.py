@@ -320,3 +320,30 @@ def test_tiny_flux_kohya_export_loads_back_into_a_policy_with_the_same_outputs(t
     with torch.no_grad():
         torch.testing.assert_close(other.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5),
                                    policy.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize("recipe", ["flow_grpo_flux_pickscore", "vipo_flux", "diffusion_nft_flux"])
+def test_real_size_flux_recipes_compose_and_validate(recipe, tmp_path):
+    """The FLUX recipes compose on model=flux1_dev at 512 px and pass validation (with training prompts given, and
+    ViPO's DINOv2 folder replaced by the bundled backbone); their FLUX settings: Flow-GRPO's guidance 3.5 and 6 SDE
+    steps, ViPO's fixed shift 3 with DanceGRPO's SDE, DiffusionNFT CFG-free with the embedded guidance fixed."""
+    from diffalign.samplers.configs import noise_scale
+    from diffalign.validation import validate_train_config
+
+    extra = ["method.backbone=tiny_clip"] if recipe == "vipo_flux" else []
+    cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}", "online.prompts=heldout", *extra])
+    assert cfg.model._target_ == "diffalign.models.flux.FluxPolicy.from_pretrained"
+    assert cfg.model.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert (cfg.model.height, cfg.model.width, cfg.model.torch_dtype) == (512, 512, "bfloat16")
+    validate_train_config(cfg)
+    if recipe == "flow_grpo_flux_pickscore":
+        assert cfg.sampler.guidance_scale == 3.5 and cfg.sampler.num_inference_steps == 6
+        assert noise_scale(cfg.sampler) == 0.9 and cfg.method.beta_kl == 0 and cfg.online.group_size == 24
+    elif recipe == "vipo_flux":
+        assert cfg.model.flow_shift == 3.0 and cfg.sampler.name == "dance_sde" and noise_scale(cfg.sampler) == 0.3
+        assert cfg.online.group_size == 12 and cfg.online.shared_initial_noise and cfg.method.timestep_fraction == 0.6
+    else:
+        assert cfg.model.guidance == 3.5 and cfg.sampler.guidance_scale == 1.0 and cfg.method.beta == 1.0
