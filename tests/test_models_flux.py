@@ -210,7 +210,7 @@ def test_saved_lora_loads_in_flux_pipeline_and_reproduces_the_policy(tmp_path):
 # ---------------------------------------------------------------------------------------------- the online methods
 
 
-@pytest.mark.parametrize("case", ["flow_grpo", "vipo", "diffusion_nft"])
+@pytest.mark.parametrize("case", ["flow_grpo", "vipo", "diffusion_nft", "dgpo"])
 def test_online_methods_run_an_epoch_on_flux_and_update_the_lora(case, tmp_path):
     from safetensors.torch import load_file
 
@@ -220,7 +220,9 @@ def test_online_methods_run_an_epoch_on_flux_and_update_the_lora(case, tmp_path)
     extra = {"flow_grpo": ["method=flow_grpo", "sampler=flow_sde", "sampler.guidance_scale=3.5"],
              "vipo": ["method=vipo", "sampler=dance_sde", "online.shared_initial_noise=true",
                       "sampler.guidance_scale=3.5"],
-             "diffusion_nft": ["recipe=tiny_diffusion_nft", "+model.guidance=3.5", "trainer.batch_size=4"]}[case]
+             "diffusion_nft": ["recipe=tiny_diffusion_nft", "+model.guidance=3.5", "trainer.batch_size=4"],
+             "dgpo": ["method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
+                      "method.timesteps_per_epoch=2"]}[case]
     # (brightness: a reward that varies between a random model's samples, so the advantages are not all zero)
     cfg = compose_cfg(extra + online_overrides(tmp_path, epochs=1) + ["model=tiny_flux_random", "reward=[brightness]"])
     validate_train_config(cfg)
@@ -231,6 +233,21 @@ def test_online_methods_run_an_epoch_on_flux_and_update_the_lora(case, tmp_path)
     lora = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
     assert all(k.startswith("transformer.") for k in lora)
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)
+
+
+def test_diffusion_dpo_trains_on_flux_with_the_embedded_guidance_fixed(tmp_path):
+    """An offline method: Diffusion-DPO's unguided training forwards run with the fixed guidance input
+    (``model.guidance``); the first loss is ln 2 exactly (policy = reference before any update)."""
+    from conftest import smoke_overrides
+
+    from diffalign.train.preference import train
+    from diffalign.validation import validate_train_config
+
+    cfg = compose_cfg(smoke_overrides(tmp_path, steps=2) + ["model=tiny_flux_random", "+model.guidance=3.5"])
+    validate_train_config(cfg)
+    results = train(cfg)
+    assert results["global_step"] == 2
+    assert results["history_tail"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------- kohya / ComfyUI
