@@ -41,9 +41,9 @@ def check_reward_overrides(argv: list[str]) -> None:
                 register_python_reward(name)
         unknown = [n for n in names if n not in known and not n.startswith(PREFIX)]
         if unknown:
-            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; the rewards (diffalign's "
-                             f"and the entry-point group diffalign.rewards'): {known}. Select e.g. reward=[{known[0]}], or a one-off "
-                             "function with reward=[python:<module>:<function>]")
+            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; the rewards "
+                             f"(diffalign's and the entry-point group diffalign.rewards'): {known}. Select e.g. "
+                             f"reward=[{known[0]}], or a one-off function with reward=[python:<module>:<function>]")
 
 
 def _command_line_overrides() -> list[str]:

@@ -1,8 +1,8 @@
 """One-step probe of an online method: does its first update point uphill on the reward?
 
 Composes a run's config exactly as ``diffalign-train`` would (recipe + overrides), samples one epoch of groups as the
-online loop does (with the probe's own fixed prompt draw, ``experiments/probes.py``, ``PROMPT_DRAWS``), scores them, computes
-the group advantages and the method's loss over every trained transition, and takes its gradient g
+online loop does (with the probe's own fixed prompt draw, ``experiments/probes.py``, ``PROMPT_DRAWS``), scores them,
+computes the group advantages and the method's loss over every trained transition, and takes its gradient g
 (``experiments/probes.py``, shared with ``experiments/gradient_consistency.py``). Then it measures the mean reward of
 fixed probe samples (deterministic sampler, fixed seeds, the monitor's convention) after one step θ − lr·d along two
 directions, each with its opposite:

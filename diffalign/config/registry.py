@@ -165,9 +165,9 @@ def register_configs() -> dict[str, list[str]]:
     register_schemas()  # (imports every module of diffalign/rewards: the built-in rewards register themselves)
     store, stored = ConfigStore.instance(), {}
     for group, config_group in GROUPS.items():
-        nodes = {name: (config, "diffalign") for name, config in registered_reward_configs().items()} \
-            if config_group == "reward" else {}
-        eps = _third_party_rewards(dict(registered_reward_configs())) if config_group == "reward" else entry_points(group)
+        registered = registered_reward_configs() if config_group == "reward" else {}
+        nodes = {name: (config, config.__module__.split(".")[0]) for name, config in registered.items()}
+        eps = _third_party_rewards(registered) if config_group == "reward" else entry_points(group)
         for name in sorted(eps):
             provider = eps[name].dist.name if eps[name].dist is not None else None
             try:

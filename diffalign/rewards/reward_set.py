@@ -11,7 +11,8 @@ background, asynchronous scoring). Nothing is silently replaced by zero.
   it saves a checkpoint, logs where and why, and re-raises; the CLI turns it into a clean exit with that message.
 - Combine: `WeightedSum`, the weighted sum of the multi-select ``reward=[a,b]`` (``reward.<name>.weight`` and
   ``reward.<name>.normalize``), and `reward_metrics` for the trackers.
-- Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts, metadata) ->
+- Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts,
+metadata) ->
   concurrent.futures.Future[RewardOutput]`` besides its call (`diffalign.rewards.http.HttpReward` does: the batch goes
   to a reward server in a background thread). `submit` starts scoring one batch (the reward's own ``submit``, else
   the reward is called now and the future is already done); `ChunkScorer` scores the rollout chunks of an online epoch

@@ -3,9 +3,9 @@
 The step rule follows the policy's scheduler: DDIM-η (`ddim_step`) for ε/v models with a `DDIMScheduler`, the
 Flow-GRPO SDE (`flow_sde_step`, noise level a = `eta`; a = 0 is the Euler ODE of `FlowMatchEulerDiscreteScheduler`)
 for rectified-flow models. With η = 0 and the same scheduler, steps, guidance and generators, the images equal those of
-`StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/unit/samplers/test_rollout.py); with η > 0 they
-equal the pipeline's `eta=η` output too, since the per-step noise is drawn from the same generators in the same order. For
-flow models with `eta=0` the images equal `StableDiffusion3Pipeline.__call__` with the same generators.
+`StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/unit/samplers/test_rollout.py); with η
+> 0 they equal the pipeline's `eta=η` output too, since the per-step noise is drawn from the same generators in the
+same order. For flow models with `eta=0` the images equal `StableDiffusion3Pipeline.__call__` with the same generators.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow  # each launch starts two processes (≈ 25-35 s o
 
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"
 QUIET = ["trainer.log_with=none", "eval.enabled=false"]
-# updates proportional to the gradient (adam_epsilon=1, as tests/integration/test_multiprocess.py), clipped to a norm of 1e-6
-# (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm (what
-# accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
+# updates proportional to the gradient (adam_epsilon=1, as tests/integration/test_multiprocess.py), clipped to a norm
+# of 1e-6 (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm
+# (what accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
 DPO = ["model=tiny_random", "data=shapes_pairs", "data.num_pairs=16", "trainer.max_steps=2",
        "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.learning_rate=1000.0",
        "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=1e-6"]

@@ -1,4 +1,5 @@
-"""experiments/probes.py: the one-epoch set-up shared by scripts/probe_one_step.py and experiments/gradient_consistency.py."""
+"""experiments/probes.py: the one-epoch set-up shared by scripts/probe_one_step.py and
+experiments/gradient_consistency.py."""
 
 from __future__ import annotations
 

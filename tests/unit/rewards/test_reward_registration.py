@@ -60,8 +60,8 @@ def reward_config_classes() -> set[str]:
             if not isinstance(node, ast.ClassDef) or node.name == "PythonFunctionConfig":
                 continue
             for item in node.body:
-                if (isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "_target_"
-                        and isinstance(item.value, ast.Constant) and item.value.value.startswith("diffalign.rewards.")):
+                target = isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "_target_"
+                if target and isinstance(item.value, ast.Constant) and item.value.value.startswith("diffalign.rewards."):
                     found.add(f"diffalign.rewards.{path.stem}:{node.name}")
     return found
 
