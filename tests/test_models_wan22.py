@@ -123,8 +123,10 @@ def test_wan22_settings_are_refused_on_one_expert_and_checked():
         WanPolicy(build_tiny_wan_pipeline(), lora_experts="low", max_sequence_length=16)
     with pytest.raises(ValueError, match="model.lora_experts='middle'"):
         build_tiny_wan22_policy(lora_experts="middle")
-    with pytest.raises(ValueError, match="reference=frozen_base"):
-        build_tiny_wan22_policy().denoiser.add_adapter(None)
+    from diffalign.reference import ReferenceAdapter
+
+    with pytest.raises(ValueError, match="reference=frozen_base"):  # (what reference=ema/checkpoint/pool build)
+        ReferenceAdapter(build_tiny_wan22_policy())
 
 
 def test_flow_grpo_runs_an_epoch_on_two_experts(tmp_path):

@@ -80,6 +80,14 @@ class WanExperts(nn.Module):
         """The high-noise expert's config (both experts share the architecture)."""
         return self.transformer.config
 
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
     def _adapted(self) -> list[nn.Module]:
         return [m for m in (self.transformer, self.transformer_2) if getattr(m, "peft_config", None)]
 
