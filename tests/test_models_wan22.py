@@ -123,6 +123,10 @@ def test_wan22_settings_are_refused_on_one_expert_and_checked():
         WanPolicy(build_tiny_wan_pipeline(), lora_experts="low", max_sequence_length=16)
     with pytest.raises(ValueError, match="model.lora_experts='middle'"):
         build_tiny_wan22_policy(lora_experts="middle")
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_to_config(expand_timesteps=True)  # Wan2.2 TI2V-5B's per-token timesteps
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        WanPolicy(pipe, max_sequence_length=16)
     from diffalign.reference import ReferenceAdapter
 
     with pytest.raises(ValueError, match="reference=frozen_base"):  # (what reference=ema/checkpoint/pool build)
