@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.plugins import register_configs
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
@@ -306,6 +307,7 @@ def _say_interrupted() -> None:
     tqdm.write("diffalign: interrupted", file=sys.stderr)  # (on its own line, also under an open progress bar)
 
 
+@quiet_on_broken_pipe
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
     _setup()
@@ -320,6 +322,7 @@ def train() -> None:
         sys.exit(130)
 
 
+@quiet_on_broken_pipe
 def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
     _setup()

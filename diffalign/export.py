@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.lora_io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,6 +79,7 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
     return write_diffusers(weights, out, layout=layout, dtype=DTYPES[dtype])
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """``diffalign-export SOURCE DESTINATION [--format kohya|diffusers] [--dtype ...] [--family ...]``."""
     parser = argparse.ArgumentParser(prog="diffalign-export", description=__doc__.split("\n\n")[0],

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.rewards.http import PROTOCOL, decode_images, encode_output
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
 
 
+@quiet_on_broken_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     """``diffalign-reward-server REWARD [field=value ...] [--host H] [--port P] [--max-concurrent N]``: builds the
     installed reward plugin `REWARD` with its config fields overridden and serves it until interrupted.
