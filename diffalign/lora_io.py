@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import safetensors
-import safetensors.torch
 import torch
 
-from diffalign.models.base import readable_by_umask
+from diffalign.models.base import readable_by_umask, save_safetensors
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file a diffalign (or diffusers) LoRA folder holds."""
@@ -491,9 +490,7 @@ def write_kohya(weights: LoraWeights, file: str | os.PathLike, *, layout: Layout
     layout = layout or weights.layout
     file = Path(file)
     file.parent.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(kohya_state_dict(weights, layout, dtype), str(file),
-                                metadata=kohya_metadata(weights, layout))
-    readable_by_umask(file)  # safetensors writes 0600
+    save_safetensors(kohya_state_dict(weights, layout, dtype), file, metadata=kohya_metadata(weights, layout))
     return file
 
 
