@@ -299,7 +299,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a malformed request line or header, an over-long URI, an unknown method) as
-        JSON, like every other answer, and the connection closed."""
+        JSON, like every other answer, and the connection closed (with a status line and headers even when the
+        request line was unreadable, which http.server takes for HTTP/0.9 and would answer with a bare body)."""
+        self.request_version = "HTTP/1.1"
         try:
             short, _ = self.responses[code]
         except KeyError:

@@ -166,6 +166,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def send_error(self, code: int, message=None, explain=None) -> None:  # http.server's own refusals, as JSON
+        self.request_version = "HTTP/1.1"  # (an unreadable request line counts as HTTP/0.9: no status line)
         self.answer(code, {"error": clip(message or "bad request")}, close=True)
 
     def log_message(self, format: str, *args) -> None:
