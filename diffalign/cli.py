@@ -143,18 +143,22 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
     Raises:
         ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), a
-            LoRA file cannot be read, or a LoRA is for the other kind of denoiser (`init_lora.check_lora_family`).
+            LoRA file cannot be read or is malformed (`diffalign.lora_io.read_lora`), or a LoRA is for the other kind
+            of denoiser (`init_lora.check_lora_family`) or another model size (`init_lora.check_lora_fits`).
     """
     import inspect
 
     from hydra.utils import get_method
 
-    from diffalign.init_lora import check_lora_family
+    from diffalign.init_lora import check_lora_family, check_lora_fits
     from diffalign.lora_io import read_lora
     from diffalign.models.base import saved_lora_settings
 
-    for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse): named before loading
-        check_lora_family(cfg, read_lora(folder, field_name="checkpoint"), field="checkpoint")
+    for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse), a malformed LoRA or
+        # one of another model size: named before loading (not after the base model was sampled)
+        weights = read_lora(folder, field_name="checkpoint")
+        check_lora_family(cfg, weights, field="checkpoint")
+        check_lora_fits(cfg, weights, field="checkpoint")
     found = {str(f): saved_lora_settings(f) for f in folders}
     distinct = {json.dumps(v, sort_keys=True) for v in found.values() if v}
     if len(distinct) > 1:

@@ -163,8 +163,8 @@ def test_help_into_a_closed_pipe_exits_quietly(command, tmp_path):
               f"(ep,) = [e for e in entry_points(group='console_scripts') if e.name == {command!r}]; "
               "sys.exit(ep.load()())")
     try:
-        done = subprocess.run([sys.executable, "-c", script], check=False, stdout=write_end, stderr=subprocess.PIPE, text=True,
-                              env=CHILD_ENV, cwd=tmp_path, timeout=120)
+        done = subprocess.run([sys.executable, "-c", script], check=False, stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=CHILD_ENV, cwd=tmp_path, timeout=120)
     finally:
         os.close(write_end)
     assert done.stderr == ""

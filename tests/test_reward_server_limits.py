@@ -122,6 +122,11 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def raw_float32(value: float) -> dict:
+    """A float32 image batch of IMAGES' shape, every pixel `value`."""
+    return {"format": "float32", "shape": list(IMAGES.shape), "data": b64(np.full(IMAGES.shape, value, "<f4").tobytes())}
+
+
 @pytest.fixture
 def count_decodes(monkeypatch):
     """The number of images Pillow decoded (``ImageFile.load`` calls) since the fixture started."""
@@ -172,7 +177,8 @@ def test_a_decompression_bomb_png_is_refused_from_its_header(serve, count_decode
 def test_a_png_header_over_the_pixel_limit_is_413_even_when_the_shape_agrees(serve, count_decodes):
     served = serve(max_image_pixels=100 * 100)
     for size, expected in ((101, 413), (100, 200)):
-        data = [b64(png_header_only(size, size)) if size > 100 else encode_images(torch.rand(1, 3, 100, 100))["data"][0]]
+        data = [b64(png_header_only(size, size)) if size > 100 else
+                encode_images(torch.rand(1, 3, 100, 100))["data"][0]]
         status, _, answer = post(served.port, request({"format": "png", "shape": [1, 3, size, size], "data": data}))
         assert status == expected, answer
     assert set(count_decodes) == {(100, 100)}  # only the image within the limit was decoded
@@ -217,7 +223,8 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(serve, kind):
 def test_the_limits_are_configurable_and_checked(serve):
     served = serve(max_batch_size=1)
     status, _, answer = post(served.port, request())
-    assert status == 413 and "--max-batch-size 1" in answer["error"] and "reward.http.max_batch_size" in answer["error"]
+    assert status == 413 and "--max-batch-size 1" in answer["error"]
+    assert "reward.http.max_batch_size" in answer["error"]
     with pytest.raises(ValueError, match=r"--read-timeout=0 must be a number > 0"):
         ServerLimits(read_timeout=0)
     from diffalign.rewards.server import main
@@ -307,9 +314,9 @@ MALFORMED = {
     "prompts of numbers": request(prompts=[1, 2]),
     "too few prompts": request(prompts=["a"]),
     "metadata of another length": request(metadata=[{}]),
-    "NaN pixels": request(encode_images(IMAGES, "float32") | {"data": b64(np.full((2, 3, 8, 8), np.nan, "<f4").tobytes())}),
-    "inf pixels": request(encode_images(IMAGES, "float32") | {"data": b64(np.full((2, 3, 8, 8), np.inf, "<f4").tobytes())}),
-    "pixels above 1": request(encode_images(IMAGES, "float32") | {"data": b64(np.full((2, 3, 8, 8), 2, "<f4").tobytes())}),
+    "NaN pixels": request(raw_float32(np.nan)),
+    "inf pixels": request(raw_float32(np.inf)),
+    "pixels above 1": request(raw_float32(2.0)),
 }
 
 
@@ -333,7 +340,8 @@ def test_malformed_http_gets_a_4xx_json_answer(serve, kind):
         "chunked": (b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
         "Content-Length not a number": (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
         "negative Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
-        "a body shorter than its Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{}", None),
+        "a body shorter than its Content-Length": (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{}",
+                                                   None),
         "another path": (b"POST /other HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 404),
         "a 70 KB request line": (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
     }

@@ -375,7 +375,7 @@ class _Handler(BaseHTTPRequestHandler):
                          close=err.status != 400)
         except _RewardFailed as err:
             self._answer(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": str(err)})
-        except Exception as err:  # noqa: BLE001 - a request no check foresaw: a 400 naming it, never a dropped connection
+        except Exception as err:  # noqa: BLE001 - a request no check foresaw: a 400 naming it, no dropped connection
             logger.error("unforeseen error on a score request:\n%s", _short_traceback(err))
             self._answer(HTTPStatus.BAD_REQUEST, {"error": f"bad request: {type(err).__name__}: {err}"})
         else:

@@ -57,7 +57,7 @@ MAX_IMAGE_PIXELS = 4096 * 4096   # height x width of one image or frame, declare
 MAX_BATCH_PIXELS = 2**26         # pixels per request, frames included
 MAX_PROMPT_CHARS = 10_000        # characters per prompt
 READ_TIMEOUT = 120.0             # seconds to receive a whole body (HTTP 408)
-IDLE_TIMEOUT = 60.0              # seconds a connection may stay silent (then it is closed: a stalled upload frees its thread)
+IDLE_TIMEOUT = 60.0              # seconds a connection may stay silent (then closed: a stalled upload frees a thread)
 MAX_ERROR_CHARS = 500            # longest error message answered
 
 _DTYPES = {"uint8": np.dtype("u1"), "float32": np.dtype("<f4")}
