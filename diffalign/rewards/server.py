@@ -7,7 +7,7 @@ given as ``field=value``, so a reward whose dependencies cannot live in the trai
     diffalign-train recipe=tiny_ddpo reward=[http] reward.http.url=http://127.0.0.1:8000
 
 Endpoints: ``GET /health`` → ``{"status": "ok", "protocol", "reward", "modality", "differentiable", "limits"}``;
-``POST /score`` (the request and answer of docs/rewards.md#rewards-served-over-http). Every answer is JSON, errors
+``POST /score`` (the request and answer of docs/guides/rewards.md#rewards-served-over-http). Every answer is JSON, errors
 ``{"error": "<message>"}`` with the message cut to `MAX_ERROR_CHARS`: HTTP 400 for a request that is not the
 protocol (malformed JSON or shapes, non-finite pixels...), 413 for one over a limit (`ServerLimits`: body bytes,
 samples, pixels per image as declared and as in each PNG's header, pixels per batch, prompt length; checked before
@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="diffalign-reward-server",
         description="Serve an installed diffalign reward over HTTP (protocol diffalign-reward/1; POST /score, GET "
-                    "/health) for reward=[http] reward.http.url=http://HOST:PORT. See docs/rewards.md.")
+                    "/health) for reward=[http] reward.http.url=http://HOST:PORT. See docs/guides/rewards.md.")
     parser.add_argument("reward", nargs="?", help="an installed reward (e.g. geneval_shapes, brightness, clip_score) "
                                                   "or python:<module>:<function>")
     parser.add_argument("overrides", nargs="*", metavar="field=value", help="the reward's config fields")

@@ -5,11 +5,11 @@ the environment of your reward model (mmdet for GenEval, an OCR engine, a vLLM j
     diffalign-train ... reward=[http] reward.http.url=http://HOST:8000     # in the training environment
 
 (``diffalign-reward-server --template > standalone_server.py`` writes this file.) It needs Python >= 3.8, numpy and
-pillow, and speaks the protocol ``diffalign-reward/1`` of docs/rewards.md#rewards-served-over-http: ``GET /health``
-and ``POST /score`` with JSON bodies; images arrive as base64 PNGs (``reward.http.image_format=png``, the default) or
-raw uint8 / float32 arrays. The example `score` is the mean luma of each image, so it runs as it is. Requests over the
-limits below (body, batch, pixels, prompt length) get HTTP 413, malformed ones 400, before anything is decoded; a
-connection silent for IDLE_TIMEOUT seconds is closed.
+pillow, and speaks the protocol ``diffalign-reward/1`` of docs/guides/rewards.md#rewards-served-over-http: ``GET
+/health`` and ``POST /score`` with JSON bodies; images arrive as base64 PNGs (``reward.http.image_format=png``, the
+default) or raw uint8 / float32 arrays. The example `score` is the mean luma of each image, so it runs as it is.
+Requests over the limits below (body, batch, pixels, prompt length) get HTTP 413, malformed ones 400, before anything
+is decoded; a connection silent for IDLE_TIMEOUT seconds is closed.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def score(images: np.ndarray, prompts: list, metadata: list | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- the protocol (keep as is)
-# What one request may cost (over a limit: HTTP 413 before anything is decoded; docs/rewards.md#server-limits).
+# What one request may cost (over a limit: HTTP 413 before anything is decoded; docs/guides/rewards.md#server-limits).
 
 MAX_BODY_BYTES = 512 * 2**20     # request body
 MAX_BATCH_SIZE = 256             # samples (images or videos) per request
