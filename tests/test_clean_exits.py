@@ -148,7 +148,7 @@ def test_diffalign_train_error_is_not_glued_to_the_progress_bar(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["diffalign-train", "diffalign-eval", "diffalign-bench", "diffalign-export",
-                                     "diffalign-reward-server"])
+                                     "diffalign-reward-server", "diffalign-ddspo-pairs", "diffalign-ddcpp-targets"])
 def test_help_into_a_closed_pipe_exits_quietly(command, tmp_path):
     """``<command> --help | head -3``: the reader has gone before the help is written. Made deterministic by handing
     the command a pipe whose read end is already closed, so its first write fails with EPIPE. Before, the Hydra

@@ -43,6 +43,7 @@ from omegaconf import MISSING, OmegaConf
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.data.degrade import DEGRADATIONS, degrade_prompt, load_rewriter
 from diffalign.models.base import save_safetensors
 from diffalign.schemas import config_schema
@@ -409,6 +410,7 @@ class DDSPOPairs:
 # ----------------------------------------------------------------------------------------------------------- command
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """``diffalign-ddspo-pairs``: generates a DDSPO pairs folder with a diffusers pipeline (see the module docstring).
 

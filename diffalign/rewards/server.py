@@ -98,8 +98,9 @@ def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-class RequestRefused(Exception):
-    """A request the server does not score: `status` (400, 408, 411, 413) and the message answered."""
+class RequestRefused(ValueError):
+    """A request the server does not score: `status` (400, 408, 411, 413) and the message answered (a ValueError, as
+    the server's refusals were)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(clip(message))
