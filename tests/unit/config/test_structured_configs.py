@@ -26,10 +26,10 @@ def schema(group: str, name: str) -> type:
     return SCHEMAS[group][name]
 
 
-def defaults(config: type, deprecated: bool = False) -> dict:
-    """Each field's default (``default_factory`` called), without the deprecated aliases unless `deprecated`."""
+def defaults(config: type) -> dict:
+    """Each field's default (``default_factory`` called)."""
     return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-            for f in dataclasses.fields(config) if deprecated or "deprecated" not in f.metadata}
+            for f in dataclasses.fields(config)}
 
 
 BUILT = [(group, name) for group, name in OPTIONS if "_target_" in defaults(schema(group, name))]
