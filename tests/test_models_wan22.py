@@ -29,8 +29,8 @@ def _perturb(policy, scale=0.1):
 
 @pytest.mark.parametrize("guidance_scale_2", [None, 2.0])
 def test_zero_noise_rollout_equals_the_two_expert_wan_pipeline(guidance_scale_2):
-    """4 Euler steps at shift 3 have t = 1000, 900, 750, 500 ≥ 500 (the high-noise expert) — with boundary 0.6 the
-    last two (750 ≥ 600 is high, 500 low): both experts are used, as WanPipeline chooses per step."""
+    """4 Euler steps at shift 3 have t ≈ 1000, 858, 602, 9: with boundary 0.6 (t ≥ 600: the high-noise expert) the
+    first three use `transformer`, the last `transformer_2`, as WanPipeline chooses per step."""
     pipe = build_tiny_wan22_pipeline(seed=0, boundary_ratio=0.6)
     policy = WanPolicy(pipe, num_frames=9, lora_rank=4, max_sequence_length=16, guidance_scale_2=guidance_scale_2)
     noise = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
