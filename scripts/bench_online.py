@@ -222,13 +222,15 @@ def compose_config(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
-def instrument(loop, recorder: Recorder) -> None:
-    """Puts the phase clocks around the loop's names (this process only; the code is unchanged)."""
+def instrument(loop, recorder: Recorder) -> dict:
+    """Puts the phase clocks around the loop's names (this process only; the code is unchanged); returns the
+    originals, for `restore`."""
     missing = [name for name in HOOKED if not hasattr(loop, name)]
     if missing:
         raise SystemExit(f"bench_online: diffalign.train.online at {Path(loop.__file__).parent.parent.parent} has no "
                          f"{', '.join(missing)}; this benchmark times those names (use a commit whose online loop "
                          "has them)")
+    originals = {name: getattr(loop, name) for name in HOOKED}
     rollout, advantages, updates, scorer_class = loop.group_rollout, loop._advantages, loop._updates, loop.ChunkScorer
 
     def timed_rollout(*args, **kwargs):
@@ -250,7 +252,19 @@ def instrument(loop, recorder: Recorder) -> None:
 
     loop.group_rollout, loop._advantages, loop._updates, loop.ChunkScorer = (timed_rollout, timed_advantages,
                                                                             timed_updates, TimedScorer)
+    return originals
 
+
+def lora_digest(policy) -> str:
+    """SHA-256 of the trainable parameters' values, in name order (to check that measuring changed nothing)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, p in sorted(policy.denoiser.named_parameters()):
+        if p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floor_repeats: int,
             device: str | None = None) -> dict:
@@ -267,8 +281,14 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench-online-{recipe}-"))
     cfg = compose_config([*overrides, f"output_dir={out_dir}"] + ([f"trainer.cpu={device == 'cpu'}"] if device
                                                                   else []))
+    try:  # what the loop's `train` does first: old config keys moved to their new names
+        from diffalign.deprecation import migrate_config
+    except ImportError:
+        migrate_config = None
+    if migrate_config is not None:
+        migrate_config(cfg)
     recorder = Recorder()
-    instrument(loop, recorder)
+    originals = instrument(loop, recorder)
     run = loop._setup(cfg)
     if WarningCounts is not None:
         run.warnings = WarningCounts()
@@ -307,8 +327,11 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
             result["epochs"].append({"total": total, "seconds": dict(recorder.seconds), "floors": floors,
                                      "calls": {p: dict(c) for p, c in recorder.calls.items()},
                                      "per_call": per_call, "reward": float(logs.get("reward/mean", float("nan")))})
+        result["lora_sha256"] = lora_digest(run.policy)
     finally:
         handle.remove()
+        for name, value in originals.items():
+            setattr(loop, name, value)
         shutil.rmtree(out_dir, ignore_errors=True)
     return result
 
