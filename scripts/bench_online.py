@@ -267,9 +267,11 @@ def lora_digest(policy) -> str:
     return digest.hexdigest()
 
 def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floor_repeats: int,
-            device: str | None = None) -> dict:
+            device: str | None = None, after_setup=None) -> dict:
     """Runs `warmup` + `epochs` epochs of `recipe` (with `overrides`) in this process; returns, per measured epoch,
-    the phases' seconds and floors (`replay_seconds` × the phase's calls), and the calls per phase."""
+    the phases' seconds and floors (`replay_seconds` × the phase's calls), and the calls per phase. `after_setup(run)`,
+    if given, is called once on the set-up run before the first epoch (e.g. ``scripts/cost_model.py`` sets the
+    denoiser's default resolution there)."""
     import torch
 
     from diffalign.train import online as loop
@@ -299,6 +301,8 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
             return prepare(*args, **kwargs)
 
     run.objective.prepare = timed_prepare  # (an instance attribute: this run only)
+    if after_setup is not None:
+        after_setup(run)
     denoiser = run.policy.denoiser
     if not _has_adapters(denoiser):
         raise SystemExit(f"bench_online: {recipe}'s denoiser has no LoRA adapters to switch off for the floor")

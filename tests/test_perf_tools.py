@@ -147,3 +147,86 @@ def test_bench_online_counts_the_denoiser_calls_of_each_phase_and_leaves_the_run
             loop._epoch(run)
             run.epoch += 1
         assert bench.lora_digest(run.policy) == result["lora_sha256"]
+
+
+# ----------------------------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_moves_one_factor_at_a_time_three_points_each():
+    cost = _script("cost_model")
+    pts = cost.points({"groups_per_epoch": 8, "num_inference_steps": 20, "latent_side": 8})
+    assert len(pts) == 7 and pts[0][0] == "base"
+    for axis, values in (("groups_per_epoch", {4, 8, 16}), ("num_inference_steps", {10, 20, 40}),
+                         ("latent_side", {8, 16, 32})):
+        on_axis = [p for a, p in pts if a in (axis, "base")]
+        assert {p[axis] for p in on_axis} == values
+        others = [k for k in pts[0][1] if k != axis]
+        assert all(p[k] == pts[0][1][k] for p in on_axis for k in others)
+
+
+def test_the_reference_pool_stores_k_float32_copies_of_the_lora():
+    """K snapshots of the tiny SD's rank-8 LoRA on to_q/k/v/out: K x 4 bytes x r x sum(in + out) over the adapted
+    layers, counted from the UNet's Linear shapes."""
+    from diffalign.cli import asset_path
+    from diffalign.models.stable_diffusion import StableDiffusionPolicy
+
+    policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=8)
+    by_hand = 0
+    for name, module in policy.denoiser.named_modules():
+        if name.endswith(("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                          "attn2.to_v", "attn2.to_out.0")) and hasattr(module, "base_layer"):
+            by_hand += 8 * (module.base_layer.in_features + module.base_layer.out_features)
+    rows = _script("cost_model").pool_memory(ks=(1, 3))
+    assert [r["stored_bytes"] for r in rows] == [4 * by_hand, 3 * 4 * by_hand]
+    assert [r["snapshots"] for r in rows] == [1, 3]
+
+
+# ----------------------------------------------------------------------------------------------- GPU check
+
+
+def test_the_gpu_check_prints_the_published_figure_per_step_beside_its_own():
+    gpu = _script("gpu_check")
+    row = {"family": "sdxl", "seconds_per_step": 0.2, "batch": 2}
+    text = gpu.published_beside(row)
+    # 3.31 s for 30 steps of one image = 0.110 s per step; here 0.2 s per step for 2 images = 0.100 s per image-step
+    assert "0.110 s per step" in text and "0.100 s per step and image" in text and "(0.91x)" in text
+    assert "fast_diffusion" in text
+    assert gpu.published_beside({"family": "sd15", "seconds_per_step": 1.0, "batch": 1}).startswith("no published")
+
+
+def test_the_gpu_check_refuses_cuda_without_a_device_in_one_line(capsys):
+    gpu = _script("gpu_check")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(SystemExit):
+        gpu.main(["--device", "cuda"])
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_a_family_without_its_published_config_says_so():
+    gpu = _script("gpu_check")
+    row = gpu.part_real("flux1_dev", None, 1.0) if not (gpu.ARCH_DIR / "flux1_dev.json").is_file() else None
+    if row is None:
+        pytest.skip("configs/arch/flux1_dev.json exists")
+    assert "configs/arch/flux1_dev.json is missing" in row["error"]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_part_on_cpu_at_tiny_shapes(tmp_path):
+    """The whole path at the smallest shapes on CPU (float32: bf16 matmuls are slow on CPUs without bf16 units): the
+    main job, the online epoch and SD1.5 built from its published config. Its throughput is its own batch over its
+    sampling time; the held-out gain is absent (no evaluation at --tiny)."""
+    import json
+
+    gpu = _script("gpu_check")
+    out = tmp_path / "rows.json"
+    assert gpu.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--families", "sd15", "--budget-s", "1800",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    main_job, online, sd15 = rows
+    assert "error" not in main_job and main_job["steps"] == 3
+    assert "error" not in online and sum(online["result"]["epochs"][0]["calls"]["rollout"].values()) == 4
+    assert "error" not in sd15, sd15
+    assert sd15["size"] == 64 and sd15["denoiser_params"] == 859_520_964  # SD1.5's UNet, as published
+    assert sd15["images_per_s"] == pytest.approx(sd15["batch"] / sd15["sample_s"])
+    assert sd15["train_step_s"] > 0 and sd15["train_peak"] > 0
