@@ -144,7 +144,7 @@ class Recorder:
     def pre_hook(self, module, args, kwargs):
         """The denoiser's forward pre-hook: counts the call under the current phase (returns None: inputs unchanged)."""
         if self.paused:
-            return None
+            return
         import torch
 
         grad = torch.is_grad_enabled()
@@ -154,13 +154,33 @@ class Recorder:
         phase[signature] = phase.get(signature, 0) + 1
         if signature not in self.inputs:
             self.inputs[signature] = (_detached(args), _detached(kwargs), grad)
-        return None
+
+
+def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync):
+    """A function running one recorded call on `bare`: with gradients a forward + backward of the adapted model (loss:
+    the output's mean square), without a forward with the adapters switched off."""
+    import torch
+
+    if grad:
+        def call():
+            _first_tensor(bare(*args, **kwargs)).float().square().mean().backward()
+            sync()
+    else:
+        def call():
+            with torch.no_grad():
+                bare.disable_adapters()
+                try:
+                    bare(*args, **kwargs)
+                finally:
+                    bare.enable_adapters()
+            sync()
+    return call
 
 
 def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: int, sync) -> dict[str, float]:
     """Median seconds of one bare call of each signature (`Recorder`), replayed on a copy of `denoiser` with the
-    recorded inputs: without gradients a forward with the adapters disabled, with gradients a forward + backward of
-    the adapted copy (its trainable parameters as the run's). The run's random streams are left as they were."""
+    recorded inputs (`_replay`; the copy's trainable parameters are the run's). The run's model and random streams are
+    left as they were."""
     import torch
 
     recorder.paused = True
@@ -173,23 +193,8 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
                 p.grad = None
             for signature in sorted(signatures):
                 args, kwargs, grad = recorder.inputs[signature]
-                if grad:
-                    bare.train()
-
-                    def call():
-                        _first_tensor(bare(*args, **kwargs)).float().square().mean().backward()
-                        sync()
-                else:
-                    bare.eval()
-
-                    def call():
-                        with torch.no_grad():
-                            bare.disable_adapters()
-                            try:
-                                bare(*args, **kwargs)
-                            finally:
-                                bare.enable_adapters()
-                        sync()
+                bare.train(grad)
+                call = _replay(bare, args, kwargs, grad, sync)
                 call()  # warm-up
                 times = []
                 for _ in range(repeats):
@@ -197,7 +202,6 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
                     call()
                     times.append(time.perf_counter() - start)
                 out[signature] = statistics.median(times)
-            del bare
     finally:
         recorder.paused = False
     return out
@@ -452,9 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         for recipe, by_label in results.items():
             mine = statistics.median(summarize(x)["total"] for x in by_label["this checkout"])
             theirs = statistics.median(summarize(x)["total"] for x in by_label[args.compare])
-            phases = ", ".join(
-                f"{ph} {statistics.median(summarize(x)[ph] for x in by_label['this checkout']) / max(1e-9, statistics.median(summarize(x)[ph] for x in by_label[args.compare])):.2f}"  # noqa: E501
-                for ph in PHASES)
+            ratios = []
+            for ph in PHASES:
+                a = statistics.median(summarize(x)[ph] for x in by_label["this checkout"])
+                b = statistics.median(summarize(x)[ph] for x in by_label[args.compare])
+                ratios.append(f"{ph} {a / b:.2f}" if b > 0 else f"{ph} -")
+            phases = ", ".join(ratios)
             print(f"  {recipe:<20} {mine:7.2f} s / {theirs:7.2f} s = {mine / theirs:.2f}   ({phases})")
     return 0
 

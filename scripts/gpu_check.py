@@ -70,8 +70,8 @@ FAMILIES = {
 PUBLISHED = {
     ("sdxl", "seconds_per_image"): (
         3.31, "s per image", "SDXL-base 1024 px, 30 steps, batch 1, bf16 + SDPA, diffusers, one A100 80 GB",
-        "diffusers docs, 'Accelerate inference of text-to-image diffusion models' "
-        "(huggingface.co/docs/diffusers/tutorials/fast_diffusion): 7.36 s fp32 → 4.63 s bf16 → 3.31 s with SDPA"),
+        ("diffusers docs, 'Accelerate inference of text-to-image diffusion models' "
+         "(huggingface.co/docs/diffusers/tutorials/fast_diffusion): 7.36 s fp32 → 4.63 s bf16 → 3.31 s with SDPA")),
 }
 
 MAIN_JOB_TINY = ["data.num_prompts=2", "data.samples_per_prompt=2", "data.num_inference_steps=3",
