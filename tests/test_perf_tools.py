@@ -230,3 +230,50 @@ def test_the_gpu_check_runs_every_part_on_cpu_at_tiny_shapes(tmp_path):
     assert sd15["size"] == 64 and sd15["denoiser_params"] == 859_520_964  # SD1.5's UNet, as published
     assert sd15["images_per_s"] == pytest.approx(sd15["batch"] / sd15["sample_s"])
     assert sd15["train_step_s"] > 0 and sd15["train_peak"] > 0
+
+
+def _tiny_sd_arch(rs) -> dict:
+    """An arch entry (the ``configs/arch`` format) holding the shipped tiny SD's configs: random weights of the tiny
+    world's shapes, so the real-size path runs in seconds."""
+    import json
+
+    assets = REPO / "diffalign" / "assets" / "tiny_sd"
+
+    def config(part):
+        return {k: v for k, v in json.loads((assets / part / "config.json").read_text()).items()
+                if not k.startswith("_") and k not in ("architectures", "transformers_version", "dtype")}
+
+    text = config("text_encoder")
+    text["vocab_size"] = len(rs.stand_in_tokenizer(text["max_position_embeddings"]))
+    scheduler = {k: v for k, v in json.loads((assets / "scheduler" / "scheduler_config.json").read_text()).items()
+                 if not k.startswith("_")}
+    return {"pipeline": "StableDiffusionPipeline", "denoiser": "unet",
+            "pipeline_kwargs": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
+            "components": {
+                "unet": {"library": "diffusers", "class": "UNet2DConditionModel", "config": config("unet")},
+                "vae": {"library": "diffusers", "class": "AutoencoderKL", "config": config("vae")},
+                "text_encoder": {"library": "transformers", "class": "CLIPTextModel", "config": text},
+                "scheduler": {"library": "diffusers", "class": "DDIMScheduler", "config": scheduler},
+                "tokenizer": {"library": "stand-in", "model_max_length": text["max_position_embeddings"]}}}
+
+
+def test_the_real_size_path_runs_on_cpu_with_a_tiny_arch(monkeypatch, tmp_path):
+    """`real_size_child` end to end (in-memory random weights, the project's policy, sampling, one LoRA step) on an
+    arch of the tiny SD's shapes: the UNet built from the config has the shipped tiny UNet's parameter count, the
+    throughput is the batch over the sampling time, the step trains the LoRA only."""
+    from diffusers import UNet2DConditionModel
+
+    gpu = _script("gpu_check")
+    rs = gpu._bench_real_size()
+    arch = _tiny_sd_arch(rs)
+    load_arch = rs.load_arch
+    monkeypatch.setattr(rs, "load_arch", lambda name: arch if name == "tiny_test" else load_arch(name))
+    monkeypatch.setitem(gpu.FAMILIES, "tiny_test", {"arch": "tiny_test", "model": "tiny_sd", "size": 8, "tiny": 8,
+                                                    "steps": 2, "cfg": 4.0, "batch": 2, "train_rows": 2})
+    row = gpu.real_size_child("tiny_test", "cpu", False, tmp_path, dtype="float32")
+    shipped = UNet2DConditionModel.from_pretrained(REPO / "diffalign" / "assets" / "tiny_sd", subfolder="unet")
+    assert row["denoiser_params"] == sum(p.numel() for p in shipped.parameters())
+    assert row["steps"] == 2 and row["batch"] == 2
+    assert row["images_per_s"] == pytest.approx(2 / row["sample_s"])
+    assert row["seconds_per_step"] == pytest.approx(row["sample_s"] / 2)
+    assert row["lora_params"] > 0 and math.isfinite(row["loss"]) and row["train_step_s"] > 0
