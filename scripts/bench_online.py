@@ -214,15 +214,47 @@ def _has_adapters(denoiser) -> bool:
 # ----------------------------------------------------------------------------------------------- one measurement
 
 
+# The package's layout moved modules (diffalign.cli's config helpers to diffalign.config.compose, console and
+# deprecation to runtime/ and config/); these look a name up in the new place and then the old one, so the benchmark
+# runs on both (--compare REV measures older commits with this script).
+
+
+def _first_import(*candidates: tuple[str, str]):
+    """The first of (module, name) that imports."""
+    import importlib
+
+    for module, name in candidates:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {candidates} is in this diffalign")
+
+
+def asset_path(name: str):
+    """The shipped tiny model folder `name` (``diffalign/assets``)."""
+    return _first_import(("diffalign.config.compose", "asset_path"), ("diffalign.cli", "asset_path"))(name)
+
+
+def migrate_config(cfg) -> None:
+    """What the loop's `train` does first: old config keys moved to their new names."""
+    _first_import(("diffalign.config.deprecation", "migrate_config"), ("diffalign.deprecation", "migrate_config"))(cfg)
+
+
+def warning_counts():
+    """A fresh `WarningCounts` (what the loop's `train` hands every run)."""
+    return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.console", "WarningCounts"))()
+
+
 def compose_config(overrides: list[str]):
+    """The ``train`` config of `overrides` (Hydra compose, as the CLI)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from diffalign.cli import CONFIG_DIR, _setup
-
-    _setup()
+    config_dir = _first_import(("diffalign.config.compose", "CONFIG_DIR"), ("diffalign.cli", "CONFIG_DIR"))
+    _first_import(("diffalign.config.compose", "setup_hydra"), ("diffalign.cli", "_setup"))()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
@@ -280,24 +312,14 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
 
     from diffalign.train import online as loop
 
-    try:
-        from diffalign.console import WarningCounts
-    except ImportError:  # (a commit before the console module)
-        WarningCounts = None
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench-online-{recipe}-"))
     cfg = compose_config([*overrides, f"output_dir={out_dir}"] + ([f"trainer.cpu={device == 'cpu'}"] if device
                                                                   else []))
-    try:  # what the loop's `train` does first: old config keys moved to their new names
-        from diffalign.deprecation import migrate_config
-    except ImportError:
-        migrate_config = None
-    if migrate_config is not None:
-        migrate_config(cfg)
+    migrate_config(cfg)
     recorder = Recorder()
     originals = instrument(loop, recorder)
     run = loop._setup(cfg)
-    if WarningCounts is not None:
-        run.warnings = WarningCounts()
+    run.warnings = warning_counts()
     prepare = run.objective.prepare
 
     def timed_prepare(*args, **kwargs):

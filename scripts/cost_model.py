@@ -83,15 +83,14 @@ def pool_memory(ks=POOL_K) -> list[dict]:
     """Stored bytes and resident-set growth of a `PoolReference` holding K snapshots of the tiny SD policy's LoRA."""
     import torch
 
-    from diffalign.cli import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
-    try:
-        from diffalign.reference import PoolReference
-    except ImportError:  # (the package's layout after the `shape` branch)
-        from diffalign.reference.pool import PoolReference
 
     sys.path.insert(0, str(SCRIPTS))
+    from bench_online import _first_import, asset_path
     from bench_real_size import _status
+
+    PoolReference = _first_import(("diffalign.reference.pool", "PoolReference"),
+                                  ("diffalign.reference", "PoolReference"))
 
     rows = []
     for k in ks:

@@ -10,7 +10,7 @@ next one runs):
 2. **online**: ``scripts/bench_online.py`` on ``recipe=tiny_flow_grpo`` (1 warm-up + 1 measured epoch): rollout,
    reward, advantages and update, each beside the bare denoiser's floor;
 3. **real size**: each family of ``FAMILIES`` (SD1.5 512 px, SDXL 1024 px, SD3.5-Medium 1024 px, Wan2.1-1.3B
-   33 × 480 × 832; FLUX.1-dev 1024 px once ``configs/arch/flux1_dev.json`` exists) built from its published configs
+   33 × 480 × 832; FLUX.1-dev 1024 px once ``flux1_dev.json`` is among the arch configs) built from its published configs
    (``configs/arch``, as ``scripts/bench_real_size.py``; nothing is downloaded) with random weights in bfloat16 and
    wrapped in the project's policy (``model=<family>``, its LoRA): sampling with diffalign's ``rollout`` (a few
    steps with CFG, decode included) → images/s and seconds per step; one LoRA training step (forward + backward of
@@ -46,7 +46,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-ARCH_DIR = REPO / "configs" / "arch"
 GIB = 1024**3
 
 # family -> published arch file, model config, real size (latent side, or (frames, height px, width px)), the
@@ -164,10 +163,9 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     row = {"family": family, "device": device, "dtype": dtype, "size": list(size) if video else size * 8, "steps": steps,
            "batch": batch, "train_rows": rows, "guidance_scale": spec["cfg"]}
-    try:
-        from diffalign.init_lora import build_policy
-    except ImportError:  # (the package's layout after the `shape` branch)
-        from diffalign.lora.initial import build_policy
+    from bench_online import _first_import
+
+    build_policy = _first_import(("diffalign.lora.initial", "build_policy"), ("diffalign.init_lora", "build_policy"))
     start = time.perf_counter()
     policy = build_policy(cfg, log=lambda *a: None)
     policy.to(device)
@@ -264,9 +262,10 @@ def part_online(args, timeout: float) -> dict:
 
 def part_real(family: str, args, timeout: float) -> dict:
     spec = FAMILIES[family]
-    if not (ARCH_DIR / f"{spec['arch']}.json").is_file():
-        return {"family": family, "error": f"configs/arch/{spec['arch']}.json is missing (its published configs; "
-                                           f"FLUX comes with branch flux)"}
+    if not (_bench_real_size().ARCH_DIR / f"{spec['arch']}.json").is_file():
+        arch_dir = _bench_real_size().ARCH_DIR
+        return {"family": family, "error": f"{arch_dir.relative_to(REPO)}/{spec['arch']}.json is missing (its "
+                                           "published configs; FLUX comes with branch flux)"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", family, "--device", args.device, "--dtype",
            args.dtype] + (["--tiny"] if args.tiny else [])
     rc, out, err = run(cmd, timeout, env=dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1",

@@ -339,9 +339,8 @@ def quick(cfg: PeerConfig) -> PeerConfig:
 def diffalign_run(method: str, cfg: PeerConfig, out_dir: Path):
     """diffalign's loop on the same settings (its `_setup`; epochs through `_epoch`)."""
     sys.path.insert(0, str(REPO / "scripts"))
-    from bench_online import compose_config
+    from bench_online import compose_config, migrate_config, warning_counts
 
-    from diffalign.console import WarningCounts
     from diffalign.train import online as loop
 
     overrides = [f"recipe={RECIPE[method]}", "reward=[brightness]", "eval.enabled=false", "trainer.log_with=none",
@@ -350,14 +349,17 @@ def diffalign_run(method: str, cfg: PeerConfig, out_dir: Path):
                  f"online.rollout_batch_size={cfg.rollout_batch_size}", f"trainer.batch_size={cfg.batch_size}",
                  f"sampler.num_inference_steps={cfg.num_inference_steps}",
                  f"online.tracker_min_count={cfg.tracker_min_count}", f"output_dir={out_dir}"]
-    run = loop._setup(compose_config(overrides))
-    run.warnings = WarningCounts()
+    cfg = compose_config(overrides)
+    migrate_config(cfg)
+    run = loop._setup(cfg)
+    run.warnings = warning_counts()
 
     def epoch():
         logs = loop._epoch(run)
         run.epoch += 1
         return logs
 
+    epoch.trainable = sum(p.numel() for p in run.updates.params)
     return epoch
 
 
@@ -380,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             ours = diffalign_run(method, cfg, Path(tmp))
             peer = PeerLoop(cfg, prompts, brightness)
+            mine = sum(p.numel() for p in peer.params)
+            if mine != ours.trainable:
+                print(f"note: {method}: LoRA parameters differ, diffalign {ours.trainable} vs peer {mine}")
             ours(), peer.run_epoch()  # warm-up
             t_ours, t_peer = [], []
             for _ in range(args.repeats):

@@ -133,16 +133,14 @@ def test_bench_online_counts_the_denoiser_calls_of_each_phase_and_leaves_the_run
     # the same two epochs without the benchmark (no timers, hook or floor replays): the same LoRA, bit for bit
     import tempfile
 
-    from diffalign.console import WarningCounts
-    from diffalign.deprecation import migrate_config
     from diffalign.train import online as loop
 
     assert loop._updates.__module__ == "diffalign.train.online"  # the timers were taken off again
     with tempfile.TemporaryDirectory() as tmp:
         cfg = bench.compose_config([*overrides, f"output_dir={tmp}"])
-        migrate_config(cfg)
+        bench.migrate_config(cfg)
         run = loop._setup(cfg)
-        run.warnings = WarningCounts()
+        run.warnings = bench.warning_counts()
         for _ in range(2):
             loop._epoch(run)
             run.epoch += 1
@@ -167,10 +165,9 @@ def test_cost_model_moves_one_factor_at_a_time_three_points_each():
 def test_the_reference_pool_stores_k_float32_copies_of_the_lora():
     """K snapshots of the tiny SD's rank-8 LoRA on to_q/k/v/out: K x 4 bytes x r x sum(in + out) over the adapted
     layers, counted from the UNet's Linear shapes."""
-    from diffalign.cli import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
 
-    policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=8)
+    policy = StableDiffusionPolicy.from_pretrained(_script("bench_online").asset_path("tiny_sd"), lora_rank=8)
     by_hand = 0
     for name, module in policy.denoiser.named_modules():
         if name.endswith(("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
@@ -205,10 +202,11 @@ def test_the_gpu_check_refuses_cuda_without_a_device_in_one_line(capsys):
 
 def test_a_family_without_its_published_config_says_so():
     gpu = _script("gpu_check")
-    row = gpu.part_real("flux1_dev", None, 1.0) if not (gpu.ARCH_DIR / "flux1_dev.json").is_file() else None
+    row = gpu.part_real("flux1_dev", None, 1.0) if not (gpu._bench_real_size().ARCH_DIR / "flux1_dev.json").is_file() \
+        else None
     if row is None:
         pytest.skip("configs/arch/flux1_dev.json exists")
-    assert "configs/arch/flux1_dev.json is missing" in row["error"]
+    assert "flux1_dev.json is missing" in row["error"]
 
 
 @pytest.mark.slow
@@ -277,3 +275,12 @@ def test_the_real_size_path_runs_on_cpu_with_a_tiny_arch(monkeypatch, tmp_path):
     assert row["images_per_s"] == pytest.approx(2 / row["sample_s"])
     assert row["seconds_per_step"] == pytest.approx(row["sample_s"] / 2)
     assert row["lora_params"] > 0 and math.isfinite(row["loss"]) and row["train_step_s"] > 0
+
+
+@pytest.mark.parametrize("method", ["flow_grpo", "ddpo"])
+def test_the_peer_trains_an_adapter_of_the_same_size_as_diffalign(method, tmp_path):
+    peer = _script("peer_loop")
+    cfg = peer.quick(peer.PEERS[method])
+    ours = peer.diffalign_run(method, cfg, tmp_path)
+    loop = peer.PeerLoop(cfg, ["a red circle"], peer.brightness)
+    assert sum(p.numel() for p in loop.params) == ours.trainable > 0
