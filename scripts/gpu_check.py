@@ -10,14 +10,14 @@ next one runs):
 2. **online**: ``scripts/bench_online.py`` on ``recipe=tiny_flow_grpo`` (1 warm-up + 1 measured epoch): rollout,
    reward, advantages and update, each beside the bare denoiser's floor;
 3. **real size**: each family of ``FAMILIES`` (SD1.5 512 px, SDXL 1024 px, SD3.5-Medium 1024 px, Wan2.1-1.3B
-   33 × 480 × 832; FLUX.1-dev 1024 px once ``flux1_dev.json`` is among the arch configs) built from its published configs
-   (``configs/arch``, as ``scripts/bench_real_size.py``; nothing is downloaded) with random weights in bfloat16 and
+   33 × 480 × 832, FLUX.1-dev 1024 px) built from its published configs (``diffalign/configs/arch``, as
+   ``scripts/bench_real_size.py``; nothing is downloaded) with random weights in bfloat16 and
    wrapped in the project's policy (``model=<family>``, its LoRA): sampling with diffalign's ``rollout`` (a few
    steps with CFG, decode included) → images/s and seconds per step; one LoRA training step (forward + backward of
    the denoiser on noised latents and an AdamW step) → step time; the peak memory of the part
    (``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set). Random weights make the images
-   noise, not the speed: the arithmetic is the real model's. SD3.5 runs without its T5-XXL (``load_t5=false``) and
-   Wan with a one-layer stand-in of umT5 of the real width, as ``bench_real_size.py``.
+   noise, not the speed: the arithmetic is the real model's. SD3.5 runs without its T5-XXL (``load_t5=false``), Wan
+   and FLUX with a one-layer stand-in of their T5 of the real width, as ``bench_real_size.py``.
 
 Published figures are printed beside where a peer published one for the same model and setting (`PUBLISHED`, with
 its source); a row without one says so.
@@ -59,10 +59,11 @@ FAMILIES = {
                     "batch": 1, "train_rows": 1, "overrides": ["model.load_t5=false"]},
     "wan21_t2v": {"arch": "wan21_t2v_1_3b", "model": "wan21_t2v", "size": (33, 480, 832), "tiny": (5, 16, 16),
                   "steps": 4, "cfg": 5.0, "batch": 1, "train_rows": 1},
-    # FLUX.1-dev (branch `flux`: model=flux1_dev): measured once its published config is in configs/arch; until then
-    # its row says what is missing
+    # FLUX.1-dev (model=flux1_dev): guidance-distilled (the guidance scale is the transformer's input, no CFG batch);
+    # its resolution is the model config's height / width, set from the size. A family whose published config is not
+    # among the arch configs says so in its row.
     "flux1_dev": {"arch": "flux1_dev", "model": "flux1_dev", "size": 128, "tiny": 2, "steps": 10, "cfg": 3.5,
-                  "batch": 1, "train_rows": 1},
+                  "batch": 1, "train_rows": 1, "size_in_model_config": True},
 }
 
 # Figures a peer published for the same model and setting: (family, what) -> (value, unit, setting, source)
@@ -153,12 +154,15 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
     video = isinstance(size, (tuple, list))
     steps, batch, rows = (1, 1, 1) if tiny else (spec["steps"], spec["batch"], spec["train_rows"])
     folder = work / f"{family}_configs"
-    rs.write_configs(arch, folder, None if video else size)
-    in_memory_pipelines(arch, None if video else size, device)
+    sample_size = None if video or spec.get("size_in_model_config") else size  # (the denoiser config's default)
+    rs.write_configs(arch, folder, sample_size)
+    in_memory_pipelines(arch, sample_size, device)
     overrides = [f"model={spec['model']}", f"model.pretrained_model_name_or_path={folder}",
                  f"model.torch_dtype={dtype}", *spec.get("overrides", [])]
     if video:
         overrides += [f"model.num_frames={size[0]}", f"model.height={size[1]}", f"model.width={size[2]}"]
+    elif spec.get("size_in_model_config"):
+        overrides += [f"model.height={size * 8}", f"model.width={size * 8}"]
     cfg = compose_config(overrides)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     row = {"family": family, "device": device, "dtype": dtype, "size": list(size) if video else size * 8, "steps": steps,
@@ -264,7 +268,7 @@ def part_real(family: str, args, timeout: float) -> dict:
     spec = FAMILIES[family]
     if not (_bench_real_size().ARCH_DIR / f"{spec['arch']}.json").is_file():
         arch_dir = _bench_real_size().ARCH_DIR
-        return {"family": family, "error": f"{arch_dir.relative_to(REPO)}/{spec['arch']}.json is missing (its "
+        return {"family": family, "error": f"{arch_dir.resolve().relative_to(REPO)}/{spec['arch']}.json is missing (its "
                                            "published configs; FLUX comes with branch flux)"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", family, "--device", args.device, "--dtype",
            args.dtype] + (["--tiny"] if args.tiny else [])
@@ -298,8 +302,9 @@ def print_real(row: dict) -> None:
         print(f"  {row['family']:<12} not measured: {row['error']}")
         return
     size = "x".join(str(s) for s in row["size"]) if isinstance(row["size"], list) else f"{row['size']} px"
+    unit = "videos/s" if isinstance(row["size"], list) else "images/s"
     print(f"  {row['family']:<12} {size:>13}  {row['denoiser_params'] / 1e9:5.2f} B  build {row['build_s']:5.1f} s  "
-          f"sampling {row['images_per_s']:7.3f} images/s ({row['steps']} steps, CFG {row['guidance_scale']}, batch "
+          f"sampling {row['images_per_s']:7.3f} {unit} ({row['steps']} steps, CFG {row['guidance_scale']}, batch "
           f"{row['batch']}: {row['seconds_per_step']:.3f} s per step), peak {row['sample_peak'] / GIB:5.1f} GiB;  "
           f"train step {row['train_step_s']:.3f} s ({row['train_rows']} rows), peak {row['train_peak'] / GIB:5.1f} "
           f"GiB")

@@ -200,13 +200,19 @@ def test_the_gpu_check_refuses_cuda_without_a_device_in_one_line(capsys):
     assert "no CUDA device is visible" in capsys.readouterr().err
 
 
-def test_a_family_without_its_published_config_says_so():
+def test_a_family_without_its_published_config_says_so(monkeypatch):
     gpu = _script("gpu_check")
-    row = gpu.part_real("flux1_dev", None, 1.0) if not (gpu._bench_real_size().ARCH_DIR / "flux1_dev.json").is_file() \
-        else None
-    if row is None:
-        pytest.skip("configs/arch/flux1_dev.json exists")
-    assert "flux1_dev.json is missing" in row["error"]
+    monkeypatch.setitem(gpu.FAMILIES, "not_there", {**gpu.FAMILIES["sd15"], "arch": "not_there"})
+    row = gpu.part_real("not_there", None, 1.0)
+    assert row["error"].startswith("diffalign/configs/arch/not_there.json is missing")
+
+
+def test_every_family_has_its_published_config_and_model_config():
+    gpu = _script("gpu_check")
+    arch_dir = gpu._bench_real_size().ARCH_DIR
+    for family, spec in gpu.FAMILIES.items():
+        assert (arch_dir / f"{spec['arch']}.json").is_file(), family
+        assert (REPO / "diffalign" / "configs" / "model" / f"{spec['model']}.yaml").is_file(), family
 
 
 @pytest.mark.slow
