@@ -35,6 +35,7 @@ that the script runs, not how fast anything is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -66,10 +67,11 @@ FAMILIES = {
                   "batch": 1, "train_rows": 1, "size_in_model_config": True},
 }
 
-# Figures a peer published for the same model and setting: (family, what) -> (value, unit, setting, source)
+# Figures a peer published for the same model and setting: (family, what) -> (value, unit, pixels, steps, setting,
+# source); compared only with a row at the same resolution
 PUBLISHED = {
     ("sdxl", "seconds_per_image"): (
-        3.31, "s per image", "SDXL-base 1024 px, 30 steps, batch 1, bf16 + SDPA, diffusers, one A100 80 GB",
+        3.31, "s per image", 1024, 30, "SDXL-base 1024 px, 30 steps, batch 1, bf16 + SDPA, diffusers, one A100 80 GB",
         ("diffusers docs, 'Accelerate inference of text-to-image diffusion models' "
          "(huggingface.co/docs/diffusers/tutorials/fast_diffusion): 7.36 s fp32 → 4.63 s bf16 → 3.31 s with SDPA")),
 }
@@ -107,10 +109,12 @@ def reset_peak(device: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def in_memory_pipelines(arch: dict, sample_size, device: str) -> None:
-    """Makes every model family's ``load_pipeline`` (``diffalign.models.*``) return the pipeline of `arch` built in
-    memory with random weights directly on `device` (bfloat16; `bench_real_size.build_components`), cast to the
-    requested dtype; the policy's own construction (LoRA, schedulers, checks) runs unchanged."""
+@contextlib.contextmanager
+def in_memory_pipelines(arch: dict, sample_size, device: str):
+    """Within the block, every model family's ``load_pipeline`` (``diffalign.models.*``) returns the pipeline of
+    `arch` built in memory with random weights directly on `device` (bfloat16; `bench_real_size.build_components`),
+    cast to the requested dtype; the policy's own construction (LoRA, schedulers, checks) runs unchanged. The
+    originals are put back on exit."""
     import importlib
     import pkgutil
 
@@ -132,10 +136,17 @@ def in_memory_pipelines(arch: dict, sample_size, device: str) -> None:
         pipe = getattr(diffusers, arch["pipeline"])(**components, **arch.get("pipeline_kwargs", {}))
         return pipe.to(device=torch.device(device), dtype=resolve_dtype(torch_dtype))
 
+    originals = {}
     for info in pkgutil.iter_modules(diffalign.models.__path__):
         module = importlib.import_module(f"diffalign.models.{info.name}")
         if hasattr(module, "load_pipeline"):
+            originals[module] = module.load_pipeline
             module.load_pipeline = load_pipeline
+    try:
+        yield
+    finally:
+        for module, original in originals.items():
+            module.load_pipeline = original
 
 
 def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str = "bfloat16") -> dict:
@@ -156,7 +167,6 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
     folder = work / f"{family}_configs"
     sample_size = None if video or spec.get("size_in_model_config") else size  # (the denoiser config's default)
     rs.write_configs(arch, folder, sample_size)
-    in_memory_pipelines(arch, sample_size, device)
     overrides = [f"model={spec['model']}", f"model.pretrained_model_name_or_path={folder}",
                  f"model.torch_dtype={dtype}", *spec.get("overrides", [])]
     if video:
@@ -171,7 +181,8 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
 
     build_policy = _first_import(("diffalign.lora.initial", "build_policy"), ("diffalign.init_lora", "build_policy"))
     start = time.perf_counter()
-    policy = build_policy(cfg, log=lambda *a: None)
+    with in_memory_pipelines(arch, sample_size, device):
+        policy = build_policy(cfg, log=lambda *a: None)
     policy.to(device)
     sync()
     row["build_s"] = time.perf_counter() - start
@@ -289,8 +300,9 @@ def published_beside(row: dict) -> str:
     fig = PUBLISHED.get((row["family"], "seconds_per_image"))
     if fig is None:
         return "no published figure for this setting"
-    value, unit, setting, source = fig
-    steps_published = 30
+    value, unit, pixels, steps_published, setting, source = fig
+    if row["size"] != pixels:
+        return f"published {value} {unit} at {pixels} px ({source}); not compared with this row's {row['size']} px"
     per_step = value / steps_published
     ours = row["seconds_per_step"] / row["batch"]
     return (f"published {value} {unit} ({setting}) = {per_step:.3f} s per step; here {ours:.3f} s per step and "

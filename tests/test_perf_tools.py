@@ -183,12 +183,14 @@ def test_the_reference_pool_stores_k_float32_copies_of_the_lora():
 
 def test_the_gpu_check_prints_the_published_figure_per_step_beside_its_own():
     gpu = _script("gpu_check")
-    row = {"family": "sdxl", "seconds_per_step": 0.2, "batch": 2}
+    row = {"family": "sdxl", "seconds_per_step": 0.2, "batch": 2, "size": 1024}
     text = gpu.published_beside(row)
     # 3.31 s for 30 steps of one image = 0.110 s per step; here 0.2 s per step for 2 images = 0.100 s per image-step
     assert "0.110 s per step" in text and "0.100 s per step and image" in text and "(0.91x)" in text
     assert "fast_diffusion" in text
-    assert gpu.published_beside({"family": "sd15", "seconds_per_step": 1.0, "batch": 1}).startswith("no published")
+    assert "not compared" in gpu.published_beside({**row, "size": 64})  # --tiny: another resolution
+    assert gpu.published_beside({"family": "sd15", "seconds_per_step": 1.0, "batch": 1, "size": 512}).startswith(
+        "no published")
 
 
 def test_the_gpu_check_refuses_cuda_without_a_device_in_one_line(capsys):
