@@ -119,12 +119,12 @@ def grad_weight(sigmas: torch.Tensor, k: int, form: str = "inverse_dt") -> float
 class GRPOGuard(ClippedPolicyGradient):
     """GRPO-Guard: Flow-GRPO (`diffalign.objectives.flow_grpo.FlowGRPO`, same defaults) with RatioNorm and gradient
     reweighting (module docstring). Flow models with ``sampler=flow_sde`` only (the reweighting's δ is derived for the
-    Flow-GRPO SDE, as in the released implementations).
+    Flow-GRPO SDE, as in the released implementations). The other arguments are `ClippedPolicyGradient`'s, with
+    `FlowGRPO`'s defaults.
 
     Args:
         ratio_norm (`bool`, defaults to True): clip ρ̂ (`guard_log_ratio`) instead of ρ.
         grad_reweight (`str`, defaults to "inverse_dt"): δ_k (`grad_weight`), "inverse_dt" or "none".
-        The other arguments are `ClippedPolicyGradient`'s with `FlowGRPO`'s defaults.
 
     Raises:
         ValueError: as `ClippedPolicyGradient`, or for an unknown `grad_reweight`.

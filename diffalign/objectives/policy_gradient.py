@@ -434,7 +434,8 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         """The clipped surrogate of the module docstring on a given log-ratio, plus β_KL · KL.
 
         Args:
-            step: the recomputed step output of transition `k` (`recompute_step`: ``mean``, ``std``, ``log_prob``).
+            step (`DDIMStepOutput` or `FlowStepOutput`): the recomputed step output of transition `k`
+                (`recompute_step`: ``mean``, ``std``, ``log_prob``).
             log_ratio (`torch.Tensor`): `(B,)` log ρ (here log π_θ − log π_old; GRPO-Guard passes its normalised one).
             weight (`float` or `torch.Tensor`): multiplies the clipped term only (GRPO-Guard's gradient reweighting);
                 1 for DDPO/Flow-GRPO.
