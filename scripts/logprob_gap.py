@@ -164,8 +164,8 @@ def main() -> None:
     if args.steps < 1:
         raise SystemExit(f"logprob_gap.py: error: --steps {args.steps}: pass an integer >= 1")
     torch.manual_seed(0)
-    print(f"| family | guidance | precision | max abs(Δ log π) | mean abs(Δ log π) | max abs(ρ − 1) | "
-          f"gap / gap(w=1) | max abs(Δ log π), minibatch of 1 |")
+    print("| family | guidance | precision | max abs(Δ log π) | mean abs(Δ log π) | max abs(ρ − 1) | "
+          "gap / gap(w=1) | max abs(Δ log π), minibatch of 1 |")
     print("|---|---|---|---|---|---|---|---|")
     for family in args.families:
         policy = build_policy(family)
