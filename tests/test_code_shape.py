@@ -23,7 +23,7 @@ LOOPS = ("train/online.py", "train/preference.py")
 
 def method_names() -> set[str]:
     """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``; the
-    generic words diffusion, flow, tiny and guard only joined: the loops use ``diffalign.rewards.guard``), their
+    generic words diffusion, flow, tiny and guard only joined: the loops use a `NonFiniteGuard`), their
     objective classes and the families they belong to."""
     names = {"grpo", "dancegrpo", "dpo"}
     for option in (PACKAGE / "configs" / "method").glob("*.yaml"):
