@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 
