@@ -45,10 +45,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.base import Reward
 from diffalign.rewards.reward_set import score_or_raise
 
 
+@config_schema("monitor", "default")
 @dataclass
 class MonitorConfig:
     """The ``monitor:`` config node; see the module docstring for the meaning of each field."""
