@@ -14,7 +14,7 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf
 
 from diffalign import cli
-from diffalign.config.validation import validate_train_config
+from diffalign.config.validation import construct, validate_train_config
 
 
 @pytest.fixture(autouse=True)
@@ -363,6 +363,8 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
             continue
         with pytest.raises((ValueError, FileNotFoundError)) as refused:
             validate_train_config(cfg)
+            construct(cfg.method, "method")  # (constructors check their arguments when built, before any model loads)
+            construct(cfg.reference, "reference")
         assert path in str(refused.value) or path.split(".", 1)[1] in str(refused.value), (path, str(refused.value))
         checked += 1
     assert checked > 0

@@ -33,7 +33,6 @@ from omegaconf import DictConfig, OmegaConf
 from diffalign.config.checks import (
     ConfigError,
     boolean,
-    check_node_keys,
     check_structured_keys,
     check_top_level_keys,
     choice,
@@ -204,20 +203,16 @@ def world_size() -> int:
 def check_unknown_keys(cfg: DictConfig) -> None:
     """Every node of the run config refuses a key it does not have, naming the closest real one: top-level keys
     (``+output=...``, ``+accelerate=fsdp``; `diffalign.config.checks.check_top_level_keys`), the structured nodes
-    (`diffalign.config.checks.check_structured_keys`) and the plain ones with a registered schema (``monitor``,
-    `diffalign.config.checks.check_node_keys`).
+    (`diffalign.config.checks.check_structured_keys`) and the plain ones whose component registers a key check
+    (``monitor``: `diffalign.evaluation.monitors.check_monitor_keys`).
 
     Raises:
         ConfigError: naming the key and the fix.
     """
-    from diffalign.config.schemas import discover
-
     check_top_level_keys(cfg, train_config_keys())
     check_structured_keys(cfg)
-    schemas = discover()
-    for name in ("monitor",):
-        if name in cfg and "default" in schemas.get(name, {}):
-            check_node_keys(cfg[name], name, schemas[name]["default"])
+    if "monitor" in cfg:
+        registered_check("monitor_keys")(cfg.monitor)  # (diffalign.evaluation.monitors.check_monitor_keys)
 
 
 def train_config_keys() -> set[str]:

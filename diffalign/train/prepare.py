@@ -5,9 +5,9 @@ names (`diffalign.config.deprecation.migrate_config`), ``model.init_lora``'s set
 checked, `diffalign.lora.initial.adopt_init_lora`), every node checked (`diffalign.config.validation
 .validate_train_config`, which runs each component's own checks beside its fields) and the launch
 (`diffalign.runtime.distributed.check_launch`). `build_run` then builds every component exactly once, in the order the
-loops always built them (so every random stream is unchanged): the method, the `Accelerator` (which seeds every RNG
-with ``cfg.seed``), the policy (with ``model.init_lora``'s weights), the reference strategy (set up on the policy, then
-the method's own ``setup``), the data set (preference loop) or the prompt rows (online loop), the training and
+loops always built them after seeding (so every random stream is unchanged): the method and the reference strategy
+(their constructors only check and store arguments), the `Accelerator` (which seeds every RNG with ``cfg.seed``), the
+policy (with ``model.init_lora``'s weights), the reference strategy's and the method's ``setup`` on the policy, the data set (preference loop) or the prompt rows (online loop), the training and
 evaluation rewards and the hacking monitor. The loops (`diffalign.train.online.train`,
 `diffalign.train.preference.train`) take the `PreparedRun` and wire the optimizer, LR schedule and checkpoints around
 it; they build and check nothing again.
@@ -47,7 +47,7 @@ class PreparedRun:
         monitor: the hacking monitor (`diffalign.evaluation.monitors.build_monitor`), or None.
         dataset: the preference data set (``cfg.data``), None for an online method.
         rows (`list[dict]`): the online loop's train prompts (``online.prompts``), None for a preference method.
-        pixel_size (`tuple[int, int]`): the model's image size (height, width) in pixels.
+        pixel_size (`tuple[int, int]`): the model's image size (height, width) in pixels (preference runs).
     """
 
     cfg: DictConfig
@@ -106,19 +106,21 @@ def build_run(cfg: DictConfig) -> PreparedRun:
     from diffalign.world.prompts import load_prompts
 
     online = is_online(cfg)
-    method = construct(cfg.method, "method")  # (a method's constructor only checks and stores its arguments)
+    # (the constructors of methods and reference strategies only check and store their arguments: built first, so
+    # that a bad argument is one line before any model loads)
+    method = construct(cfg.method, "method")
+    reference = construct(cfg.reference, "reference")
     gradient_accumulation_steps = 1 if online else cfg.trainer.gradient_accumulation_steps
     accelerator = make_accelerator(cfg, gradient_accumulation_steps=gradient_accumulation_steps)
     policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/lora/initial.py)
     policy.to(accelerator.device)
-    reference = instantiate(cfg.reference)
     reference.setup(policy)  # the reference adapter (if any) before the optimizer collects the trainable parameters
     method.setup(policy)  # e.g. θ⁻'s adapter, for the same reason
     check_fsdp_run(accelerator, reference, method)  # what FSDP does not run (diffalign.runtime.distributed)
-    latent_h, latent_w = policy.latent_shape[1:]
-    pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
-    dataset = None
+    dataset, pixel_size = None, (0, 0)
     if not online:
+        latent_h, latent_w = policy.latent_shape[1:]
+        pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
         data_kwargs = {}
         if "resolution" in cfg.data and cfg.data.resolution is None:
             if pixel_size[0] != pixel_size[1]:
