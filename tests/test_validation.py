@@ -14,6 +14,7 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf
 
 from diffalign import cli
+from diffalign.config.deprecation import migrate_config
 from diffalign.config.validation import construct, validate_train_config
 
 
@@ -28,9 +29,10 @@ def train_cli(tmp_path, monkeypatch, capsys):
     validation lets the config through (the loops are stubbed: nothing is built or trained). A value of the wrong type
     for a field of a structured config (``trainer``, ``online``, ``eval``, ``sampler``, ``method``, ...) is refused
     earlier, by Hydra while composing (exit 1; its message names ``full_key``), and that message is returned."""
-    from diffalign.train import online, preference
+    from diffalign.train import online, preference, prepare
 
     reached = []
+    monkeypatch.setattr(prepare, "build_run", lambda cfg: cfg)  # (nothing built: the checks alone)
     monkeypatch.setattr(online, "train", lambda cfg: reached.append(cfg) or {})
     monkeypatch.setattr(preference, "train", lambda cfg: reached.append(cfg) or {})
     count = iter(range(1000))
@@ -362,6 +364,7 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
             checked += 1
             continue
         with pytest.raises((ValueError, FileNotFoundError)) as refused:
+            migrate_config(cfg)  # (an old key moved to its new name first, as diffalign.train.prepare.check_run does)
             validate_train_config(cfg)
             construct(cfg.method, "method")  # (constructors check their arguments when built, before any model loads)
             construct(cfg.reference, "reference")
