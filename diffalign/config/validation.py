@@ -10,11 +10,13 @@ node                        where it is checked
 ``resume``
 ``trainer``, ``online``     `diffalign.train.checks` (ranges, names, options a loop would ignore)
 ``model``                   `diffalign.models.checks` (+ the policy class's ``check_config``)
-``method``                  its constructor (built once, cheaply) and its ``check_config`` (`diffalign.methods`)
+``method``                  its ``check_config`` (`diffalign.methods`); its constructor when it is built, once
+                            (`diffalign.train.prepare.build_run`, through `construct`)
 ``sampler``                 `diffalign.samplers.checks` (ranges, and a sampler of the model's family)
 ``data``, ``reference``     the component class's ``check_config`` (`check_component`)
 ``reward.*``                `diffalign.rewards.checks` (+ the reward class's ``check_config``), modality here
 ``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
+unknown keys, every node    here (`check_unknown_keys`)
 ==========================  ================================================================================
 
 Every error is a `ValueError` (`diffalign.config.checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
