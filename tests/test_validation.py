@@ -32,7 +32,12 @@ def train_cli(tmp_path, monkeypatch, capsys):
     from diffalign.train import online, preference, prepare
 
     reached = []
-    monkeypatch.setattr(prepare, "build_run", lambda cfg: cfg)  # (nothing built: the checks alone)
+    def constructors_only(cfg):  # what build_run does first (cheap: arguments checked and stored); no model built
+        construct(cfg.method, "method")
+        construct(cfg.reference, "reference")
+        return cfg
+
+    monkeypatch.setattr(prepare, "build_run", constructors_only)
     monkeypatch.setattr(online, "train", lambda cfg: reached.append(cfg) or {})
     monkeypatch.setattr(preference, "train", lambda cfg: reached.append(cfg) or {})
     count = iter(range(1000))
