@@ -186,17 +186,19 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
 
 
 def _eval_main(cfg: DictConfig) -> None:
-    from diffalign.config.checks import boolean
+    from diffalign.config.checks import boolean, check_top_level_keys
     from diffalign.config.deprecation import migrate_config
     from diffalign.config.validation import (
         check_output_dir,
         check_reward_nodes,
+        train_config_keys,
         validate_eval_config,
         validate_reward_modality,
     )
     from diffalign.evaluation.files import resolve_checkpoints
 
     try:
+        check_top_level_keys(cfg, train_config_keys("evaluate"), "evaluate.yaml")  # +output=..., +checkpont=...
         migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.config.deprecation)
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):

@@ -280,3 +280,15 @@ def test_fsdp_on_a_machine_without_a_gpu_needs_trainer_cpu():
     with pytest.raises(ValueError, match=r"an FSDP launch on a machine without a GPU: pass trainer.cpu=true"):
         check_launch(cfg, env={"ACCELERATE_USE_FSDP": "true"})
     check_launch(compose_cfg(["trainer.cpu=true"]), env={"ACCELERATE_USE_FSDP": "true"})  # (gloo on CPU: runs)
+
+
+def test_a_top_level_typo_of_diffalign_eval_is_refused():
+    """``diffalign-eval +checkpont=<folder>`` added a key nothing reads (the base alone was evaluated)."""
+    from diffalign.config.checks import check_top_level_keys
+    from diffalign.config.validation import train_config_keys
+
+    keys = train_config_keys("evaluate")
+    check_top_level_keys(compose_cfg([], name="evaluate"), keys, "evaluate.yaml")  # the shipped config passes
+    with pytest.raises(ValueError, match=r"^checkpont is not a setting of evaluate.yaml; did you mean checkpoint, "
+                                         r"checkpoints\? drop \+checkpont=\.\.\."):
+        check_top_level_keys(compose_cfg(["+checkpont=runs/x/final"], name="evaluate"), keys, "evaluate.yaml")

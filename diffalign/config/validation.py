@@ -217,11 +217,12 @@ def check_unknown_keys(cfg: DictConfig) -> None:
         registered_check("monitor_keys")(cfg.monitor)  # (diffalign.evaluation.monitors.check_monitor_keys)
 
 
-def train_config_keys() -> set[str]:
-    """The top-level keys of ``diffalign-train``'s primary config (``train.yaml``: its own keys and its config groups)."""
+def train_config_keys(name: str = "train") -> set[str]:
+    """The top-level keys of a command's primary config (``train.yaml`` for ``diffalign-train``, ``evaluate.yaml`` for
+    ``diffalign-eval``): its own keys and its config groups."""
     from diffalign.config.compose import CONFIG_DIR
 
-    primary = OmegaConf.load(Path(CONFIG_DIR) / "train.yaml")
+    primary = OmegaConf.load(Path(CONFIG_DIR) / f"{name}.yaml")
     groups = set()
     for entry in primary.get("defaults") or []:
         if isinstance(entry, DictConfig):
