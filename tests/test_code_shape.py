@@ -81,7 +81,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     copy)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     command = [str(Path(sys.executable).with_name("lint-imports")), "--no-cache", "--no-logo"]
-    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_import_contracts_hold():
@@ -101,3 +101,13 @@ def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "0 kept, 2 broken" in result.stdout, result.stdout
     assert "diffalign.types -> diffalign.cli" in result.stdout, result.stdout
+
+
+def test_safetensors_files_are_written_only_through_save_safetensors():
+    """safetensors writes 0600 whatever the umask; `diffalign.runtime.files.save_safetensors` restores the umask's mode
+    (tests/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
+    direct = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+              if path.name != "files.py" or path.parent.name != "runtime"
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\bsave_file\(", line) and not line.lstrip().startswith(("#", '"', "f\""))]
+    assert not direct, direct
