@@ -61,7 +61,8 @@ def reward_config_classes() -> set[str]:
                 continue
             for item in node.body:
                 target = isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == "_target_"
-                if target and isinstance(item.value, ast.Constant) and item.value.value.startswith("diffalign.rewards."):
+                value = item.value.value if target and isinstance(item.value, ast.Constant) else ""
+                if value.startswith("diffalign.rewards."):
                     found.add(f"diffalign.rewards.{path.stem}:{node.name}")
     return found
 
