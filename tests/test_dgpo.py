@@ -7,7 +7,9 @@ import torch
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.common import per_sample_mse
-from diffalign.objectives.dgpo import DGPO, boxed_group_loss, group_noise, select_train_timesteps
+from conftest import boxed_group_loss
+
+from diffalign.objectives.dgpo import DGPO, group_noise, select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference
 from diffalign.samplers.groups import group_initial_noise, group_rollout
