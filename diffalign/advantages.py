@@ -217,7 +217,8 @@ class EpochAdvantages:
                 "per_reward" only.
 
         Returns:
-            (`(N,)` or, for "per_reward", `(N, R)` float32 advantages; stats ``{"zero_std_fraction"}``).
+            (`(N,)` or, for "per_reward", `(N, R)` float32 advantages; stats ``{"zero_std_fraction"}``: for
+            "per_reward" the first reward's).
         """
         if self.kind == "per_prompt":
             return self.tracker.update(prompts, scores), {
