@@ -33,8 +33,9 @@ WORK = REPO / ".mutation"
 
 # module (path under diffalign/, without .py) -> its quick tests (pytest arguments: files, node ids, -k)
 MODULES: dict[str, list[str]] = {
-    "advantages": ["tests/test_advantages.py", "tests/unit/test_constant_rewards.py"],
-    "objectives/vipo": ["tests/unit/test_clip_binding.py", "tests/test_vipo.py", "-k",
+    "advantages": ["tests/test_advantages.py", "tests/unit/test_constant_rewards.py",
+                   "tests/unit/test_advantages_by_hand.py"],
+    "objectives/vipo": ["tests/unit/test_clip_binding.py", "tests/unit/test_vipo_wiring.py", "tests/test_vipo.py", "-k",
                         "not online_loop and not recipes and not dinov2"],
     "objectives/policy_gradient": ["tests/unit/test_clip_binding.py", "tests/test_timestep_selection.py", "-k",
                                    "not online and not loop"],
