@@ -5,6 +5,7 @@ down, answers NaN, refuses a batch or dies mid-run, and the asynchronous scoring
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -43,7 +44,7 @@ from diffalign.rewards.http import (
     encode_images,
     encode_output,
 )
-from diffalign.rewards.server import RewardServer, main, parse_overrides
+from diffalign.rewards.server import RewardServer, ServerLimits, main, parse_overrides
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import caption, corrupt_spec, render_spec, to_tensor
@@ -186,7 +187,7 @@ def test_served_brightness_equals_the_in_process_reward(serve, fmt):
     served = serve(Brightness(), name="brightness")
     reward = HttpReward(served.url, image_format=fmt)
     assert reward.server_info == {"status": "ok", "protocol": PROTOCOL, "reward": "brightness", "modality": "any",
-                                  "differentiable": False}
+                                  "differentiable": False, "limits": dataclasses.asdict(ServerLimits())}
     out = reward(IMAGES, PROMPTS)
     expected = Brightness()(IMAGES if fmt == "float32" else quantized(IMAGES), PROMPTS)
     assert torch.equal(out.scores, expected.scores) and torch.equal(out.maps, expected.maps)
@@ -374,7 +375,8 @@ def test_http_is_a_registered_reward_with_a_config():
 
 
 def test_two_servers_in_one_run_through_two_entry_point_names(serve, tmp_path, monkeypatch):
-    """docs/rewards.md: the same config under two entry-point names selects two servers, each with its own url."""
+    """docs/guides/rewards.md: the same config under two entry-point names selects two servers, each with its own
+    url."""
     dist = fake_distribution(tmp_path, "my-judges", "[diffalign.rewards]\n"
                              "ocr = diffalign.rewards.http:HttpRewardConfig\n"
                              "judge = diffalign.rewards.http:HttpRewardConfig\n")
