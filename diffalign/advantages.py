@@ -78,7 +78,8 @@ def group_advantages(
         if (counts <= correction).any():
             raise ValueError(f"a group of {int(counts.min())} reward(s) has no sample std (online.advantage_std_correction"
                              f"={correction}); use groups of at least 2 (online.group_size) or correction 0.")
-        var = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, centred**2) / (counts - correction)
+        squares = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, centred**2)
+        var = squares / (counts - correction)
         advantages = centred / (var.sqrt()[inverse] + eps)
     elif std == "global":
         if len(rewards) <= correction:

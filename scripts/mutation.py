@@ -11,8 +11,9 @@ Each module runs in its own folder ``.mutation/<module>/`` (git-ignored), holdin
 and ``pyproject.toml`` and a ``setup.cfg`` written here with the module (``only_mutate``) and its tests
 (``pytest_add_cli_args_test_selection``); mutmut copies them into ``mutants/`` there and tests each mutant with the
 mapped tests that execute the mutated function. The summary line (killed / survived / no tests / timeout) is printed
-and written to ``.mutation/<module>/summary.json`` (mutmut's own output to ``mutmut.log`` there). ``OMP_NUM_THREADS=1`` and one worker (``--max-children 1``) unless
-``--children`` says otherwise: the runs fit in minutes on 2 cores.
+and written to ``.mutation/<module>/summary.json`` (mutmut's own output to ``mutmut.log`` there). One thread
+(``OMP_NUM_THREADS=1``) and one worker (``--max-children 1``) unless ``--children`` says otherwise: the runs fit in
+minutes on 2 cores. Do not edit ``diffalign/`` while a run starts: mutmut copies the sources then.
 
 Exit status: 0 when every mutant was checked (whatever survived), 1 when mutmut failed (e.g. the clean tests fail).
 """
@@ -35,8 +36,8 @@ WORK = REPO / ".mutation"
 MODULES: dict[str, list[str]] = {
     "advantages": ["tests/test_advantages.py", "tests/unit/test_constant_rewards.py",
                    "tests/unit/test_advantages_by_hand.py"],
-    "objectives/vipo": ["tests/unit/test_clip_binding.py", "tests/unit/test_vipo_wiring.py", "tests/test_vipo.py", "-k",
-                        "not online_loop and not recipes and not dinov2"],
+    "objectives/vipo": ["tests/unit/test_clip_binding.py", "tests/unit/test_vipo_wiring.py", "tests/test_vipo.py",
+                        "-k", "not online_loop and not recipes and not dinov2"],
     "objectives/policy_gradient": ["tests/unit/test_clip_binding.py", "tests/test_timestep_selection.py", "-k",
                                    "not online and not loop"],
     "objectives/dgpo": ["tests/unit/test_dgpo_by_hand.py", "tests/test_dgpo.py", "-k", "not online and not loop"],

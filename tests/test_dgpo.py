@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import boxed_group_loss
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.common import per_sample_mse
-from conftest import boxed_group_loss
-
 from diffalign.objectives.dgpo import DGPO, group_noise, select_train_timesteps
 from diffalign.old_policy import EmaRolloutPolicy
 from diffalign.reference import FrozenBaseReference

@@ -31,7 +31,8 @@ def test_reward_statistics_are_the_batch_population_mean_and_std():
 
 
 def test_global_std_of_one_reward_with_the_sample_std_is_refused():
-    with pytest.raises(ValueError, match=re.escape("1 reward(s) have no sample std (online.advantage_std_correction=1)")):
+    message = "1 reward(s) have no sample std (online.advantage_std_correction=1)"
+    with pytest.raises(ValueError, match=re.escape(message)):
         group_advantages(torch.tensor([1.0]), torch.tensor([0]), std="global", correction=1)
     adv, _ = group_advantages(torch.tensor([1.0, 2.0]), torch.tensor([0, 0]), std="global", correction=1)
     # sample std of (1, 2) = sqrt(0.5)
@@ -75,9 +76,9 @@ def test_tracker_sizes_below_one_are_refused(kwargs):
 def test_tracker_eps_and_clip_by_hand():
     """One prompt, rewards (0, 1): batch mean 0.5, population std 0.5; with ε = 0.5, A = ±0.5 / (0.5 + 0.5) = ±0.5,
     clipped to ±0.3; no clip keeps ±0.5."""
-    assert PerPromptStatTracker(eps=0.5, clip=None).update(["a", "a"], torch.tensor([0.0, 1.0])).tolist() == [-0.5, 0.5]
-    assert PerPromptStatTracker(eps=0.5, clip=0.3).update(["a", "a"], torch.tensor([0.0, 1.0])).tolist() == pytest.approx(
-        [-0.3, 0.3])
+    rewards = torch.tensor([0.0, 1.0])
+    assert PerPromptStatTracker(eps=0.5, clip=None).update(["a", "a"], rewards).tolist() == [-0.5, 0.5]
+    assert PerPromptStatTracker(eps=0.5, clip=0.3).update(["a", "a"], rewards).tolist() == pytest.approx([-0.3, 0.3])
 
 
 def test_tracker_keeps_the_last_buffer_size_rewards_of_each_prompt():

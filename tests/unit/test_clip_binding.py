@@ -1,6 +1,6 @@
 """The PPO clip of the policy-gradient objectives where it binds (issue 35): ratios set outside [1 − ε, 1 + ε] for
 positive and negative advantages, with the loss and its gradient computed by hand from the clipped surrogate
-(PPO, arXiv:1707.06347, eq. 7; docs/algorithms.md#flow-grpo, docs/algorithms.md#vipo):
+(PPO, arXiv:1707.06347, eq. 7; docs/methods/algorithms.md#flow-grpo, docs/methods/algorithms.md#vipo):
 
     term(A, ρ) = max(−A ρ, −A clip(ρ, 1 − ε, 1 + ε))
 

@@ -1,7 +1,7 @@
 """A batch whose rewards are all equal, in every advantage mode (issue 35): its std is 0, so A = (r − mean) / (0 + ε)
-= 0 / ε = 0 exactly — finite, however ε is set — and every group counts as teaching nothing (docs/algorithms.md#group-
-advantages). Dropping ε from a branch turns it into 0 / 0 = NaN. Constant batches are common: a binary verifier that
-every sample of an epoch passes (all 1) or fails (all 0)."""
+= 0 / ε = 0 exactly — finite, however ε is set — and every group counts as teaching nothing
+(docs/methods/algorithms.md#group-advantages). Dropping ε from a branch turns it into 0 / 0 = NaN. Constant batches
+are common: a binary verifier that every sample of an epoch passes (all 1) or fails (all 0)."""
 
 from __future__ import annotations
 

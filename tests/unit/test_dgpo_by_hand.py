@@ -1,5 +1,5 @@
-"""DGPO's loss on a case small enough to compute by hand (issue 35; docs/algorithms.md#dgpo, arXiv:2510.08425 Eq. 17
-and the released surrogate).
+"""DGPO's loss on a case small enough to compute by hand (issue 35; docs/methods/algorithms.md#dgpo,
+arXiv:2510.08425 Eq. 17 and the released surrogate).
 
 A stand-in policy on one-number latents whose prediction is a trainable value v_i (θ), a fixed r_i (the reference,
 inside ``policy.reference()``) or o_i (θ⁻, inside the old policy's ``use``), and whose target is the noise ε_i, so
