@@ -6,6 +6,7 @@ quick tests; a mutant no test notices ("survived") is a bug the suite would let 
     python scripts/mutation.py advantages                # one module (single process)
     python scripts/mutation.py objectives/vipo --show    # ... and print the diff of every survivor
     python scripts/mutation.py advantages --keep         # reuse the last run's results (only changed code re-runs)
+    python scripts/mutation.py objectives/vipo --only "*ViPOǁcompute_maps*"   # the mutants of some functions only
 
 Each module runs in its own folder ``.mutation/<module>/`` (git-ignored), holding links to ``diffalign/``, ``tests/``
 and ``pyproject.toml`` and a ``setup.cfg`` written here with the module (``only_mutate``) and its tests
@@ -81,12 +82,17 @@ def prepare(module: str, keep: bool) -> Path:
     return folder
 
 
-def summarise(folder: Path, module: str) -> dict:
-    """Counts of each mutant status, read from mutmut's ``.meta`` file of the module."""
+def summarise(folder: Path, module: str, only: list[str]) -> dict:
+    """Counts of each mutant status (of the mutants matching `only`, when given), read from mutmut's ``.meta`` file of
+    the module."""
+    from fnmatch import fnmatch
+
     from mutmut.stats import status_by_exit_code
 
     meta = folder / "mutants" / "diffalign" / f"{module}.py.meta"
     codes = json.loads(meta.read_text())["exit_code_by_key"]
+    if only:
+        codes = {name: code for name, code in codes.items() if any(fnmatch(name, p) for p in only)}
     statuses = {name: status_by_exit_code[code] for name, code in codes.items()}
     counts = Counter(statuses.values())
     return {"module": f"diffalign/{module}.py", "mutants": len(statuses), "counts": dict(counts),
@@ -100,6 +106,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the previous run's results for unchanged code")
     parser.add_argument("--show", action="store_true", help="print the diff of every mutant that was not killed")
     parser.add_argument("--children", type=int, default=1, help="mutmut worker processes (default 1)")
+    parser.add_argument("--only", nargs="+", default=[], metavar="PATTERN",
+                        help="mutant names or globs (mutmut's, e.g. '*ViPOǁ__call__*'): run those only")
     args = parser.parse_args()
     if args.list or not args.module:
         for module, tests in MODULES.items():
@@ -115,11 +123,11 @@ def main() -> None:
     log = folder / "mutmut.log"  # (mutmut redraws a progress line per mutant: kept out of the terminal)
     print(f"[mutation] diffalign/{args.module}.py with {' '.join(MODULES[args.module])}; mutmut's output: {log}")
     with log.open("w") as out:
-        run = subprocess.run([*mutmut, "run", "--max-children", str(args.children)], cwd=folder, env=env,
+        run = subprocess.run([*mutmut, "run", "--max-children", str(args.children), *args.only], cwd=folder, env=env,
                              stdout=out, stderr=subprocess.STDOUT, check=False)
     if run.returncode != 0:
         raise SystemExit(f"mutmut failed (exit {run.returncode}); its output ends:\n" + log.read_text()[-3000:])
-    summary = summarise(folder, args.module)
+    summary = summarise(folder, args.module, args.only)
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     killed = summary["counts"].get("killed", 0)
     print(f"\n{summary['module']}: {summary['mutants']} mutants, {killed} killed; "
