@@ -41,8 +41,8 @@ def test_global_std_of_one_reward_with_the_sample_std_is_refused():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"std": "batch"}, "online.advantage_std must be 'group', 'global' or 'none', got 'batch'."),
-    ({"correction": 2}, "online.advantage_std_correction=2 must be 0 (population std, flow_grpo) or 1 (sample std, "
-                        "DanceGRPO/ViPO)."),
+    ({"correction": 2}, ("online.advantage_std_correction=2 must be 0 (population std, flow_grpo) or 1 (sample std, "
+                         "DanceGRPO/ViPO).")),
 ])
 def test_bad_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

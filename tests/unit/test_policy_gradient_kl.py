@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_clip_binding import K, PROMPTS, policy_for, with_ratios
+from test_clip_binding import PROMPTS, K, policy_for, with_ratios
 
 from diffalign.faults import RolloutMismatchError
 from diffalign.objectives.policy_gradient import ClippedPolicyGradient, TransitionUnit

@@ -41,8 +41,9 @@ class RecordingBackbone:
         return out
 
 
-def epoch_of(traj, advantages, reward_weights=torch.ones(1)) -> OnlineEpoch:
+def epoch_of(traj, advantages, reward_weights=None) -> OnlineEpoch:
     n = len(traj.prompts)
+    reward_weights = torch.ones(1) if reward_weights is None else reward_weights
     return OnlineEpoch(traj, advantages, torch.arange(n) // 2, 2, reward_weights, seed=3, epoch=1, batch_size=2,
                        updates=2, inner_epochs=1, num_processes=1, split="groups", note=print)
 
