@@ -66,6 +66,13 @@ def test_bad_rewards_name_the_problem():
 # ------------------------------------------------------------------------------------------ DDPO's stat tracker
 
 
+def test_tracker_defaults_are_ddpo_pytorchs():
+    """ddpo-pytorch's PerPromptStatTracker: a buffer of 16, 16 rewards before a prompt's own statistics, ε = 1e-6, and
+    its advantage clip of 5 (``config.train.adv_clip_max``)."""
+    tracker = PerPromptStatTracker()
+    assert (tracker.buffer_size, tracker.min_count, tracker.eps, tracker.clip) == (16, 16, 1e-6, 5.0)
+
+
 @pytest.mark.parametrize("kwargs", [{"buffer_size": 0}, {"min_count": 0}])
 def test_tracker_sizes_below_one_are_refused(kwargs):
     with pytest.raises(ValueError, match=f"^{re.escape('`buffer_size` and `min_count` must be >= 1.')}$"):
