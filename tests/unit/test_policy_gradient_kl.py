@@ -24,9 +24,9 @@ from diffalign.samplers.rollout import recompute_step, rollout
 BETA_KL = 0.3
 
 
-def fresh_rollout(policy, eta):
+def fresh_rollout(policy, eta, **kwargs):
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    return rollout(policy, PROMPTS[:4], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens)
+    return rollout(policy, PROMPTS[:4], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens, **kwargs)
 
 
 def released_kl(policy, traj, form: str) -> torch.Tensor:
@@ -59,9 +59,10 @@ def test_kl_term_to_the_frozen_base(family, form):
 
 
 def test_code_and_exact_kl_differ_by_the_sigma_step_on_flow_only():
-    for family in ("ddim", "flow"):
+    """Both flow SDEs (Flow-GRPO's and DanceGRPO's) take the code form's √Δσ; DDIM has no σ step."""
+    for family, kwargs in (("ddim", {}), ("flow", {}), ("flow", {"sde_type": "dance"})):
         policy, eta = policy_for(family)
-        traj = fresh_rollout(policy, eta)
+        traj = fresh_rollout(policy, eta, **kwargs)
         kls = {form: ClippedPolicyGradient(beta_kl=BETA_KL, kl_form=form)(
             policy, traj, torch.zeros(4), K, reference=FrozenBaseReference())[1]["kl"] for form in ("code", "exact")}
         factor = float(traj.sigmas[K] - traj.sigmas[K + 1]) if family == "flow" else 1.0
@@ -94,6 +95,11 @@ def test_approx_kl_and_loss_on_a_unit(family):
     loss, _ = objective.loss(policy, TransitionUnit(epoch, rows, K, weight=0.5), reference=None)
     # rows 3 (A = −1, ρ = 0.5: clipped, 0.8) and 0 (A = 2, ρ = 1.5: clipped, −2.4): 0.5 · (0.8 − 2.4) / 2
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.8 - 2.4) / 2), rtol=1e-4, atol=1e-5)
+    # with a KL term the unit's reference reaches the objective: 0.5 · (the PPO part + β_KL · KL of those rows)
+    with_kl = ClippedPolicyGradient(clip_range=0.2, beta_kl=BETA_KL)
+    loss, metrics = with_kl.loss(policy, TransitionUnit(epoch, rows, K, weight=0.5), reference=FrozenBaseReference())
+    kl = released_kl(policy, traj.index(rows), "code")
+    torch.testing.assert_close(loss, 0.5 * (torch.tensor((0.8 - 2.4) / 2) + BETA_KL * kl), rtol=1e-4, atol=1e-5)
 
 
 def test_the_consistency_alarm_checks_the_trained_log_probs():
