@@ -130,8 +130,8 @@ def main() -> None:
     summary = summarise(folder, args.module, args.only)
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     killed = summary["counts"].get("killed", 0)
-    print(f"\n{summary['module']}: {summary['mutants']} mutants, {killed} killed; "
-          + ", ".join(f"{n} {s}" for s, n in sorted(summary["counts"].items()) if s != "killed"))
+    others = ", ".join(f"{n} {s}" for s, n in sorted(summary["counts"].items()) if s != "killed")
+    print(f"\n{summary['module']}: {summary['mutants']} mutants, {killed} killed" + (f"; {others}" if others else ""))
     if args.show:
         for name in summary["survived"]:
             subprocess.run([*mutmut, "show", name], cwd=folder, env=env, check=False)
