@@ -49,9 +49,11 @@ MODULES: dict[str, list[str]] = {
                              "tests/test_timestep_selection.py", "-k", "not online and not loop"],
     "objectives/common": ["tests/test_diffusion_dpo.py", "tests/unit/test_dgpo_by_hand.py", "-k",
                           "not cli and not train"],
-    "reference": ["tests/test_reference.py", "-k", "not train and not loop and not resume"],
-    "checkpoint": ["tests/test_checkpoint.py", "tests/unit/test_resume_rng.py"],
-    "runlock": ["tests/test_runlock.py"],
+    "reference/frozen_base": ["tests/test_reference.py", "-k", "not train and not loop and not resume"],
+    "reference/ema": ["tests/test_reference.py", "-k", "not train and not loop and not resume"],
+    "reference/old_policy": ["tests/test_dgpo.py", "-k", "not online and not loop"],
+    "runtime/checkpoint": ["tests/test_checkpoint.py", "tests/unit/test_resume_rng.py"],
+    "runtime/runlock": ["tests/test_runlock.py"],
 }
 
 

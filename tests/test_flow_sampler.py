@@ -148,8 +148,8 @@ def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
 def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
     from conftest import compose_cfg
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.models.tiny_random import build_tiny_random_policy
-    from diffalign.validation import validate_train_config
 
     with pytest.raises(ValueError, match="sde_type='dance' is a flow-matching SDE"):
         rollout(build_tiny_random_policy(seed=0), ["a red circle"], num_inference_steps=2, sde_type="dance")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 
@@ -75,6 +75,8 @@ class FailurePairs(PreparedPairs):
             ``include`` metadata (at construction); the named reward is not selected, does not report correctness,
             or judges every sample correct (in `prepare`).
     """
+
+    requires_correctness = True  # data.reward must report info["correct"] (checked before any model loads)
 
     def __init__(self, prompts: str = "train", num_prompts: int | None = None, samples_per_prompt: int = 4,
                  reward: str = "geneval_shapes", num_inference_steps: int = 20, guidance_scale: float = 4.0,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from diffalign.rewards.futures import submit
-from diffalign.samplers.groups import stream_seed
+from diffalign.methods import stream_seed
+from diffalign.rewards.reward_set import submit
 from diffalign.samplers.rollout import rollout
 from diffalign.world.prompts import load_prompts
 
@@ -50,7 +50,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     stop signal ends the preparation after the current chunk.
 
     A reward with a ``submit`` (a reward server, `diffalign.rewards.http`) judges batch k while batch k + 1 is sampled
-    (`diffalign.rewards.futures.submit`); the data are the same.
+    (`diffalign.rewards.reward_set.submit`); the data are the same.
 
     Raises:
         ValueError: with the message `require_correct`, when it is given and a batch's reward output reports no
@@ -129,13 +129,13 @@ class PreparedPairs:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a judging
-        reward (``data.reward``) that is among the selected training rewards.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file, and a
+        judging reward (``data.reward``) that is among the selected training rewards.
 
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
-        from diffalign.config_checks import choice, integer, number, seed
+        from diffalign.config.checks import choice, integer, number, seed, target_attribute
 
         d = cfg.data
         integer(d, "num_prompts", "data", ge=1, nullable=True)  # (null: every prompt, failure_pairs)
@@ -151,6 +151,13 @@ class PreparedPairs:
             raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not "
                              f"among the selected rewards {sorted(cfg.reward or {})}; add it with "
                              f"reward=[{cfg.data.reward}] or set data.reward to one of them")
+        target = ((cfg.reward or {}).get(cfg.data.reward) or {}).get("_target_") if isinstance(cfg.data.reward, str) \
+            else None
+        if (getattr(cls, "requires_correctness", False) and target and target.startswith("diffalign.rewards.")
+                and not target_attribute(target, "judges_correctness")):
+            raise ValueError(f"data.reward={cfg.data.reward!r} does not report per-sample correctness (info['correct']"
+                             f"), which data={cls.__name__} needs to tell failures from successes; pass a verifier "
+                             "reward, e.g. data.reward=geneval_shapes with reward=[geneval_shapes]")
 
     def __len__(self) -> int:
         if self.pairs is None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 
 

@@ -44,14 +44,15 @@ class GenevalShapes:
     """
 
     modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    judges_correctness = True  # its info["correct"]: per-sample pass/fail (data=failure_pairs reads it)
 
     name = "geneval_shapes"
     differentiable = False
 
     @classmethod
     def check_prompts(cls, rows: list[dict], where: str) -> None:
-        """Refuses prompt rows it cannot score (before any model loads; `diffalign.validation`): a row needs GenEval
-        ``include`` metadata or a shapes-world caption.
+        """Refuses prompt rows it cannot score (before any model loads; `diffalign.config.validation`): a row needs
+        GenEval ``include`` metadata or a shapes-world caption.
 
         Args:
             rows (`list[dict]`): prompt rows (``prompt`` and optional metadata).

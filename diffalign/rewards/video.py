@@ -70,6 +70,7 @@ class PerFrame:
     """
 
     modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    judges_correctness = True  # info["correct"] when its image reward reports it (every frame correct)
 
     name = "per_frame"
     differentiable = False
@@ -81,7 +82,7 @@ class PerFrame:
         if layout not in LAYOUTS:
             raise ValueError(f"reward.per_frame.layout={layout!r} must be one of {LAYOUTS}")
         if isinstance(image_reward, str):
-            from diffalign.plugins import build_reward
+            from diffalign.rewards.reward_set import build_reward
 
             image_reward = build_reward(image_reward, **dict(image_reward_kwargs or {}))
         self.image_reward, self.aggregate, self.layout = image_reward, aggregate, layout

@@ -1,5 +1,5 @@
-"""The ``sampler`` node's checks, run before any model loads (`diffalign.validation`): a known sampler option, integer
-steps, a guidance scale of at least 1, a noise scale of at least 0, and a sampler of the model's family.
+"""The ``sampler`` node's checks, run before any model loads (`diffalign.config.validation`): a known sampler option,
+integer steps, a guidance scale of at least 1, a noise scale of at least 0, and a sampler of the model's family.
 
 Each sampler option names itself and says which models it steps (``model_family``; `diffalign.samplers.configs`):
 
@@ -19,7 +19,7 @@ would run the flow SDE with DDIM's η = 1 as its noise level, and ``model=tiny_s
 
 from __future__ import annotations
 
-from diffalign.config_checks import ConfigError, choice, integer, number
+from diffalign.config.checks import ConfigError, choice, integer, node_check, number
 from diffalign.samplers.configs import SAMPLERS, describe
 
 SAMPLER_NAMES = SAMPLERS
@@ -37,9 +37,10 @@ def sampler_family(sampler) -> str | None:
     return family if family is not None else NAME_FAMILIES.get(sampler.get("name"))
 
 
+@node_check("sampler")
 def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> None:
-    """Checks ``cfg.sampler`` (after `diffalign.deprecation.migrate_config`; an unmigrated old ``eta`` alias of a
-    flow SDE, still null, passes).
+    """Checks ``cfg.sampler`` (after `diffalign.config.deprecation.migrate_config`; an unmigrated old ``eta`` alias of
+    a flow SDE, still null, passes).
 
     Args:
         flow_matching (`bool` or None): the model's ``flow_matching`` class attribute (True: a rectified-flow model,

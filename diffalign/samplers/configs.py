@@ -15,8 +15,8 @@ option / name   step rule                                                   nois
 `diffalign.samplers.ode`). ``eta`` is DDIM's η only, as in diffusers' ``DDIMScheduler.step(eta=...)``; the flow SDEs'
 noise scales are ``noise_level`` (the name of Flow-GRPO's released config, ``sample.noise_level``).
 
-Old keys keep working until 0.3 with a `FutureWarning` (`diffalign.deprecation.migrate_config`): ``sampler.eta`` of
-a flow SDE becomes ``sampler.noise_level``, ``sampler.sde_type=dance`` selects ``dance_sde``, ``sampler.name=sde``
+Old keys keep working until 0.3 with a `FutureWarning` (`diffalign.config.deprecation.migrate_config`): ``sampler.eta``
+of a flow SDE becomes ``sampler.noise_level``, ``sampler.sde_type=dance`` selects ``dance_sde``, ``sampler.name=sde``
 becomes ``ddim`` / ``flow_sde`` / ``dance_sde`` by the model's family, ``dpm_solver`` / ``euler`` become ``dpm_ode`` /
 ``euler_ode``, and ``sampler.eta`` of an ODE solver (which has no effect) is dropped.
 """
@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diffalign.schemas import config_schema, deprecated, deprecated_values
+from diffalign.config.checks import target_attribute
+from diffalign.config.schemas import config_schema, deprecated, deprecated_values
 
 STOCHASTIC = ("ddim", "flow_sde", "dance_sde")
 """Samplers that draw noise at every step and store per-step log-probs (`diffalign.samplers.rollout.rollout`)."""
@@ -50,8 +51,6 @@ def _legacy_name(value: Any, node: dict, cfg) -> str | None:
         return None
     if node.get("sde_type") == "dance":
         return "dance_sde"
-    from diffalign.validation import target_attribute
-
     flow = target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching")
     if flow is None:
         raise ValueError("sampler.name=sde is deprecated, and model._target_ does not say whether it is a flow model; "

@@ -28,7 +28,7 @@ import torch
 from conftest import boxed_group_loss
 
 from diffalign.objectives.dgpo import DGPO
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.types import GroupBatch
 
 A = [1.0, -1.0, -1.0, 1.0]

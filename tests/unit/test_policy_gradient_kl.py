@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_clip_binding import PROMPTS, K, policy_for, with_ratios
 
-from diffalign.faults import RolloutMismatchError
 from diffalign.objectives.policy_gradient import ClippedPolicyGradient, TransitionUnit
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.runtime.faults import RolloutMismatchError
 from diffalign.samplers.rollout import recompute_step, rollout
 
 BETA_KL = 0.3

@@ -1,5 +1,5 @@
 """Exact resume depends on every random state the checkpoint carries (issue 35): the global generators of Python's
-`random`, NumPy and torch (CPU), restored by `diffalign.checkpoint.load_checkpoint`, and the data sampler's position
+`random`, NumPy and torch (CPU), restored by `diffalign.runtime.checkpoint.load_checkpoint`, and the data sampler's position
 (`diffalign.data.preference.ResumableSampler`, in the trainer state).
 
 The training loops draw their own randomness from seeded streams, so a run that resumed with fresh global generators
@@ -21,7 +21,8 @@ import torch
 from conftest import ONLINE_CASES, compose_cfg, online_overrides, smoke_overrides
 from safetensors.torch import load_file
 
-from diffalign import plugins
+from diffalign.config import registry
+from diffalign.rewards import python_function
 
 SPEC = "python:test_resume_rng:brightness_plus_rng_draws"
 
@@ -45,8 +46,8 @@ def same_files(a, b, names) -> bool:
 def test_online_resume_restores_the_python_numpy_and_torch_generators(tmp_path):
     from diffalign.train.online import train
 
-    plugins.register_configs()
-    name = plugins.register_python_reward(SPEC)
+    registry.register_configs()
+    name = python_function.register_python_reward(SPEC)
 
     def cfg(run):
         return compose_cfg(ONLINE_CASES["flow_grpo_sd"] + online_overrides(tmp_path / run, epochs=2)

@@ -1,6 +1,7 @@
 """Checks of a composed run config, done before any model is loaded (errors name the field and the fix).
 
-`validate_train_config` orchestrates; each component checks its own fields in one place:
+`validate_train_config` orchestrates; each component checks its own fields in one place, beside them, and registers
+that check by node (`diffalign.config.checks.node_check`), so this module runs it without importing the component:
 
 ==========================  ================================================================================
 node                        where it is checked
@@ -9,21 +10,21 @@ node                        where it is checked
 ``resume``
 ``trainer``, ``online``     `diffalign.train.checks` (ranges, names, options a loop would ignore)
 ``model``                   `diffalign.models.checks` (+ the policy class's ``check_config``)
-``method``                  its constructor (built once, cheaply) and its ``check_config`` (`diffalign.methods`)
+``method``                  its ``check_config`` (`diffalign.methods`); its constructor when it is built, once
+                            (`diffalign.train.prepare.build_run`, through `construct`)
 ``sampler``                 `diffalign.samplers.checks` (ranges, and a sampler of the model's family)
 ``data``, ``reference``     the component class's ``check_config`` (`check_component`)
 ``reward.*``                `diffalign.rewards.checks` (+ the reward class's ``check_config``), modality here
 ``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
+unknown keys, every node    here (`check_unknown_keys`)
 ==========================  ================================================================================
 
-Every error is a `ValueError` (`diffalign.config_checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
+Every error is a `ValueError` (`diffalign.config.checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
 prints it as ``diffalign: error: <message>`` and exits with 1 before anything else runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import os
 import tempfile
 from pathlib import Path
@@ -31,7 +32,21 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from diffalign.config_checks import ConfigError, boolean, choice, int_list, integer, number, seed, text
+from diffalign.config.checks import (
+    ConfigError,
+    boolean,
+    check_structured_keys,
+    check_top_level_keys,
+    choice,
+    int_list,
+    integer,
+    number,
+    registered_check,
+    seed,
+    target_attribute,
+    target_modality,
+    text,
+)
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 
@@ -48,26 +63,22 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
             override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
 
-    The config's deprecated keys are moved to their new names first (`diffalign.deprecation.migrate_config`, in
-    place), so the checks read only the current names.
+    It reads the current key names only (`diffalign.train.prepare.check_run` moves old ones first) and builds
+    nothing: each component is built once, after these checks (`diffalign.train.prepare.build_run`).
     """
-    from diffalign.deprecation import migrate_config
-    from diffalign.models.checks import check_model_config
-    from diffalign.samplers.checks import check_sampler_config
-    from diffalign.train.checks import check_ignored_overrides, check_online_config, check_trainer_config
-
-    migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
-    check_run_settings(cfg)  # (unknown keys of structured nodes: refused by migrate_config, above)
-    check_trainer_config(cfg, online=online)
+    num_processes = world_size()
+    check_unknown_keys(cfg)
+    check_run_settings(cfg)
+    registered_check("trainer")(cfg, online=online)
     if overrides:
-        check_ignored_overrides(overrides, online=online)
+        registered_check("overrides")(overrides, online=online)
     if online:
-        check_online_config(cfg)
-    check_sampler_config(cfg, flow_matching=target_attribute((cfg.get("model") or {}).get("_target_"),
-                                                             "flow_matching"), online=online)
-    check_method_config(cfg)
-    check_model_config(cfg)
+        registered_check("online")(cfg, num_processes=num_processes)
+    flow_matching = target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching")
+    registered_check("sampler")(cfg, flow_matching=flow_matching, online=online)
+    check_method_config(cfg, num_processes)
+    registered_check("model")(cfg)
     if not cfg.get("reward"):
         raise ConfigError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
     check_reward_nodes(cfg)
@@ -75,41 +86,12 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
     if not online:
         check_component(cfg, "data")
     check_component(cfg, "reference")
-    construct(cfg.get("reference"), "reference")
     check_monitor_config(cfg)
     if cfg.eval.enabled:
         validate_eval_config(cfg)
     else:
         boolean(cfg.eval, "enabled", "eval")
     check_resume(cfg)
-
-
-def check_structured_keys(cfg: DictConfig) -> None:
-    """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
-    ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
-    its message suggests ``+trainer.max_step=2``, which adds the key and would otherwise run with it ignored.
-
-    Raises:
-        ConfigError: naming the key, the closest real keys and the fix.
-    """
-    for group, node in cfg.items():
-        nodes = [(str(group), node)]
-        if isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            nodes = [(f"{group}.{k}", v) for k, v in node.items()]  # reward.<name>: one schema per entry
-        for name, sub in nodes:
-            if not isinstance(sub, DictConfig):
-                continue
-            schema = OmegaConf.get_type(sub)
-            if not dataclasses.is_dataclass(schema):
-                continue
-            fields = {f.name for f in dataclasses.fields(schema)}
-            for key in sub:
-                if key not in fields:
-                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
-                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
-                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
-                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
-                                      f"{', '.join(sorted(fields))}")
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -157,7 +139,7 @@ def check_resume(cfg: DictConfig) -> None:
         FileNotFoundError: ``resume=<folder>`` is not a checkpoint folder.
         ConfigError: the output folder holds checkpoints the run would collide with (the message names the fix).
     """
-    from diffalign.checkpoint import check_resume_target, latest_checkpoint
+    from diffalign.runtime.checkpoint import check_resume_target, latest_checkpoint
 
     resume = cfg.get("resume")
     output_dir = Path(str(cfg.output_dir))
@@ -191,9 +173,10 @@ def construct(node, group: str):
         raise
 
 
-def check_method_config(cfg: DictConfig) -> None:
-    """The method's contract (`diffalign.methods.check_method`: a data flow a loop runs, every member), its
-    constructor's argument checks (`construct`) and its own ``check_config(cfg)``.
+def check_method_config(cfg: DictConfig, num_processes: int | None = None) -> None:
+    """The method's contract (`diffalign.methods.check_method`: a data flow a loop runs, every member) and its own
+    ``check_config(cfg, num_processes)``; its constructor's argument checks run when it is built, once, before any
+    model loads (`diffalign.train.prepare.build_run`, through `construct`).
 
     Raises:
         ValueError: naming the field and the fix.
@@ -210,15 +193,47 @@ def check_method_config(cfg: DictConfig) -> None:
         check_method(cls, method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     else:
         check_method(cls, method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
-    construct(method, "method")
-    cls.check_config(cfg)
+    cls.check_config(cfg, num_processes)
+
+
+def world_size() -> int:
+    """The number of processes of this launch (``WORLD_SIZE``, set by ``accelerate launch`` and ``torchrun``; 1
+    otherwise): what ``Accelerator().num_processes`` will be, known before anything is built."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def check_unknown_keys(cfg: DictConfig) -> None:
+    """Every node of the run config refuses a key it does not have, naming the closest real one: top-level keys
+    (``+output=...``, ``+accelerate=fsdp``; `diffalign.config.checks.check_top_level_keys`), the structured nodes
+    (`diffalign.config.checks.check_structured_keys`) and the plain ones whose component registers a key check
+    (``monitor``: `diffalign.evaluation.monitors.check_monitor_keys`).
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    check_top_level_keys(cfg, train_config_keys())
+    check_structured_keys(cfg)
+    if "monitor" in cfg:
+        registered_check("monitor_keys")(cfg.monitor)  # (diffalign.evaluation.monitors.check_monitor_keys)
+
+
+def train_config_keys(name: str = "train") -> set[str]:
+    """The top-level keys of a command's primary config (``train.yaml`` for ``diffalign-train``, ``evaluate.yaml`` for
+    ``diffalign-eval``): its own keys and its config groups."""
+    from diffalign.config.compose import CONFIG_DIR
+
+    primary = OmegaConf.load(Path(CONFIG_DIR) / f"{name}.yaml")
+    groups = set()
+    for entry in primary.get("defaults") or []:
+        if isinstance(entry, DictConfig):
+            groups.update(str(k).split("@")[0].lstrip("/") for k in entry)
+    return {str(k) for k in primary if k not in ("defaults", "hydra")} | groups
 
 
 def check_reward_nodes(cfg: DictConfig) -> None:
     """Every selected reward's node, training (``reward.<name>``) and evaluation (``eval_reward.<name>``)
     (`diffalign.rewards.checks.check_reward_config`)."""
-    from diffalign.rewards.checks import check_reward_config
-
+    check_reward_config = registered_check("reward")
     for field in ("reward", "eval_reward"):
         for name, node in (cfg.get(field) or {}).items():
             check_reward_config(node, f"{field}.{name}")
@@ -232,7 +247,7 @@ def check_monitor_config(cfg: DictConfig) -> None:
     if not monitor.get("every", 0):
         return
     integer(monitor, "num_prompts", p, ge=1)
-    int_list(monitor, "seeds", p, ge=0)
+    int_list(monitor, "seeds", p, ge=0, unique=True)
     boolean(monitor, "diversity", p)
     text(monitor, "diversity_model", p)
     integer(monitor, "num_inference_steps", p, ge=1)
@@ -253,39 +268,11 @@ def check_monitor_config(cfg: DictConfig) -> None:
 
 def check_component(cfg: DictConfig, group: str) -> None:
     """Runs the ``check_config(cfg)`` classmethod of what ``cfg.<group>._target_`` builds, when it has one: a
-    component checks its own fields (e.g. a data set's files, `diffalign.reference.CheckpointReference`'s folder)."""
+    component checks its own fields (e.g. a data set's files, `diffalign.reference.checkpoint.CheckpointReference`'s
+    folder)."""
     check = target_attribute((cfg.get(group) or {}).get("_target_"), "check_config")
     if check is not None:
         check(cfg)
-
-
-def target_modality(target: str | None) -> str | None:
-    """``"image"`` / ``"video"``: the ``modality`` class attribute of what a config's ``_target_`` builds (a class, a
-    classmethod such as ``StableDiffusionPolicy.from_pretrained``, or a builder function annotated with the class it
-    returns); None when it does not say (e.g. a plugin without the attribute) or cannot be imported."""
-    return target_attribute(target, "modality")
-
-
-def target_attribute(target: str | None, name: str):
-    """Class attribute `name` of what a config's ``_target_`` builds (see `target_modality`); None when unknown."""
-    if not target:
-        return None
-    import inspect
-    import typing
-
-    from hydra.utils import get_object
-
-    try:
-        obj = get_object(target)
-    except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
-        return None
-    owner = obj.__self__ if inspect.ismethod(obj) and inspect.isclass(obj.__self__) else obj
-    if not inspect.isclass(owner):
-        try:
-            owner = typing.get_type_hints(obj).get("return")
-        except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
-            return None
-    return getattr(owner, name, None) if inspect.isclass(owner) else None
 
 
 def _method_flow(cfg: DictConfig) -> str | None:
@@ -344,7 +331,7 @@ def validate_eval_config(cfg: DictConfig) -> None:
     integer(e, "num_inference_steps", p, ge=1)
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
-    int_list(e, "seeds", p, ge=0, min_length=1)
+    int_list(e, "seeds", p, ge=0, min_length=1, unique=True)
     number(e, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
     number(e, "eta", p, ge=0)
     integer(e, "batch_size", p, ge=1)
