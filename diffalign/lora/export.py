@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from diffalign.lora.io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
+from diffalign.runtime.storage import DiskFullError, atomic_file, write_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
@@ -58,6 +59,7 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
     Raises:
         FileNotFoundError, ValueError: an unreadable source (`diffalign.lora.io.read_lora`), a destination that exists
             (without `overwrite`) or has the wrong form, or a family kohya export does not cover.
+        DiskFullError: the disk filled up (written through a temporary file: no partial LoRA is left).
     """
     if fmt not in ("kohya", "diffusers"):
         raise ValueError(f"--format must be kohya or diffusers, got {fmt!r}")
@@ -68,14 +70,19 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
             raise ValueError(f"the kohya destination {destination!r} must be a .safetensors file name")
         if out.exists() and not overwrite:
             raise ValueError(f"{destination!r} exists; pass --overwrite to replace it")
-        return write_kohya(weights, out, layout=_layout(weights, family), dtype=DTYPES[dtype])
+        layout = _layout(weights, family)
+        # (through a temporary file: a full disk leaves no truncated .safetensors; DiskFullError names the folder)
+        return atomic_file(out, lambda tmp: write_kohya(weights, tmp, layout=layout, dtype=DTYPES[dtype]),
+                           what=f"the exported LoRA {out.name}")
     if (out / LORA_WEIGHT_NAME).exists() and not overwrite:
         raise ValueError(f"{destination!r} already holds {LORA_WEIGHT_NAME}; pass --overwrite to replace it")
     if out.suffix == ".safetensors":
         raise ValueError(f"the diffusers destination {destination!r} is a folder (it gets {LORA_WEIGHT_NAME}); drop "
                          "the .safetensors suffix")
     layout = LAYOUTS[family] if family != "auto" else weights.layout
-    return write_diffusers(weights, out, layout=layout, dtype=DTYPES[dtype])
+    write_folder(out, lambda tmp: write_diffusers(weights, tmp, layout=layout, dtype=DTYPES[dtype]),
+                 what=f"the exported LoRA {out.name}/{LORA_WEIGHT_NAME}")
+    return out / LORA_WEIGHT_NAME
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         written = export(args.source, args.destination, fmt=args.fmt, dtype=args.dtype, family=args.family,
                          overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"diffalign-export: error: {err}")
+    except DiskFullError as err:
+        err.hint = "run the same command again"
         sys.exit(f"diffalign-export: error: {err}")
     weights = read_lora(written, field_name="destination")
     print(f"[diffalign] wrote {weights.describe()}")
