@@ -13,6 +13,7 @@ accuracy overall and per tag, paired gains and win rates of every variant over t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import defaultdict
@@ -102,8 +103,9 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
     write_samples(samples_path, samples)
 
     # repeating warnings (e.g. prompts longer than a text encoder's context): one summary line per variant
-    with console_summary() as warnings:
-        bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
+    # (the bar is closed on any error too, so the error's line is the last one and no redraw follows it)
+    with console_summary() as warnings, contextlib.closing(
+            tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)) as bar:
         for label in labels:
             spec = variants[label]
             fingerprint = variant_fingerprint(policy, spec)

@@ -69,30 +69,38 @@ def training_axis(run_dir: str | Path | None) -> str:
         return "step"
 
 
-def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path, x_label: str = "step") -> list[Path]:
-    """One PNG per scalar series (``train_<tag>.png``), rewards first, then losses, then the rest, against `x_label`
-    (``"epoch"`` for an online run, `training_axis`); series of 20 points or more are drawn faint with an exponential
-    moving average (weight 0.9) on top, except the `UNSMOOTHED` ones (the learning rate), drawn as they are."""
+def training_figure(tag: str, steps: list[int], values: list[float], x_label: str = "step"):
+    """The matplotlib `Figure` of one training series against `x_label`: series of 20 points or more are drawn faint
+    with an exponential moving average (weight 0.9) on top, except the `UNSMOOTHED` ones (the learning rate), drawn as
+    they are."""
     from matplotlib.figure import Figure
 
+    fig = Figure(figsize=(4.0, 2.8), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    if len(steps) < 20 or tag.rsplit("/", 1)[-1] in UNSMOOTHED:
+        ax.plot(steps, values, lw=1.2, marker="." if len(steps) < 20 else None)
+    else:  # noisy per-step values: faint, with an exponential moving average (0.9) on top
+        ax.plot(steps, values, lw=0.8, alpha=0.35, color="C0")
+        smooth = [values[0]]
+        for v in values[1:]:
+            smooth.append(0.9 * smooth[-1] + 0.1 * v)
+        ax.plot(steps, smooth, lw=1.5, color="C0", label="EMA 0.9")
+        ax.legend(fontsize=8)
+    ax.set_xlabel(x_label)
+    ax.set_title(tag, fontsize=10)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path,
+                         x_label: str = "step") -> list[Path]:
+    """One PNG per scalar series (``train_<tag>.png``, `training_figure`), rewards first, then losses, then the rest,
+    against `x_label` (``"epoch"`` for an online run, `training_axis`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for tag in sorted(scalars, key=lambda t: ("reward" not in t, "loss" not in t, t)):
         steps, values = zip(*scalars[tag])
-        fig = Figure(figsize=(4.0, 2.8), dpi=100, layout="constrained")
-        ax = fig.subplots()
-        if len(steps) < 20 or tag.rsplit("/", 1)[-1] in UNSMOOTHED:
-            ax.plot(steps, values, lw=1.2, marker="." if len(steps) < 20 else None)
-        else:  # noisy per-step values: faint, with an exponential moving average (0.9) on top
-            ax.plot(steps, values, lw=0.8, alpha=0.35, color="C0")
-            smooth = [values[0]]
-            for v in values[1:]:
-                smooth.append(0.9 * smooth[-1] + 0.1 * v)
-            ax.plot(steps, smooth, lw=1.5, color="C0", label="EMA 0.9")
-            ax.legend(fontsize=8)
-        ax.set_xlabel(x_label)
-        ax.set_title(tag, fontsize=10)
-        ax.grid(alpha=0.3)
+        fig = training_figure(tag, list(steps), list(values), x_label)
         path = out_dir / f"train_{_slug(tag)}.png"
         atomic_file(path, fig.savefig, what=str(path))
         paths.append(path)
