@@ -1,6 +1,6 @@
 """Scoring and statistics of an evaluation: every reward on every image, per-reward means with standard errors and
 prompt-level bootstrap intervals, GenEval-style accuracy overall and per tag, paired gains and win rates of one variant
-over another (definitions in ``docs/evaluation.md``).
+over another (definitions in ``docs/guides/evaluation.md``).
 """
 
 from __future__ import annotations

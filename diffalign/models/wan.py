@@ -1,7 +1,7 @@
 """Wan 2.1 text-to-video (`WanPipeline`: `WanTransformer3DModel`, rectified flow, velocity prediction) as a
 `DiffusionPolicy`.
 
-Latents are native, channels first then time (docs/algorithms.md#latent-layouts):
+Latents are native, channels first then time (docs/methods/algorithms.md#latent-layouts):
 `(B, 16, 1 + (F − 1)/4, H/8, W/8)` — the causal 3-D VAE (`AutoencoderKLWan`) compresses time by 4 (the first frame on
 its own); latents are normalised per channel, ``(z − latents_mean) / latents_std``. Decoding returns pixels
 `(B, F, 3, H, W)` in [0, 1] (frames first). The forward process is rectified flow

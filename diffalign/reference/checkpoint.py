@@ -28,7 +28,7 @@ class CheckpointReference:
     """A named LoRA as the reference: the base model plus that LoRA (not the adapter-disabled base). The path is a
     diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA folder or file, or a kohya-format
     ``.safetensors`` file (`diffalign.lora.io.read_lora`), with the policy's rank, alpha and target modules — e.g. the
-    run's ``model.init_lora``, which makes the policy start equal to its reference (docs/lora.md).
+    run's ``model.init_lora``, which makes the policy start equal to its reference (docs/guides/lora.md).
 
     Args:
         path (`str`): the folder or file.

@@ -1,4 +1,4 @@
-"""An exponential moving average of the policy's LoRA as the reference (docs/algorithms.md#dgpo-rollout-policy).
+"""An exponential moving average of the policy's LoRA as the reference (docs/methods/algorithms.md#dgpo-rollout-policy).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class EmaReference:
     r"""An exponential moving average of the policy's LoRA as the reference:
     $\theta_r \leftarrow \text{decay}\cdot\theta_r + (1-\text{decay})\cdot\theta$ every `update_every` updates, starting
     from the policy's initial adapter (an EMA reference as DGPO's θ⁻, arXiv:2510.08425;
-    docs/algorithms.md#dgpo-rollout-policy).
+    docs/methods/algorithms.md#dgpo-rollout-policy).
 
     Args:
         decay (`float`, defaults to 0.999): in [0, 1); 0 makes the reference the policy as of the last update.

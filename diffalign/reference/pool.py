@@ -1,5 +1,5 @@
 """A pool of the policy's own previous LoRA checkpoints as the reference (SePPO's "random checkpoint replay",
-arXiv:2410.05255 Algorithm 1; docs/algorithms.md#seppo-reference-pool).
+arXiv:2410.05255 Algorithm 1; docs/methods/algorithms.md#seppo-reference-pool).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class PoolReferenceConfig:
 
 class PoolReference:
     r"""A pool of the policy's previous LoRA checkpoints; the reference θ_r is drawn from it (SePPO,
-    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; docs/algorithms.md#seppo-reference-pool).
+    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; docs/methods/algorithms.md#seppo-reference-pool).
 
     Before update ``u`` (0-based; `on_step(policy, u)`): if ``u % save_every == 0`` the policy's current adapter is
     appended to the pool, so the pool starts with θ_0 (the initial adapter) at ``u = 0``; when it then holds more than

@@ -11,7 +11,7 @@ background, asynchronous scoring). Nothing is silently replaced by zero.
   it saves a checkpoint, logs where and why, and re-raises; the CLI turns it into a clean exit with that message.
 - Combine: `WeightedSum`, the weighted sum of the multi-select ``reward=[a,b]`` (``reward.<name>.weight`` and
   ``reward.<name>.normalize``), and `reward_metrics` for the trackers.
-- Asynchronous scoring (docs/rewards.md#http): a reward may offer ``submit(images, prompts, metadata) ->
+- Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts, metadata) ->
   concurrent.futures.Future[RewardOutput]`` besides its call (`diffalign.rewards.http.HttpReward` does: the batch goes
   to a reward server in a background thread). `submit` starts scoring one batch (the reward's own ``submit``, else
   the reward is called now and the future is already done); `ChunkScorer` scores the rollout chunks of an online epoch
@@ -337,7 +337,7 @@ def zscore(scores: torch.Tensor, eps: float = ZSCORE_EPS) -> torch.Tensor:
 
     A batch of one, or a batch whose scores are all equal, gives zeros (nothing to rank). Note that a z-scored reward
     depends on the rest of the batch by construction (so batch-independence,
-    docs/field_cases.md#rewards-do-not-depend-on-batch-composition, holds only for ``normalize="none"``).
+    docs/guides/field_cases.md#rewards-do-not-depend-on-batch-composition, holds only for ``normalize="none"``).
 
     Args:
         scores (`torch.Tensor`): `(B,)` float scores.

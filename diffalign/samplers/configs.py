@@ -11,7 +11,7 @@ option / name   step rule                                                   nois
 ``euler_ode``   the flow Euler ODE, no log-probs                            none
 ==============  ==========================================================  ===================================
 
-(docs/algorithms.md#ddim-step, #flow-grpo-sde, #dancegrpo-sde; `diffalign.samplers.rollout`,
+(docs/methods/algorithms.md#ddim-step, #flow-grpo-sde, #dancegrpo-sde; `diffalign.samplers.rollout`,
 `diffalign.samplers.ode`). ``eta`` is DDIM's η only, as in diffusers' ``DDIMScheduler.step(eta=...)``; the flow SDEs'
 noise scales are ``noise_level`` (the name of Flow-GRPO's released config, ``sample.noise_level``).
 

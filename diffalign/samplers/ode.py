@@ -1,8 +1,8 @@
-"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, docs/algorithms.md#dgpo).
+"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, docs/methods/algorithms.md#dgpo).
 
 DGPO samples its groups with Flow-DPM-Solver (diffusers `DPMSolverMultistepScheduler` with flow sigmas and shift 3,
 10 steps) and no noise; for ε-models the matching choice is DPM-Solver++ 2M
-(docs/algorithms.md#dgpo-on-eps-models-and-video). Solvers:
+(docs/methods/algorithms.md#dgpo-on-eps-models-and-video). Solvers:
 
 * ``"dpm_solver"`` — `DPMSolverMultistepScheduler` (flow: ``use_flow_sigmas=True, prediction_type="flow_prediction",
   flow_shift=<the policy scheduler's shift>``; ε/v models: DPM-Solver++ from the policy scheduler's config);
@@ -16,7 +16,7 @@ False, `sampler` set to the solver's name.
 from __future__ import annotations
 
 import torch
-from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy
@@ -36,15 +36,16 @@ def make_solver(policy: DiffusionPolicy, solver: str):
     is_flow = policy.prediction_type == "flow"
     config = policy.scheduler.config
     if solver == "dpm_solver":
-        if is_flow:
+        if is_flow:  # (FLUX's resolution-dependent shift exp(μ) is its scheduler's `effective_shift`)
+            shift = getattr(policy.scheduler, "effective_shift", None) or config.get("shift", 1.0)
             return DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
-                                               flow_shift=float(config.get("shift", 1.0)),
+                                               flow_shift=float(shift),
                                                num_train_timesteps=config.num_train_timesteps)
         return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", solver_order=2)
     if solver == "euler":
         if not is_flow:
             raise ValueError("solver='euler' is the flow-matching ODE; for ε/v models use 'ddim' or 'dpm_solver'.")
-        return FlowMatchEulerDiscreteScheduler.from_config(config)
+        return type(policy.scheduler).from_config(config)  # (FLUX's subclass keeps FluxPipeline's schedule)
     if is_flow:
         raise ValueError("solver='ddim' needs an ε/v model; for flow models use 'euler' or 'dpm_solver'.")
     return DDIMScheduler.from_config(config)

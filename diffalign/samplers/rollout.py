@@ -19,8 +19,8 @@ from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy, inference_lora
-from diffalign.samplers.ddim_logprob import ddim_step
-from diffalign.samplers.flow_sde import SDE_TYPES, flow_step
+from diffalign.samplers.ddim_logprob import DDIMStepOutput, ddim_step
+from diffalign.samplers.flow_sde import SDE_TYPES, FlowStepOutput, flow_step
 from diffalign.types import PromptEmbeds, Trajectory
 
 STOCHASTIC_SAMPLERS = ("ddim", "flow_sde", "dance_sde")  # trajectories with per-step log-probs (when eta > 0)
@@ -79,9 +79,9 @@ def rollout(
     arXiv:2505.05470, §4.1).
 
     Each step k draws x_{t'} ~ N(μ_θ(x_t), s_t² I) with `diffalign.samplers.ddim_logprob.ddim_step`
-    (docs/algorithms.md#ddim-step) and stores its log-probability; the model output is guided with `guidance_scale`
-    exactly as the policy-gradient objective will recompute it (`recompute_log_probs`). Runs under `torch.no_grad()`
-    unless `enable_grad=True` (backpropagation through the sampler).
+    (docs/methods/algorithms.md#ddim-step) and stores its log-probability; the model output is guided with
+    `guidance_scale` exactly as the policy-gradient objective will recompute it (`recompute_log_probs`). Runs under
+    `torch.no_grad()` unless `enable_grad=True` (backpropagation through the sampler).
 
     Args:
         policy (`DiffusionPolicy`): a policy whose `scheduler` is a `DDIMScheduler` (`StableDiffusionPolicy`) or a
@@ -93,7 +93,7 @@ def rollout(
             0.7); 0 gives the deterministic sampler, whose log-probs are 0.
         generator (`torch.Generator` or list of `B`, *optional*): noise source for the initial latents and every
             step; with one generator per image, image k depends only on generator k
-            (docs/field_cases.md#per-image-generators).
+            (docs/guides/field_cases.md#per-image-generators).
         negative_prompts (`list[str]`, *optional*): `B` negative prompts or one for all; default "".
         latents (`torch.Tensor`, *optional*): `(B, C, h, w)` initial noise (multiplied by `init_noise_sigma`, as the
             pipeline does); drawn with `randn_tensor` when not given.
@@ -199,7 +199,7 @@ def recompute_log_probs(
         guidance_scale (`float`, *optional*): defaults to `trajectory.guidance_scale`.
         reduction (`str`, defaults to "mean"): must be the reduction the rollout used.
         detach_unconditional (`bool`, defaults to False): stop gradients through the unconditional CFG branch
-            (Flow-GRPO, ViPO; docs/algorithms.md#classifier-free-guidance); the value is unchanged.
+            (Flow-GRPO, ViPO; docs/methods/algorithms.md#classifier-free-guidance); the value is unchanged.
 
     Returns:
         `torch.Tensor` `(B, S)` float32; 0 at steps whose std is 0 (`trajectory.trainable[k]` False).
@@ -232,7 +232,7 @@ def recompute_step(
     guidance_scale: float | None = None,
     reduction: str = "mean",
     detach_unconditional: bool = False,
-):
+) -> DDIMStepOutput | FlowStepOutput:
     """Re-evaluates stored transition `k` of every rollout in `trajectory` and returns the whole step output (mean,
     std and log-prob of the stored next latent) — what policy-gradient objectives with a KL term need
     (`recompute_log_probs` returns only the log-probs). Gradients flow unless called under `torch.no_grad()`.
