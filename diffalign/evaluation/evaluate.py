@@ -76,8 +76,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
 
     Raises:
         ValueError: for no rows, no variants, two labels with the same file name, or an unknown video format.
-        DiskFullError: the disk filled up (naming the file being written; every file is written through a temporary
-            one, so nothing half-written is left and a re-run with `resume` continues from the finished prompts).
+        DiskFullError: the disk filled up (naming the file; nothing half-written is kept, a re-run continues).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +102,8 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
     write_samples(samples_path, samples)
 
     # repeating warnings (e.g. prompts longer than a text encoder's context): one summary line per variant
-    # (the bar is closed on any error too, so the error's line is the last one and no redraw follows it)
-    with console_summary() as warnings, contextlib.closing(
-            tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)) as bar:
+    bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
+    with console_summary() as warnings, contextlib.closing(bar):  # (closed on errors too: their line comes last)
         for label in labels:
             spec = variants[label]
             fingerprint = variant_fingerprint(policy, spec)
