@@ -47,6 +47,25 @@ def bytes_of(folder: Path) -> int:
     return sum(p.stat().st_size for p in files_under(folder))
 
 
+def patch_save_file(monkeypatch, fake) -> None:
+    """Puts `fake` in place of safetensors' ``save_file`` everywhere diffalign may call it: the module attribute (read
+    at call time) and the names bound by ``from safetensors.torch import save_file`` in modules already imported (the
+    training loops are imported first, so that none binds the fake for later)."""
+    import sys
+
+    import safetensors.torch
+
+    import diffalign.data.resumable
+    import diffalign.train.online
+    import diffalign.train.preference  # noqa: F401
+
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", fake)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("diffalign") and getattr(module, "save_file", None) is real:
+            monkeypatch.setattr(module, "save_file", fake)
+
+
 def exit_line(call) -> str:
     """Runs `call`, which must exit with a message; returns that message (one line)."""
     with pytest.raises(SystemExit) as info:
@@ -71,18 +90,19 @@ def test_is_disk_full_knows_the_three_shapes_of_a_full_disk():
 
 
 def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_resume_continues(tmp_path, monkeypatch, release_run_locks):
-    from diffalign.cli import _train_main
-    from diffalign.runtime import checkpoint
+    import safetensors.torch
 
-    real = checkpoint.save_file
+    from diffalign.cli import _train_main
+
+    real = safetensors.torch.save_file
 
     def full_at_step_2(tensors, filename, *args, **kwargs):  # the optimizer file of checkpoint-2: half written, then full
-        if ".tmp-checkpoint-2-" in filename and filename.endswith("optimizer.safetensors"):
+        if ".tmp-checkpoint-2-" in str(filename) and str(filename).endswith("optimizer.safetensors"):
             Path(filename).write_bytes(b"\0" * 100)
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save_file", full_at_step_2)
+    patch_save_file(monkeypatch, full_at_step_2)
     line = exit_line(lambda: _train_main(compose_cfg(smoke_overrides(tmp_path))))
     need = format_bytes(bytes_of(tmp_path / "checkpoint-1"))  # the size of the checkpoint before it
     assert line.startswith(f"diffalign: error: no space left on the disk of {tmp_path} while writing checkpoint-2 (")
@@ -90,7 +110,7 @@ def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_resume_continues(tmp_p
     assert (tmp_path / "checkpoint-1").is_dir() and not (tmp_path / "checkpoint-2").exists()
     assert leftovers(tmp_path) == [] and not (tmp_path / "final").exists()
 
-    monkeypatch.setattr(checkpoint, "save_file", real)  # space freed
+    monkeypatch.undo()  # space freed
     from diffalign.train.preference import train
 
     results = train(compose_cfg(smoke_overrides(tmp_path) + ["resume=latest"]))
@@ -99,19 +119,21 @@ def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_resume_continues(tmp_p
 
 def test_a_full_disk_in_the_data_preparation_keeps_the_chunks_made_and_resume_finishes(tmp_path, monkeypatch,
                                                                                        release_run_locks):
-    from diffalign.cli import _train_main
-    from diffalign.data import resumable
+    import safetensors.torch
 
-    real, calls = resumable.save_file, []
+    from diffalign.cli import _train_main
+
+    real, calls = safetensors.torch.save_file, []
 
     def full_at_chunk_3(tensors, filename, *args, **kwargs):
-        calls.append(filename)
-        if len(calls) == 3:
+        if "chunk-" in str(filename):
+            calls.append(filename)
+        if "chunk-" in str(filename) and len(calls) == 3:
             Path(filename).write_bytes(b"\0" * 64)  # a partial chunk, then the disk is full
             raise enospc()
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(resumable, "save_file", full_at_chunk_3)
+    patch_save_file(monkeypatch, full_at_chunk_3)
     overrides = [o for o in smoke_overrides(tmp_path) if not o.startswith("data")] + PREP
     line = exit_line(lambda: _train_main(compose_cfg(overrides)))
     folder = next((tmp_path / "prepared").iterdir())
@@ -123,7 +145,7 @@ def test_a_full_disk_in_the_data_preparation_keeps_the_chunks_made_and_resume_fi
     assert f"about {need} needed" in line and line.endswith("continue with resume=latest")
     assert leftovers(tmp_path) == [] and not list(tmp_path.glob("checkpoint-*"))
 
-    monkeypatch.setattr(resumable, "save_file", real)
+    monkeypatch.undo()
     from diffalign.train.preference import train
 
     results = train(compose_cfg(overrides + ["resume=latest"]))
@@ -215,7 +237,6 @@ def test_a_full_disk_in_diffalign_export_leaves_no_partial_file(tmp_path, tiny_p
     from diffalign.lora.export import main
 
     tiny_policy.save_lora_weights(tmp_path / "run")
-    real = safetensors.torch.save_file
 
     def full(tensors, filename, *args, **kwargs):
         Path(filename).write_bytes(b"\0" * 10)
@@ -227,7 +248,7 @@ def test_a_full_disk_in_diffalign_export_leaves_no_partial_file(tmp_path, tiny_p
     assert line.startswith(f"diffalign-export: error: no space left on the disk of {destination.parent} while "
                            "writing the exported LoRA exported.safetensors"), line
     assert not destination.exists() and leftovers(tmp_path) == []
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.undo()
     main([str(tmp_path / "run"), str(destination)])
     assert destination.is_file()
 
