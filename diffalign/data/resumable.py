@@ -81,7 +81,8 @@ class ChunkStore:
             for leftover in folder.glob(".tmp-*"):  # of a run killed while writing a chunk
                 leftover.unlink(missing_ok=True)
             if not self.complete():
-                self._adopt(search)
+                with disk_full_as_error(folder, "the chunks of an identical finished preparation (copied)"):
+                    self._adopt(search)
             with disk_full_as_error(folder, f"the on-policy data's {MANIFEST}"):
                 _atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1, default=str)))
 
