@@ -4,7 +4,7 @@ what was being written (and the space needed where it is known), leaves nothing 
 no temporary file or folder), and ``resume=latest`` (or the same command) finishes the run once space is freed.
 
 The full disk is injected into the writers (an ``OSError(ENOSPC)`` after a partial write, or safetensors' own error
-text), as a real full disk raises it; tests/test_disk_full.py::test_a_real_full_tmpfs also fills a real tmpfs where
+text), as a real full disk raises it; tests/integration/test_disk_full.py::test_a_real_full_tmpfs_ends_diffalign_eval_with_one_line also fills a real tmpfs where
 this machine lets the test mount one.
 """
 
