@@ -22,11 +22,12 @@ LOOPS = ("train/online.py", "train/preference.py")
 
 
 def method_names() -> set[str]:
-    """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``),
-    their objective classes and the families they belong to."""
+    """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``; the
+    generic words diffusion, flow, tiny and guard only joined: the loops use a `NonFiniteGuard`), their
+    objective classes and the families they belong to."""
     names = {"grpo", "dancegrpo", "dpo"}
     for option in (PACKAGE / "configs" / "method").glob("*.yaml"):
-        names |= {part for part in option.stem.split("_") if part not in ("diffusion", "flow", "tiny")}
+        names |= {part for part in option.stem.split("_") if part not in ("diffusion", "flow", "tiny", "guard")}
         names.add(option.stem.replace("_", ""))
         target = yaml.safe_load(option.read_text()).get("defaults", [""])[0]
         names.add(target.rsplit("/", 1)[-1].split("@")[0].replace("_", ""))
@@ -101,3 +102,13 @@ def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "0 kept, 2 broken" in result.stdout, result.stdout
     assert "diffalign.types -> diffalign.cli" in result.stdout, result.stdout
+
+
+def test_safetensors_files_are_written_only_through_save_safetensors():
+    """safetensors writes 0600 whatever the umask; `diffalign.runtime.files.save_safetensors` restores the umask's mode
+    (tests/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
+    direct = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+              if path.name != "files.py" or path.parent.name != "runtime"
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\bsave_file\(", line) and not line.lstrip().startswith(("#", '"', "f\""))]
+    assert not direct, direct

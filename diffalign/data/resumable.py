@@ -39,9 +39,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffalign.runtime.console import write as console_write
+from diffalign.runtime.files import save_safetensors
 from diffalign.runtime.storage import disk_full_as_error
 
 FORMAT = 1
@@ -111,7 +112,7 @@ class ChunkStore:
         if self.write:
             with disk_full_as_error(self.folder, f"chunk {k + 1} of {self.num_chunks} of the on-policy data",
                                     needed=self._remaining_bytes):
-                _atomic(self.path(k), lambda p: save_file({n: t.contiguous() for n, t in tensors.items()}, str(p)))
+                _atomic(self.path(k), lambda p: save_safetensors({n: t.contiguous() for n, t in tensors.items()}, p))
 
     def _remaining_bytes(self) -> int | None:
         """The bytes the chunks not on disk yet will take, at the mean size of those that are; None before any."""

@@ -20,17 +20,6 @@ from torch import nn
 from diffalign.types import PromptEmbeds
 
 
-def readable_by_umask(path: str | os.PathLike) -> None:
-    """Gives a written file the permissions the process's umask allows (``0o666 & ~umask``, e.g. 0644 under umask 022).
-
-    safetensors writes its files with mode 0600 whatever the umask, so a LoRA file would be unreadable to another user
-    (a ComfyUI server, a Docker mount); the files a user takes away (LoRA folders, exported LoRAs) get the mode any
-    other file of the process would have."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 @runtime_checkable
 class DiffusionPolicy(Protocol):
     """A text-to-image (or video) diffusion model seen as a policy: it encodes prompts, predicts, and decodes; a LoRA

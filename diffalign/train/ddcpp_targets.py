@@ -31,6 +31,7 @@ from diffalign.data.preference import ResumableSampler
 from diffalign.lora.initial import model_config
 from diffalign.objectives.sft import WinnerSFT
 from diffalign.rewards.reward_set import build_selected_rewards
+from diffalign.runtime.console import quiet_on_broken_pipe
 from diffalign.train.preference import data_latents
 from diffalign.types import WinnerBatch
 
@@ -74,6 +75,7 @@ def train_side(cfg, side: str, args, out: Path) -> float:
     return loss_value
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``diffalign-ddcpp-targets`` (`argv` defaults to ``sys.argv[1:]``)."""
     if argv is None:
