@@ -32,7 +32,7 @@ from diffalign.console import console_summary, write
 from diffalign.faults import stop_received
 from diffalign.media import VIDEO_FORMATS, save_png, save_video
 from diffalign.rewards.guard import checked_rewards
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.rollout import family_sampler, rollout
 from diffalign.schemas import config_schema
 from diffalign.stats import bootstrap_ci, paired_wins
 
@@ -184,13 +184,13 @@ def _sample(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: EvalConf
     """Images for the (prompt_index, seed) `jobs`, each from its own generator; float32 on the CPU."""
     gens = [torch.Generator(device="cpu").manual_seed(image_seed(s, p)) for p, s in jobs]
     prompts = [rows[p]["prompt"] for p, _ in jobs]
-    kwargs = {"num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
-              "generator": gens, "fuse_lora": True}
+    sampler = family_sampler(policy, num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                             noise=cfg.eta)
     if use_reference:
         with policy.reference():
-            traj = rollout(policy, prompts, **kwargs)
+            traj = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True)
     else:
-        traj = rollout(policy, prompts, **kwargs)
+        traj = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True)
     return traj.images.float().cpu()
 
 

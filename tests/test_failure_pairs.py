@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import EveryOtherCorrect
+from conftest import EveryOtherCorrect, step_sampler
 
 from diffalign.data.failure_pairs import FailurePairs
 from diffalign.data.onpolicy import sample_seed
@@ -52,8 +52,8 @@ def test_losers_are_the_wrong_samples_and_winners_are_verified_renders(policy):
         assert pair["prompt"] == data.rows[i]["prompt"] == rows[(i * len(rows)) // 3]["prompt"]
         # the loser is the policy's own sample for the documented seed, recomputed here on its own
         gen = torch.Generator().manual_seed(sample_seed(5, i, j))
-        image = rollout(policy, [pair["prompt"]], num_inference_steps=2, guidance_scale=4.0, eta=0.0,
-                        generator=[gen]).images[0].float()
+        image = rollout(policy, [pair["prompt"]],
+                        step_sampler(policy, num_inference_steps=2, guidance_scale=4.0, noise=0.0), generator=[gen]).images[0].float()
         assert torch.allclose(pair["image_l"], image, atol=1e-6)
         # the winner is a ground-truth render of the same prompt: the real verifier accepts it
         assert pair["image_w"].shape == (3, 32, 32)

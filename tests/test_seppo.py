@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import step_sampler
 from safetensors.torch import load_file
 
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -132,7 +133,8 @@ def test_flipper_forced_to_plus_one_equals_diffusion_dpo_with_reference_sample_a
     # the first 8 bytes of SHA-256("sample_seed/version/prompt") (the documented seed; version 1 = first stage)
     seeds = [int.from_bytes(hashlib.sha256(f"7/1/{p}".encode()).digest()[:8], "little") & (2**63 - 1) for p in PROMPTS]
     with pool.use(policy):
-        trajectory = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=2.0, eta=0.0, decode=False,
+        trajectory = rollout(policy, PROMPTS,
+                             step_sampler(policy, num_inference_steps=3, guidance_scale=2.0, noise=0.0), decode=False,
                              generator=[torch.Generator().manual_seed(s) for s in seeds])
     pairs = PreferenceBatch(batch.latents_w, trajectory.latents[:, -1], batch.prompts, batch.prompt_embeds, batch.ids)
     loss_d, metrics_d = DiffusionDPO(beta=500.0)(policy, pairs, generator=torch.Generator().manual_seed(3),

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from diffalign.rewards.futures import submit
 from diffalign.samplers.groups import stream_seed
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.rollout import family_sampler, rollout
 from diffalign.world.prompts import load_prompts
 
 _DATA_STREAM = 0xDA7A  # stream tag of on-policy data samples (`stream_seed`'s last field)
@@ -100,7 +100,9 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         if stored is None:
             prompts = [rows[i]["prompt"] for i, _ in chunk]
             gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
-            batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
+            step_rule = family_sampler(policy, num_inference_steps=sampler["num_inference_steps"],
+                                       guidance_scale=sampler["guidance_scale"], noise=sampler["eta"])
+            batch = rollout(policy, prompts, step_rule, generator=gens, fuse_lora=True).images.float().cpu()
             future = submit(reward, batch, prompts, [rows[i] for i, _ in chunk])
         if waiting is not None:
             finish(*waiting)

@@ -40,7 +40,7 @@ from torch import nn
 from diffalign.console import warn_repeated
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.rollout import family_sampler, rollout
 from diffalign.schemas import config_schema
 from diffalign.types import WinnerBatch
 
@@ -324,9 +324,9 @@ class SePPO(nn.Module):
         if todo:
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in todo_seeds]
             with reference.use(policy):
-                trajectory = rollout(policy, todo, num_inference_steps=self.sample_num_inference_steps,
-                                     guidance_scale=self.sample_guidance_scale, eta=self.sample_eta,
-                                     generator=generators, decode=self.sample_reencode)
+                sampler = family_sampler(policy, num_inference_steps=self.sample_num_inference_steps,
+                                         guidance_scale=self.sample_guidance_scale, noise=self.sample_eta)
+                trajectory = rollout(policy, todo, sampler, generator=generators, decode=self.sample_reencode)
             fresh = trajectory.latents[:, -1]
             if self.sample_reencode:
                 fresh = policy.encode_images(trajectory.images)
