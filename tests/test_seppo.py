@@ -27,7 +27,7 @@ from diffalign.types import PreferenceBatch, WinnerBatch
 
 LN2 = math.log(2.0)
 PROMPTS = ["a red circle", "two blue squares"]
-SAMPLE = {"sample_num_inference_steps": 3, "sample_guidance_scale": 2.0, "sample_eta": 0.0}
+SAMPLE = {"sampler": {"name": "ddim", "num_inference_steps": 3, "guidance_scale": 2.0, "eta": 0.0}}
 
 
 def winner_batch(policy, prompts=PROMPTS, seed: int = 0) -> WinnerBatch:
@@ -97,9 +97,9 @@ def test_anchor_flip_ties_and_modes():
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"beta": 0}, "method.beta"), ({"aaf_mode": "flip"}, "method.aaf_mode"), ({"aaf_tie": "x"}, "method.aaf_tie"),
-    ({"timestep_min": 10, "timestep_max": 5}, "method.timestep_max"), ({"sample_eta": -1}, "method.sample_eta"),
-    ({"sample_num_inference_steps": 0}, "method.sample_num_inference_steps"),
-    ({"sample_guidance_scale": 0.5}, "method.sample_guidance_scale"), ({"sample_cache": "id"}, "method.sample_cache"),
+    ({"timestep_min": 10, "timestep_max": 5}, "method.timestep_max"), ({"sampler": {"name": "ddim", "eta": -1}}, "sampler.eta"),
+    ({"sampler": {"name": "ddim", "num_inference_steps": 0}}, "sampler.num_inference_steps"),
+    ({"sampler": {"name": "ddim", "guidance_scale": 0.5}}, "sampler.guidance_scale"), ({"sample_cache": "id"}, "method.sample_cache"),
 ])
 def test_bad_config_raises_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -113,7 +113,9 @@ def test_configs_match_init():
         fields = [f for f in config.__dataclass_fields__ if f != "_target_"]
         params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         assert fields == params and config._target_ == f"{cls.__module__}.{cls.__qualname__}"
-        assert all(getattr(config(), f) == inspect.signature(cls.__init__).parameters[f].default for f in fields)
+        assert all(getattr(config(), f) == inspect.signature(cls.__init__).parameters[f].default for f in fields
+                   if f != "sampler")
+    assert SePPOConfig().sampler == "${sampler}"  # the run's sampler node; the constructor needs one passed
     assert SePPO.data_flow == "winners" and WinnerSFT.data_flow == "winners"
 
 
