@@ -184,7 +184,7 @@ def test_every_sde_method_trains_only_the_window(method, tmp_path, monkeypatch):
 
     monkeypatch.setattr(policy_gradient, "transition_plan", spy)
     if method == "vipo":
-        import diffalign.objectives.vipo as vipo
+        from diffalign.objectives import vipo
 
         monkeypatch.setattr(vipo, "transition_plan", spy)
     cfg = compose_cfg([*online_overrides(tmp_path, epochs=2), "model=tiny_flow_random", f"method={method}",
