@@ -1,5 +1,5 @@
 """Coefficients-preserving sampling (CPS; Wang & Yu, arXiv:2509.05952), a flow-model SDE with per-step log-probs:
-``sampler=cps_sde`` (docs/samplers.md#cps_sde).
+``sampler=cps_sde`` (docs/guides/samplers.md#cps_sde).
 
 A rectified-flow sample at noise level σ is x = (1 − σ) x₀ + σ ε. From x_k at σ_k and the (guided) velocity v̂, the
 step to σ_{k+1} < σ_k predicts

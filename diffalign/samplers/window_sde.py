@@ -1,6 +1,6 @@
 """MixGRPO's windowed SDE (Li et al., arXiv:2507.21802): Flow-GRPO's SDE inside a sliding window of steps, the Euler
 ODE elsewhere; only the window's transitions have log-probs and are trained: ``sampler=window_sde``
-(docs/samplers.md#window_sde).
+(docs/guides/samplers.md#window_sde).
 
 Rollout of K steps in epoch e: steps k in the window W(e) = [l, min(l + w, K − 2)) are drawn with `flow_sde_step`
 (noise level a = ``noise_level``, per-step log-probs); every other step is the deterministic Euler step
