@@ -6,8 +6,10 @@ AUTOMATIC1111/Forge, SD.Next and InvokeAI load, or to a diffusers LoRA folder (d
     diffalign-export civitai-lora.safetensors runs/imported --format diffusers   # kohya -> a diffusers folder
 
 The source is a ``checkpoint-<step>/`` or ``final/`` folder, a run folder (its ``final/``), a diffusers LoRA folder or
-file, or a kohya file. Kohya export covers SD1.x/2.x and SDXL UNets (``lora_unet_*``) and SD3 transformers
-(``lora_transformer_*``); other families (video models) export to diffusers format only.
+file, or a kohya file. Kohya export covers SD1.x/2.x and SDXL UNets (``lora_unet_*``), SD3 transformers
+(``lora_transformer_*``) and FLUX.1 transformers (``lora_unet_double_blocks_*`` / ``lora_unet_single_blocks_*``, the
+original FLUX layer names with q, k, v fused, which ComfyUI and Forge read); other families (video models) export to
+diffusers format only.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _layout(weights: LoraWeights, family: str):
     if weights.layout is not None:
         return weights.layout
     if weights.component == "transformer" or any(h in m for m in weights.modules for h in VIDEO_MODULE_HINTS):
-        raise ValueError(f"{weights.path} is not an SD1.x/2.x, SDXL or SD3 LoRA (its modules are e.g. "
+        raise ValueError(f"{weights.path} is not an SD1.x/2.x, SDXL, SD3 or FLUX LoRA (its modules are e.g. "
                          f"{weights.modules[:2]}); kohya export covers those families only: use --format diffusers")
     return None  # a UNet of unknown size (e.g. the tiny world's): SD keys, no ss_base_model_version
 
@@ -100,4 +102,4 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[diffalign] wrote {weights.describe()}")
     if args.fmt == "kohya":
         print("[diffalign] ComfyUI: copy it to models/loras/ (LoraLoaderModelOnly); A1111/Forge: models/Lora/; "
-              "diffusers: pipe.load_lora_weights(path) (SD1.x/2.x/SDXL); diffalign: model.init_lora=<path>")
+              "diffusers: pipe.load_lora_weights(path) (SD1.x/2.x/SDXL/FLUX); diffalign: model.init_lora=<path>")

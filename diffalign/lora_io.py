@@ -15,7 +15,9 @@ module's weight. The formats (docs/lora.md#file-formats):
   OneTrainer naming ComfyUI reads for SD3). ``lora_unet_`` files (SD1.x/2.x, SDXL, also SDXL's ``input_blocks``
   naming) are read with diffusers' kohya converter (`StableDiffusionLoraLoaderMixin.lora_state_dict`, what
   ``load_lora_weights`` uses); diffusers 0.42 has no SD3 kohya reader, so ``lora_transformer_`` names are parsed here
-  against the SD3 transformer's module names (`unflatten_module_name`).
+  against the SD3 transformer's module names (`unflatten_module_name`). FLUX files use the original FLUX layer names
+  (``lora_unet_double_blocks_<i>_img_attn_qkv``, ``lora_unet_single_blocks_<i>_linear1``, q/k/v fused), mapped both
+  ways by `diffalign.models.flux` with the map of diffusers' FLUX kohya converter.
 
 The family-specific parts are entries of `LAYOUTS` (one per model family: pipeline component, kohya prefix, the
 ``ss_base_model_version`` that A1111 shows, the diffusers pipeline whose ``save_lora_weights`` writes the diffusers
@@ -78,9 +80,12 @@ LAYOUTS = {
     "sdxl": Layout("sdxl", "unet", "lora_unet_", "sdxl_base_v1-0", "StableDiffusionXLPipeline",
                    "StableDiffusionXLLoraLoaderMixin"),
     "sd3": Layout("sd3", "transformer", "lora_transformer_", "sd3", "StableDiffusion3Pipeline", None),
+    "flux": Layout("flux", "transformer", "lora_unet_", "flux1", "FluxPipeline", "FluxLoraLoaderMixin"),
 }
 """The model families with a kohya key map. SD1.x/2.x and SDXL share the UNet naming (kohya keys are the diffusers
-module paths with "." → "_", which diffusers, ComfyUI and A1111 all read for both); SD3 uses ``lora_transformer_``."""
+module paths with "." → "_", which diffusers, ComfyUI and A1111 all read for both); SD3 uses ``lora_transformer_``;
+FLUX uses the original (BFL) layer names, ``lora_unet_double_blocks_<i>_img_attn_qkv`` ... with q, k, v fused
+(`diffalign.models.flux.flux_kohya_state_dict`), as kohya sd-scripts, ComfyUI and Forge do."""
 
 CROSS_ATTENTION_FAMILIES = {768: "sd1", 1024: "sd2", 2048: "sdxl"}
 """UNet cross-attention width → family (SD1.x CLIP-L, SD2.x OpenCLIP-H, SDXL CLIP-L + bigG)."""
@@ -97,6 +102,8 @@ def layout_of_denoiser(denoiser) -> Layout | None:
         return LAYOUTS["sd2"] if config.get("cross_attention_dim") == 1024 else LAYOUTS["sd1"]
     if name == "SD3Transformer2DModel":
         return LAYOUTS["sd3"]
+    if name == "FluxTransformer2DModel":
+        return LAYOUTS["flux"]
     return None
 
 
@@ -314,6 +321,9 @@ def _layout_from_modules(component: str, state: dict[str, torch.Tensor]) -> Layo
     (``transformer_blocks.<i>.``; Wan's are ``blocks.<i>.``); a UNet by its cross-attention width (the input width of
     ``attn2.to_k`` / ``attn2.to_v``); None when unknown."""
     if component == "transformer":
+        if any(k.startswith(("single_transformer_blocks.", "x_embedder.")) for k in state) or any(
+                re.search(r"\.attn\.to_q\.lora_A\.weight$", k) and v.shape[-1] == 3072 for k, v in state.items()):
+            return LAYOUTS["flux"]  # single-stream blocks, or FLUX.1's width 3072 (SD3.5-M: 1536, -L: 2432)
         return LAYOUTS["sd3"] if all(k.startswith(("transformer_blocks.", "context_embedder.", "pos_embed.",
                                                    "time_text_embed.", "norm_out.", "proj_out."))
                                      for k in state) else None
@@ -340,6 +350,10 @@ def _read_kohya(file: Path, state, metadata, field_name: str, unet_config) -> Lo
     for name in names:
         if f"{name}.lora_down.weight" not in state or f"{name}.lora_up.weight" not in state:
             raise ValueError(f"{field_name}: {file}: {name} lacks lora_down or lora_up; the file is damaged")
+    from diffalign.models.flux import is_flux_kohya_name
+
+    if any(is_flux_kohya_name(n) for n in names):
+        return _read_kohya_flux(file, state, metadata, names, field_name)
     ranks = {n: state[f"{n}.lora_down.weight"].shape[0] for n in names}
     rank = int(_uniform(ranks, "rank", file, field_name))
     # kohya: a module without .alpha has alpha = its rank (scale 1)
@@ -361,6 +375,33 @@ def _read_kohya(file: Path, state, metadata, field_name: str, unet_config) -> Lo
         else modules
     layout = LAYOUTS.get(metadata.get("diffalign_family", "")) or _layout_from_modules(component, peft_state)
     return LoraWeights(file, "kohya", component, peft_state, rank, alpha, targets, layout)
+
+
+def _read_kohya_flux(file: Path, state, metadata, names: list[str], field_name: str) -> LoraWeights:
+    """A kohya FLUX file (``lora_unet_double_blocks_*`` ...): fused layers split into the diffusers modules as
+    diffusers' converter splits them (`diffalign.models.flux.flux_modules_from_kohya`), α per module; zero padding
+    blocks dropped."""
+    from diffalign.models.flux import flux_modules_from_kohya
+
+    modules = {}
+    for name in names:
+        if not name.startswith("lora_unet_"):
+            raise ValueError(f"{field_name}: {file} mixes FLUX kohya names with {name!r}; pass a single-model LoRA")
+        down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+        alpha = float(state[f"{name}.alpha"].item()) if f"{name}.alpha" in state else float(down.shape[0])
+        try:
+            modules.update(flux_modules_from_kohya(name, down, up, alpha))
+        except ValueError as err:
+            raise ValueError(f"{field_name}: {file}: {err}") from None
+    peft_state = {}
+    for module, (a, b, _) in modules.items():
+        peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"] = a, b
+    rank = int(_uniform({m: a.shape[0] for m, (a, _, _) in modules.items()}, "rank", file, field_name))
+    alpha = _uniform({m: al for m, (_, _, al) in modules.items()}, "alpha", file, field_name)
+    config = _config_from_metadata(metadata, "transformer")
+    targets = sorted(config["target_modules"]) if config and isinstance(config.get("target_modules"), list) \
+        else sorted(modules)
+    return LoraWeights(file, "kohya", "transformer", peft_state, rank, alpha, targets, LAYOUTS["flux"])
 
 
 def _unet_paths_with_diffusers(names: list[str], state, unet_config) -> dict[str, str]:
@@ -457,6 +498,10 @@ def kohya_state_dict(weights: LoraWeights, layout: Layout | None = None, dtype: 
     if layout.component != weights.component:
         raise ValueError(f"{weights.path} is a {weights.component} LoRA but the {layout.name} layout is for a "
                          f"{layout.component}")
+    if layout.name == "flux":
+        from diffalign.models.flux import flux_kohya_state_dict
+
+        return flux_kohya_state_dict(weights.state, weights.rank, weights.alpha, dtype)
     out = {}
     for module in weights.modules:
         name = layout.kohya_prefix + module.replace(".", "_")

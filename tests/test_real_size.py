@@ -1,14 +1,16 @@
-"""The real-size architectures (``configs/arch/*.json``, the published configs of SD1.5, SDXL, SD3.5-Medium and
-Wan2.1-T2V-1.3B): built on the meta device, their parameter counts are the published figures or an independent count
-by hand from the config; the LoRA of each ``model=`` config (its rank and targets) has r × Σ(in + out) parameters over
-the targeted layers, counted by hand; and SD1.5 (the one that fits in a few GiB) is wrapped by the project's policy
-and runs one forward at its minimum size. The step of every method at real
-size is ``scripts/bench_real_size.py`` (docs/real_size.md)."""
+"""The real-size architectures (``configs/arch/*.json``, the published configs of SD1.5, SDXL, SD3.5-Medium,
+Wan2.1-T2V-1.3B and FLUX.1-dev): built on the meta device, their parameter counts are the published figures or an
+independent count by hand from the config; the LoRA of each ``model=`` config (its rank and targets) has r × Σ(in +
+out) parameters over the targeted layers, counted by hand; SD1.5 (the one that fits in a few GiB) is wrapped by the
+project's policy and runs one forward at its minimum size, and FLUX.1-dev (33 GB in bfloat16, more than this machine
+has) runs as a real-width slice, one block of each kind. The step of every method at real size is
+``scripts/bench_real_size.py`` (docs/real_size.md; FLUX.1-dev is not in it yet)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -92,6 +94,82 @@ def test_wan_transformer_counted_by_hand():
     assert _count(_meta("wan21_t2v_1_3b", "transformer")) == config["num_layers"] * block + outside == 1_418_996_800
 
 
+def test_flux1_dev_transformer_counted_by_hand():
+    """FLUX.1-dev's transformer (the model card's "12 billion parameter rectified flow transformer"), counted block by
+    block from its config (d = 24 heads × 128 = 3072, MLP 4d): a double-stream block has AdaLN-Zero for both streams
+    (6d² + 6d each), q, k, v, out for the image stream and for the text stream (8(d² + d)), RMS q/k norms of 128 per
+    stream (4 · 128), and both MLPs (8d² + 5d each); a single-stream block has a 3d modulation (3d² + 3d), q, k, v
+    (3(d² + d)) with q/k norms (2 · 128), the MLP input (4d² + 4d) and one output projection from the concatenated
+    attention and MLP (5d · d + d). Outside the blocks: the packed-latent embedding (64d + d), the timestep and the
+    guidance MLPs (256d + d + d² + d each), the pooled-text MLP (768d + d + d² + d), the T5 context embedder
+    (4096d + d), the output AdaLN (2d² + 2d) and projection (64d + 64). The encoders: CLIP-L's text tower is the 123 M
+    of SD1.x's, T5 v1.1 XXL's encoder 4.76 B."""
+    config = _arch("flux1_dev")["components"]["transformer"]["config"]
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    assert (d, config["num_layers"], config["num_single_layers"]) == (3072, 19, 38) and config["guidance_embeds"]
+    double = 36 * d * d + 30 * d + 4 * 128
+    single = 15 * d * d + 11 * d + 2 * 128
+    outside = (65 * d) + 2 * (256 * d + d + d * d + d) + (768 * d + d + d * d + d) + (4096 * d + d) \
+        + (2 * d * d + 2 * d) + (64 * d + 64)
+    count = _count(_meta("flux1_dev", "transformer"))
+    assert count == 19 * double + 38 * single + outside == 11_901_408_320
+    assert round(count / 1e9) == 12
+    assert round(_count(_meta("flux1_dev", "text_encoder")) / 1e6) == 123
+    assert round(_count(_meta("flux1_dev", "text_encoder_2")) / 1e7) == 476
+
+
+def test_flux1_dev_width_runs_with_the_policy_one_block_of_each_kind():
+    """The full FLUX.1-dev (11.9 B transformer + 4.8 B T5, 33 GB in bfloat16) does not fit this CPU machine's memory:
+    a slice of it runs instead — FLUX.1-dev's transformer config with one double- and one single-stream block (real
+    width, heads, rotary axes, guidance embedding), the real VAE and CLIP-L text tower, and a one-layer stand-in of T5
+    with its real output width (4096, 512 tokens), all random bfloat16 — wrapped by the project's policy with the
+    ``model=flux1_dev`` LoRA (r 32 on the attention projections), at 128 px (unpacked latents 16×16×16, 64 packed
+    tokens), guidance 3.5 through the guidance input."""
+    from diffusers import FluxPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    from diffalign.models.flux import FluxPolicy
+
+    bench = _bench()
+    arch = _arch("flux1_dev")
+    spec = arch["components"]["transformer"]
+    sliced = {**arch, "components": {**arch["components"], "transformer": {
+        **spec, "config": {**spec["config"], "num_layers": 1, "num_single_layers": 1}},
+        "text_encoder_2": {**arch["components"]["text_encoder_2"], "stand_in": "skip"}}}
+    components = bench.build_components(sliced)
+    tokenizer = components["tokenizer_2"]
+    torch.manual_seed(0)
+    components["text_encoder_2"] = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=4096, d_kv=8, d_ff=16, num_layers=1, num_heads=1,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)).to(torch.bfloat16)
+    pipe = FluxPipeline(**components)
+    cfg = _model_config("flux1_dev")
+    policy = FluxPolicy(pipe, height=128, width=128, lora_rank=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"],
+                        max_sequence_length=cfg["max_sequence_length"])
+    assert policy.latent_shape == (16, 16, 16) and policy.vae_scale_factor == 8 and policy.dtype == torch.bfloat16
+    assert sum(p.numel() for p in policy.trainable_parameters()) == 32 * 2 * 3072 * (8 + 3)
+    embeds = policy.encode_prompts(["a red circle", "two blue squares"])
+    assert embeds.prompt_embeds.shape == (2, 512, 4096) and embeds.pooled_prompt_embeds.shape == (2, 768)
+    assert embeds.negative_prompt_embeds is None  # guidance-distilled: no negative branch
+    latents = torch.randn(2, 16, 16, 16, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([1000.0, 500.0])
+    with torch.no_grad():
+        out = policy.predict(latents, timesteps, embeds, guidance_scale=3.5)
+        with policy.reference():
+            base = policy.predict(latents, timesteps, embeds, guidance_scale=3.5)
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+        moved = policy.predict(latents, timesteps, embeds, guidance_scale=3.5)
+        images = policy.decode(latents)
+    assert out.shape == (2, 16, 16, 16) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert torch.equal(out, base) and not torch.equal(moved, base)
+    assert images.shape == (2, 3, 128, 128)
+    policy.scheduler.set_timesteps(4)  # 64 tokens: mu = 0.5 + (64 - 256) * 0.65 / 3840
+    mu = 0.5 + (64 - 256) * 0.65 / 3840
+    assert float(policy.scheduler.sigmas[1]) == pytest.approx(math.exp(mu) / (math.exp(mu) + 1 / 0.75 - 1), rel=1e-6)
+
+
 def _unet_attention_layers(config: dict) -> list[tuple[int, int]]:
     """(channels, number of transformer blocks) of every attention stage of a UNet2DConditionModel config: down
     blocks ``layers_per_block`` attentions, up blocks one more, the mid block one, each
@@ -126,6 +204,9 @@ def _unet_lora_by_hand(config: dict, rank: int) -> int:
     ("sd35_medium", "sd35_medium", lambda c, r: r * 2 * 1536 * (24 * 7 + 23)),
     # 30 blocks: q, k, v, out of the self- and the cross-attention, d → d (the text is projected to d first)
     ("wan21_t2v_1_3b", "wan21_t2v", lambda c, r: r * 2 * 1536 * 8 * 30),
+    # 19 double blocks: q, k, v, out and the context's q, k, v, out (d → d); 38 single blocks: q, k, v (their
+    # attention has no output projection, proj_out is outside it); d = 3072
+    ("flux1_dev", "flux1_dev", lambda c, r: r * 2 * 3072 * (19 * 8 + 38 * 3)),
 ])
 def test_lora_parameters_counted_by_hand(arch_name, model_name, by_hand):
     arch = _arch(arch_name)

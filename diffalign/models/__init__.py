@@ -3,6 +3,7 @@
 - `stable_diffusion`: SD1.x/2.x (`StableDiffusionPolicy`, ε/v);
 - `sdxl`: Stable Diffusion XL (`StableDiffusionXLPolicy`, ε/v; two text encoders, pooled embeddings, time ids);
 - `sd3`: SD3/SD3.5 format (`StableDiffusion3Policy`, rectified flow);
+- `flux`: FLUX.1 (`FluxPolicy`, rectified flow; packed latents and the guidance input handled inside);
 - `text_to_video`: UNet3D text-to-video (`TextToVideoPolicy`, ε/v);
 - `wan`: Wan 2.1 (`WanPolicy`, rectified flow).
 

@@ -74,6 +74,8 @@ def check_model_config(cfg) -> None:
     integer(m, "sample_size_px", p, ge=16)
     number(m, "flow_shift", p, gt=0, nullable=True)
     boolean(m, "load_t5", p)
+    boolean(m, "guidance_embeds", p)
+    number(m, "guidance", p, gt=0, nullable=True, hint="FLUX: the fixed embedded guidance, null: sampler.guidance_scale")
     boolean(m, "local_files_only", p, nullable=True)
     text(m, "revision", p, nullable=True)
     text(m, "variant", p, nullable=True)

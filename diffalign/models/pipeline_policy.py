@@ -1,8 +1,8 @@
 """What every diffusers-pipeline policy shares: loading, the guided forward, the image VAE, the LoRA adapter, and the
 two forward processes (ε/v-prediction and rectified flow).
 
-A model family is one file (`stable_diffusion.py`, `sdxl.py`, `sd3.py`, `text_to_video.py`, `wan.py`) whose policy
-derives from `PipelinePolicy` and one of the forward-process mixins here (`NoisePredictionMixin` for ε/v models,
+A model family is one file (`stable_diffusion.py`, `sdxl.py`, `sd3.py`, `flux.py`, `text_to_video.py`, `wan.py`) whose
+policy derives from `PipelinePolicy` and one of the forward-process mixins here (`NoisePredictionMixin` for ε/v models,
 `RectifiedFlowMixin` for flow models) and supplies only what differs between families:
 
 - the constructor (which modules, which scheduler) and ``from_pretrained`` (through `load_pipeline`);

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy, inference_lora
@@ -45,15 +45,16 @@ def make_solver(policy: DiffusionPolicy, solver: str):
     is_flow = policy.prediction_type == "flow"
     config = policy.scheduler.config
     if solver == "dpm_solver":
-        if is_flow:
+        if is_flow:  # (FLUX's resolution-dependent shift exp(μ) is its scheduler's `effective_shift`)
+            shift = getattr(policy.scheduler, "effective_shift", None) or config.get("shift", 1.0)
             return DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
-                                               flow_shift=float(config.get("shift", 1.0)),
+                                               flow_shift=float(shift),
                                                num_train_timesteps=config.num_train_timesteps)
         return DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", solver_order=2)
     if solver == "euler":
         if not is_flow:
             raise ValueError("solver='euler' is the flow-matching ODE; for ε/v models use 'ddim' or 'dpm_solver'.")
-        return FlowMatchEulerDiscreteScheduler.from_config(config)
+        return type(policy.scheduler).from_config(config)  # (FLUX's subclass keeps FluxPipeline's schedule)
     if is_flow:
         raise ValueError("solver='ddim' needs an ε/v model; for flow models use 'euler' or 'dpm_solver'.")
     return DDIMScheduler.from_config(config)
