@@ -276,6 +276,8 @@ def test_a_preference_method_does_not_check_the_unused_samplers_family(tmp_path)
 def _leaves(node, prefix=""):
     for key, value in node.items():
         path = f"{prefix}.{key}" if prefix else key
+        if OmegaConf.is_interpolation(node, key):  # (e.g. method.sampler: ${sampler}, walked where it is defined)
+            continue
         if OmegaConf.is_dict(value):
             yield from _leaves(value, path)
         else:

@@ -190,7 +190,7 @@ class SePPOConfig:
     share_noise: bool = True
     timestep_min: int = 0
     timestep_max: int | None = None
-    sampler: Any = "${sampler}"  # the run's sampler node (diffalign.samplers.base.build_sampler)
+    sampler: Any = None  # the reference sampler, a sampler node (configs/method/seppo.yaml: the run's ${sampler})
     sample_reencode: bool = False
     sample_cache: str = "prompt"
     sample_seed: int = 0
@@ -220,8 +220,9 @@ class SePPO(nn.Module):
         share_noise (`bool`, defaults to True): share t and ε between x^w and x^r (INFERRED, Diffusion-DPO convention).
         timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive;
             `None` means the scheduler's last timestep.
-        sampler (`Sampler` or a ``sampler`` config node): the reference sampler (the config's default is the run's
-            ``sampler`` node; the SePPO recipes use DDIM with η = 0, the ODE-like deterministic DDIM).
+        sampler (`Sampler` or a ``sampler`` config node, *optional*): the reference sampler, needed to train
+            (``configs/method/seppo.yaml`` passes the run's ``sampler`` node; the SePPO recipes use DDIM with η = 0,
+            the ODE-like deterministic DDIM).
         sample_reencode (`bool`, defaults to False): decode x^r to pixels and re-encode it with the VAE, as the winners
             are encoded, instead of using the sampler's latent.
         sample_cache (`str`, defaults to "prompt"): "prompt" or "off", see step 2. The cache holds one latent per
@@ -274,15 +275,14 @@ class SePPO(nn.Module):
                              "timestep_max >= timestep_min, or null for the scheduler's last timestep.")
         if sample_cache not in SAMPLE_CACHE_MODES:
             raise ValueError(f"method.sample_cache={sample_cache!r} must be one of {list(SAMPLE_CACHE_MODES)}.")
-        self.sampler = build_sampler(sampler, "sampler")
+        self.sampler = None if sampler is None else build_sampler(sampler, "sampler")
         self.beta, self.aaf_mode, self.aaf_tie, self.share_noise = beta, aaf_mode, aaf_tie, share_noise
         self.timestep_min, self.timestep_max = timestep_min, timestep_max
         self.sample_reencode, self.sample_cache, self.sample_seed = sample_reencode, sample_cache, sample_seed
 
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, aaf_mode={self.aaf_mode!r}, aaf_tie={self.aaf_tie!r}, share_noise="
-                f"{self.share_noise}, sampler=({self.sampler.describe()}, {self.sampler.num_inference_steps} steps, "
-                f"cfg={self.sampler.guidance_scale}), cache={self.sample_cache!r}")
+                f"{self.share_noise}, sampler={self.sampler!r}, cache={self.sample_cache!r}")
 
     @torch.no_grad()
     def reference_samples(
@@ -312,6 +312,9 @@ class SePPO(nn.Module):
         if todo:
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in todo_seeds]
             with reference.use(policy):
+                if self.sampler is None:
+                    raise ValueError("SePPO samples x^r with its sampler, and none was given: pass sampler= (the run "
+                                     "config's method.sampler is ${sampler})")
                 trajectory = rollout(policy, todo, self.sampler, generator=generators, decode=self.sample_reencode)
             fresh = trajectory.latents[:, -1]
             if self.sample_reencode:
