@@ -1,5 +1,5 @@
 """Group-relative advantages (GRPO, Flow-GRPO, DGPO) and DDPO's per-prompt running statistics
-(docs/algorithms.md#group-advantages).
+(docs/methods/algorithms.md#group-advantages).
 
 For a prompt c with group rewards r_1..r_G:  A_i = (r_i − mean_c) / (std + ε), with the std of the group
 (``std="group"``, DGPO GenEval) or of the whole batch (``std="global"``, every Flow-GRPO task config), then clipped to
@@ -140,8 +140,9 @@ class PerPromptStatTracker:
 
 def best_of_n_rows(rewards: torch.Tensor, group_ids: torch.Tensor, n: int) -> torch.Tensor:
     """The rows kept by DanceGRPO/ViPO's best-of-N selection: in every group, the n/2 highest and the n/2 lowest
-    rewards (docs/algorithms.md#dancegrpo, docs/algorithms.md#vipo); the others are not trained on. Ties are broken by
-    row order (stable sort). With n ≥ the group size every row is kept (the released scripts' G = N = 8 is a no-op).
+    rewards (docs/methods/algorithms.md#dancegrpo, docs/methods/algorithms.md#vipo); the others are not trained on.
+    Ties are broken by row order (stable sort). With n ≥ the group size every row is kept (the released scripts' G = N
+    = 8 is a no-op).
 
     Args:
         rewards (`torch.Tensor`): `(N,)` rewards.
@@ -184,8 +185,12 @@ class EpochAdvantages:
 
     Args:
         kind (`str`): one of the kinds above.
-        std, clip, correction, eps: `group_advantages`' options (``online.advantage_*``); `clip` also the tracker's.
-        tracker_buffer_size, tracker_min_count (`int`): the tracker's (``online.tracker_*``).
+        std (`str`): `group_advantages`' ``std`` (``online.advantage_std``).
+        clip (`float`, *optional*): `group_advantages`' ``clip`` (``online.advantage_clip``); also the tracker's.
+        correction (`int`): `group_advantages`' ``correction`` (``online.advantage_std_correction``).
+        eps (`float`): `group_advantages`' ``eps`` (``online.advantage_eps``).
+        tracker_buffer_size (`int`): the tracker's buffer size (``online.tracker_buffer_size``).
+        tracker_min_count (`int`): the tracker's minimum count (``online.tracker_min_count``).
 
     Raises:
         ValueError: for an unknown `kind` (naming the method's ``advantage``).

@@ -173,7 +173,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
     Steps compare as integers (``checkpoint-1000`` is newer than ``checkpoint-900``); names whose suffix is not an
     integer (``checkpoint-tmp``) and temporary ``.tmp-checkpoint-*`` directories are ignored (a string sort once
-    picked step 9000 over 10000 in open-instruct: docs/field_cases.md#picking-the-latest-checkpoint).
+    picked step 9000 over 10000 in open-instruct: docs/guides/field_cases.md#picking-the-latest-checkpoint).
     """
     found = _numbered_checkpoints(Path(output_dir))
     return found[-1][1] if found else None

@@ -36,7 +36,8 @@ def asset_path(name: str) -> str:
 def _setup() -> None:
     if not OmegaConf.has_resolver("diffalign_asset"):
         OmegaConf.register_new_resolver("diffalign_asset", asset_path)
-    # default run folders: one per launch, not per process (docs/field_cases.md#one-run-folder-for-all-processes)
+    # default run folders: one per launch, not per process
+    # (docs/guides/field_cases.md#one-run-folder-for-all-processes)
     if not OmegaConf.has_resolver("launch_time"):
         from diffalign.launch import launch_time
 

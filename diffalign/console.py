@@ -16,7 +16,7 @@ mode) calls `warn_repeated` instead of ``logger.warning``:
 
 `console_summary` also wraps its body in `tqdm.contrib.logging.logging_redirect_tqdm`, so every log record of the run
 (the summary lines, one-off warnings, "saved checkpoint" messages) is written by ``tqdm.write`` around the open bars;
-`write` does the same for the loops' own ``[diffalign] ...`` lines. docs/reliability.md#console-output.
+`write` does the same for the loops' own ``[diffalign] ...`` lines. docs/guides/reliability.md#console-output.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ config by the commands (`diffalign.cli`) and by the training loops, moves every 
 a `FutureWarning` naming the old key, the new key and the value carried over, and drops the aliases, so the rest of
 the package reads only the new names. Setting an old key and its new key together is an error naming both.
 
-The renames (until 0.3; docs/algorithms.md#renamed-config-keys):
+The renames (until 0.3; docs/methods/algorithms.md#renamed-config-keys):
 
 - ``method.num_train_timesteps`` (DGPO's M timesteps per epoch, the released code's name, which in diffusers is the
   1000-step training schedule) → ``method.timesteps_per_epoch``;

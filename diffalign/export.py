@@ -1,5 +1,5 @@
 """``diffalign-export``: converts a run's LoRA (or any LoRA diffalign reads) to the kohya key format that ComfyUI,
-AUTOMATIC1111/Forge, SD.Next and InvokeAI load, or to a diffusers LoRA folder (docs/lora.md).
+AUTOMATIC1111/Forge, SD.Next and InvokeAI load, or to a diffusers LoRA folder (docs/guides/lora.md).
 
     diffalign-export runs/my-run/final my-run.safetensors                  # kohya format (default)
     diffalign-export runs/my-run/checkpoint-200 my-run-200.safetensors --dtype float16

@@ -1,4 +1,4 @@
-"""Starting a training run from a saved LoRA: ``model.init_lora=<folder or .safetensors file>`` (docs/lora.md).
+"""Starting a training run from a saved LoRA: ``model.init_lora=<folder or .safetensors file>`` (docs/guides/lora.md).
 
 The file (a diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA, or a kohya-format file; see
 `diffalign.lora_io`) becomes the policy's adapter before the reference strategy is set up, so

@@ -1,5 +1,5 @@
 """One run folder for every process of a launch (in Hydra and Lightning, each process once resolved its own
-timestamped folder: docs/field_cases.md#one-run-folder-for-all-processes).
+timestamped folder: docs/guides/field_cases.md#one-run-folder-for-all-processes).
 
 The default ``output_dir`` of ``diffalign-train`` / ``diffalign-eval`` is ``runs/train-${launch_time:%Y%m%d-%H%M%S}``.
 Hydra's ``${now:...}`` is resolved by each process on its own, so the processes of ``accelerate launch

@@ -4,7 +4,7 @@ ComfyUI, AUTOMATIC1111/Forge, SD.Next and InvokeAI read), converted to and from 
 Every reader returns a `LoraWeights`: the adapter's tensors under PEFT's names relative to the denoiser
 (``"<module>.lora_A.weight"`` of shape `(r, in)` — `(r, in, k, k)` for a convolution — and ``"<module>.lora_B.weight"``
 of shape `(out, r)` / `(out, r, 1, 1)`), one rank r and one alpha α; the adapter adds ``(α / r) · B · A`` to each
-module's weight. The formats (docs/lora.md#file-formats):
+module's weight. The formats (docs/guides/lora.md#file-formats):
 
 - **diffusers** (what ``diffalign-train`` writes: ``pytorch_lora_weights.safetensors`` in ``checkpoint-<step>/`` and
   ``final/``): keys ``unet.<module>.lora.down.weight`` / ``.lora.up.weight`` (or PEFT's ``.lora_A`` / ``.lora_B``;

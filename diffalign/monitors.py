@@ -1,7 +1,7 @@
 """Reward-hacking monitors, logged during training every ``monitor.every`` optimizer steps.
 
 A policy that hacks its training reward raises that reward while something else degrades. Two signals make that
-visible in the logs before it ruins a run (docs/rewards.md#reward-hacking-monitors):
+visible in the logs before it ruins a run (docs/guides/rewards.md#reward-hacking-monitors):
 
 - **gold reward**: held-out rewards (by default the evaluation reward set, ``eval_reward=[...]`` or else
   ``reward=[...]``) on fixed prompts and fixed per-image seeds, with deterministic DDIM (η = 0), so two log points

@@ -1,7 +1,7 @@
 """DGPO's rollout ("old") policy θ⁻: the policy itself for the first `switch_step` updates, then an EMA of it.
 
-DGPO (arXiv:2510.08425; docs/algorithms.md#dgpo-rollout-policy) samples its groups with θ⁻ and, with the PPO-style
-clip, compares the policy's denoising loss with θ⁻'s. θ⁻ is θ for the first 200 updates (500 for GenEval) and
+DGPO (arXiv:2510.08425; docs/methods/algorithms.md#dgpo-rollout-policy) samples its groups with θ⁻ and, with the
+PPO-style clip, compares the policy's denoising loss with θ⁻'s. θ⁻ is θ for the first 200 updates (500 for GenEval) and
 afterwards θ⁻ ← d·θ⁻ + (1 − d)·θ after every optimizer step, with the decay ramped as d = min(decay, ramp·step) (decay
 0.3, ramp 0.001 in the released code). The EMA is tracked from the first update, so it is ready at the switch.
 

@@ -4,8 +4,8 @@
 Both instruments compose a run's config exactly as ``diffalign-train`` would, sample one epoch of groups with the
 rollout sampler, score them with the run's first reward, compute the group advantages, and take the gradient of the
 method's loss over every trained transition at the current weights — without an optimizer step. The methods covered
-are the policy-gradient ones (``data_flow == "online_trajectories"``: DDPO, Flow-GRPO, ViPO); docs/learning.md and
-docs/vipo.md quote what the two instruments measured.
+are the policy-gradient ones (``data_flow == "online_trajectories"``: DDPO, Flow-GRPO, ViPO); docs/results/learning.md
+and docs/results/video.md quote what the two instruments measured.
 """
 
 from __future__ import annotations

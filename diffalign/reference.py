@@ -287,7 +287,7 @@ class CheckpointReference:
     """A named LoRA as the reference: the base model plus that LoRA (not the adapter-disabled base). The path is a
     diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA folder or file, or a kohya-format
     ``.safetensors`` file (`diffalign.lora_io.read_lora`), with the policy's rank, alpha and target modules — e.g. the
-    run's ``model.init_lora``, which makes the policy start equal to its reference (docs/lora.md).
+    run's ``model.init_lora``, which makes the policy start equal to its reference (docs/guides/lora.md).
 
     Args:
         path (`str`): the folder or file.
@@ -382,7 +382,7 @@ class EmaReference:
     r"""An exponential moving average of the policy's LoRA as the reference:
     $\theta_r \leftarrow \text{decay}\cdot\theta_r + (1-\text{decay})\cdot\theta$ every `update_every` updates, starting
     from the policy's initial adapter (an EMA reference as DGPO's θ⁻, arXiv:2510.08425;
-    docs/algorithms.md#dgpo-rollout-policy).
+    docs/methods/algorithms.md#dgpo-rollout-policy).
 
     Args:
         decay (`float`, defaults to 0.999): in [0, 1); 0 makes the reference the policy as of the last update.
@@ -481,7 +481,7 @@ class PoolReferenceConfig:
 
 class PoolReference:
     r"""A pool of the policy's previous LoRA checkpoints; the reference θ_r is drawn from it (SePPO,
-    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; docs/algorithms.md#seppo-reference-pool).
+    arXiv:2410.05255 Algorithm 1, "ref ∼ U(0, k−1)"; docs/methods/algorithms.md#seppo-reference-pool).
 
     Before update ``u`` (0-based; `on_step(policy, u)`): if ``u % save_every == 0`` the policy's current adapter is
     appended to the pool, so the pool starts with θ_0 (the initial adapter) at ``u = 0``; when it then holds more than

@@ -12,7 +12,7 @@ logged to the two trackers diffalign supports with media:
   ``WandBTracker.log_images`` (``wandb.Image``), videos as ``wandb.Video`` of the file (no re-encoding).
 
 Other trackers get the scalars only. The wandb run folder is ``<output_dir>/logs/wandb/`` (`tracker_init_kwargs`).
-docs/evaluation.md#experiment-trackers.
+docs/guides/evaluation.md#experiment-trackers.
 """
 
 from __future__ import annotations

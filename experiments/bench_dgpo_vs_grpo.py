@@ -12,10 +12,10 @@ Two rewards (`--reward`):
 
 - ``verifier`` (the default): both train on the verifier's dense score; the figure is the held-out accuracy
   (`monitor/gold/geneval_shapes/accuracy`); the target is the base model's accuracy plus `--target-gain`.
-- ``brightness``: both train on the toy reward `brightness` (docs/learning.md); the figure is the held-out brightness
-  (`monitor/gold/brightness/mean`, the verifier's accuracy and the sample diversity monitored beside it). Per seed the
-  target is Flow-GRPO's final held-out brightness (so Flow-GRPO reaches it by construction, at the latest at its last
-  epoch), and a second, lower target is the base plus `--second-target` × Flow-GRPO's final gain.
+- ``brightness``: both train on the toy reward `brightness` (docs/results/learning.md); the figure is the held-out
+  brightness (`monitor/gold/brightness/mean`, the verifier's accuracy and the sample diversity monitored beside it).
+  Per seed the target is Flow-GRPO's final held-out brightness (so Flow-GRPO reaches it by construction, at the latest
+  at its last epoch), and a second, lower target is the base plus `--second-target` × Flow-GRPO's final gain.
 
 Usage (2 CPU cores; a tiny_flow_grpo run is 10–20 minutes with the monitor every epoch, a tiny_dgpo run 3–6)::
 

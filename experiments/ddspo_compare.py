@@ -1,4 +1,4 @@
-"""Tables for docs/ddspo.md: the comparison of runs, and how good a tiny-world DDSPO pairs folder is.
+"""Tables for docs/results/methods.md#ddspo: the comparison of runs, and how good a tiny-world DDSPO pairs folder is.
 
     python experiments/ddspo_compare.py runs runs/ddspo_cmp          # held-out accuracy per method over seeds
     python experiments/ddspo_compare.py pairs runs/ddspo_pairs/tiny_sd-random_removal-seed0   # verifier on x^w and x^l

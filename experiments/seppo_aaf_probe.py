@@ -1,12 +1,12 @@
 """Is SePPO's anchor-based flipper (AAF) a signal or a coin flip at the tiny recipe's budget?
 
 The AAF decides per sample, from ONE draw of (t, ε) shared by θ and θ_r, whether the reference sample x^r is a loser
-(s = +1: ℓ_θr(x^w) > ℓ_θ(x^w)) or a likely winner (s = −1) — docs/algorithms.md#seppo. This probe takes a finished
-SePPO run (its final LoRA θ and the reference pool's snapshots θ_r in checkpoint-N/reference_state.safetensors) and,
-for winners x^w (ground-truth renders of train prompts), computes the anchor gap g = ℓ_θr(x^w) − ℓ_θ(x^w) over many
-draws per image. It prints, per snapshot θ_r: the image-level mean gap (the sign the AAF tries to read), the
-single-draw noise, and the fraction of single draws whose sign agrees with the image's mean — 0.5 means the AAF's
-decision is a coin flip, 1.0 a clean signal.
+(s = +1: ℓ_θr(x^w) > ℓ_θ(x^w)) or a likely winner (s = −1) — docs/methods/algorithms.md#seppo. This probe takes a
+finished SePPO run (its final LoRA θ and the reference pool's snapshots θ_r in
+checkpoint-N/reference_state.safetensors) and, for winners x^w (ground-truth renders of train prompts), computes the
+anchor gap g = ℓ_θr(x^w) − ℓ_θ(x^w) over many draws per image. It prints, per snapshot θ_r: the image-level mean gap
+(the sign the AAF tries to read), the single-draw noise, and the fraction of single draws whose sign agrees with the
+image's mean — 0.5 means the AAF's decision is a coin flip, 1.0 a clean signal.
 
     python experiments/seppo_aaf_probe.py runs/<seppo run>/checkpoint-100 [--images 64 --draws 64]
 """

@@ -1,8 +1,8 @@
-"""Per-run figures for the verifier-drift study (docs/learning.md, "Verifier drift"): for each benchmark run folder,
-the held-out verifier change (accuracy and dense score, paired over the evaluation's images), how far the fine-tuned
-images moved from the base's at the same prompt and seed (image drift: mean absolute pixel difference in [0, 1]), how
-many images the verifier flipped each way, and from history.jsonl the training reward's first-2 / last-3 epoch means
-and the mean fraction of zero-variance groups.
+"""Per-run figures for the verifier-drift study (docs/results/verifier.md, "Verifier drift"): for each benchmark run
+folder, the held-out verifier change (accuracy and dense score, paired over the evaluation's images), how far the
+fine-tuned images moved from the base's at the same prompt and seed (image drift: mean absolute pixel difference in [0,
+1]), how many images the verifier flipped each way, and from history.jsonl the training reward's first-2 / last-3 epoch
+means and the mean fraction of zero-variance groups.
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it

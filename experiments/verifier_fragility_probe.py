@@ -1,5 +1,5 @@
 """Is the held-out verifier drop of every run a property of the base model's samples rather than of what a method
-learns? (docs/learning.md, "Verifier drift".)
+learns? (docs/results/verifier.md, "Verifier drift".)
 
 Builds a policy as ``diffalign-train`` would (recipe + overrides), samples the held-out prompts at the benchmark's
 evaluation settings (20 steps, CFG 4, the evaluation's per-image seeds) from the adapter-disabled base, then from the

@@ -1,4 +1,5 @@
-"""How much of a served reward's time the online loop hides behind the rollouts (docs/rewards.md#rewards-served-over-http).
+"""How much of a served reward's time the online loop hides behind the rollouts
+(docs/guides/rewards.md#rewards-served-over-http).
 
 Serves a stand-in judge on loopback (``brightness`` after a sleep of ``--ms-per-image`` per image: the time a remote
 model would take, spent off this machine's CPU) and runs short tiny-model Flow-GRPO jobs with ``reward=[http]``,

@@ -23,8 +23,8 @@ Printed: a markdown table with parameters (denoiser / all loaded), LoRA paramete
 rollout; the step, wall and CPU), and memory: the resident set after set-up (weights), the step's own peak, and the
 child's peak (``VmHWM``, the counter ``ru_maxrss`` reads). After its step each child also runs an activation probe
 (one forward + backward of the denoiser alone at the smallest and at a larger size), from which ``--estimate``
-derives the GPU memory of every paper recipe (docs/real_size.md). ``--sizes scale`` runs whole steps at the larger
-size instead.
+derives the GPU memory of every paper recipe (docs/guides/real_size.md). ``--sizes scale`` runs whole steps at the
+larger size instead.
 
     python scripts/bench_real_size.py --json rows.json                 # everything (hours on a loaded 2-core CPU)
     python scripts/bench_real_size.py --models sd15 --dtypes float32   # one model, one dtype
@@ -62,7 +62,7 @@ MODELS = {
 # SDXL's smallest valid latent is 4x4 (two downsamplings); 8x8 (64 px) is used so that the VAE, whose encoder has
 # three, sees the same 64 px images as SD1.5's.
 
-# The applicable methods (README's method table) with the paper recipe whose settings they run with; "~recipe"
+# The applicable methods (docs/methods/index.md) with the paper recipe whose settings they run with; "~recipe"
 # means no recipe matches that pair, so the method's and model's own configs apply.
 METHODS = {
     "sd15": {
@@ -735,7 +735,7 @@ def activation_fit(rows: list[dict], model: str) -> tuple[float, dict] | None:
 
 
 def estimate(rows: list[dict], work: Path) -> str:
-    """The GPU memory each paper recipe needs, from the measured rows (see docs/real_size.md for the method)."""
+    """The GPU memory each paper recipe needs, from the measured rows (see docs/guides/real_size.md for the method)."""
     from hydra import compose, initialize_config_dir
 
     from diffalign.cli import CONFIG_DIR, _setup

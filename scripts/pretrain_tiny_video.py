@@ -15,8 +15,8 @@ The shipped model (`model=tiny_t2v`) is the image model inflated (``--inflate``)
     OMP_NUM_THREADS=2 python scripts/pretrain_tiny_video.py --inflate --threads 2 --steps 3000 --num-videos 16000 \
         --lr 1e-3 --spatial-lr 1e-4 --out diffalign/assets/tiny_t2v
 
-Diagnostics (docs/vipo.md, "why the tiny video model has not learned the direction of motion"): ``--eval-every N``
-evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
+Diagnostics (docs/results/video.md, "why the tiny video model has not learned the direction of motion"): ``--eval-every
+N`` evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
 moving objects whose net displacement points the named way) and runs `direction_probe` (how much the denoising loss
 depends on the caption's direction word and on the frame order); ``--text-lr``, ``--reinit-words`` and
 ``--high-t-fraction`` are the knobs the pilots recorded there varied, with ``--loss-weighting v``
@@ -130,7 +130,7 @@ def loss_weights(alphas_cumprod: torch.Tensor, kind: str = "eps", max_weight: fl
 def text_direction_gap(text_encoder, ids, ids_swapped) -> float:
     """How far apart the text encoder puts a caption and its direction-swapped copy (left↔right, up↔down): the mean
     over captions and token positions of the L2 distance between the two output token states (the UNet sees the
-    direction word only through this difference; docs/vipo.md records it next to the swap gap)."""
+    direction word only through this difference; docs/results/video.md records it next to the swap gap)."""
     with torch.no_grad():
         return (text_encoder(ids)[0] - text_encoder(ids_swapped)[0]).norm(dim=-1).mean().item()
 
@@ -206,9 +206,9 @@ def extend_text_encoder(image_dir: Path, tokenizer):
 
 def inflate_motion_model(image_dir: Path, tokenizer, num_frames: int = 8, motion_heads: int = 4, seed: int = 0):
     """(UNetMotionModel, text encoder, names of the tensors taken from the image UNet): the AnimateDiff layout
-    (Guo et al., arXiv:2307.04725, §4.2; docs/vipo.md "Video") built from the image pipeline in `image_dir` with
-    diffusers' `UNetMotionModel.from_unet2d` and a fresh `MotionAdapter` (seeded with `seed`): after every ResNet +
-    spatial-attention pair, and in the mid block, a temporal transformer whose self-attention runs over the frames of
+    (Guo et al., arXiv:2307.04725, §4.2; docs/methods/vipo.md "Video") built from the image pipeline in `image_dir`
+    with diffusers' `UNetMotionModel.from_unet2d` and a fresh `MotionAdapter` (seeded with `seed`): after every ResNet
+    + spatial-attention pair, and in the mid block, a temporal transformer whose self-attention runs over the frames of
     each latent position with sinusoidal frame positions (`motion_max_seq_length = num_frames`, `motion_heads` heads,
     the image UNet's norm groups). Every image weight is copied unchanged and the output projection of every motion
     module is zeroed (AnimateDiff's zero-initialised motion modules), so at step 0 the model is the image model applied

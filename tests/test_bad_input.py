@@ -1,4 +1,5 @@
-"""The bad-input catalogue (issue 10 item 5; docs/reliability.md): one test per input, each with a clear outcome.
+"""The bad-input catalogue (issue 10 item 5; docs/guides/reliability.md): one test per input, each with a clear
+outcome.
 
 Covered elsewhere and listed in the docs: an empty prompt file (test_cli), a missing prompt file (test_cli,
 test_online), grey/RGBA/palette/CMYK images (test_data_loaders::test_rgb_conversion_and_center_crop), corrupt and

@@ -1,5 +1,5 @@
 """Atomic checkpoints: bitwise resume of AdamW + LR schedule + RNG, atomicity, and picking the latest checkpoint
-(docs/field_cases.md#picking-the-latest-checkpoint)."""
+(docs/guides/field_cases.md#picking-the-latest-checkpoint)."""
 
 import json
 import random

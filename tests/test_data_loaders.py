@@ -1,5 +1,5 @@
 """Preference and winner data loaders: Pick-a-Pic layout (ties and winner order,
-docs/field_cases.md#preference-ties-and-winner-order), winner folders, shapes-world winners, image decoding, RGB
+docs/guides/field_cases.md#preference-ties-and-winner-order), winner folders, shapes-world winners, image decoding, RGB
 conversion, resize/center-crop, corrupt files, and a Diffusion-DPO run that reads Pick-a-Pic rows."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DDIM step with log-prob: parity with `DDIMScheduler.step`, the Gaussian log-density, the SD schedule's edge cases
-(docs/field_cases.md: the last denoising step, half precision, the DDIM timestep grid)."""
+(docs/guides/field_cases.md: the last denoising step, half precision, the DDIM timestep grid)."""
 
 import math
 
@@ -20,7 +20,7 @@ def make_scheduler(config, num_steps=50, **overrides):
 
 
 def reference_mean_std(alphas_cumprod, eps, x, t, num_steps, eta, final_alpha):
-    """docs/algorithms.md#ddim-step written out in float64 for ε-prediction."""
+    """docs/methods/algorithms.md#ddim-step written out in float64 for ε-prediction."""
     eps, x = eps.double(), x.double()
     prev_t = t - 1000 // num_steps
     a_t = alphas_cumprod[t]

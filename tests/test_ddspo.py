@@ -1,5 +1,6 @@
-"""DDSPO objective (arXiv:2512.23426; docs/algorithms.md#ddspo): values at init, equality with Diffusion-DPO, TF-CPP
-and DD-CPP targets recomputed independently, weights, random-condition removal, the flow x̂₀ branch, and errors."""
+"""DDSPO objective (arXiv:2512.23426; docs/methods/algorithms.md#ddspo): values at init, equality with Diffusion-DPO,
+TF-CPP and DD-CPP targets recomputed independently, weights, random-condition removal, the flow x̂₀ branch, and
+errors."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_tf_cpp_winner_reference_term_is_exactly_zero_and_loss_matches_closed_fo
     assert metrics["ref_loss/chosen"].item() == 0.0
     assert metrics["ref_loss/rejected"].item() > 0.0
 
-    # docs/algorithms.md#ddspo: z = -β/2 [‖θ(x^w,c) − ref(x^w,c)‖² − ‖θ(x^l,c) − ref(x^l,c⁻)‖² + ‖ref(x^l,c) −
+    # docs/methods/algorithms.md#ddspo: z = -β/2 [‖θ(x^w,c) − ref(x^w,c)‖² − ‖θ(x^l,c) − ref(x^l,c⁻)‖² + ‖ref(x^l,c) −
     # ref(x^l,c⁻)‖²]
     t, eps = replay_draws(policy, batch, 2)
     xw, xl = policy.add_noise(batch.latents_w, eps, t), policy.add_noise(batch.latents_l, eps, t)
@@ -257,7 +258,8 @@ def test_flow_x0_space_at_init_and_equivalence_with_velocity_space(cpp, perturb_
     loss, _ = DDSPO(cpp=cpp, prediction_space="x0")(policy, batch, generator=torch.Generator().manual_seed(0))
     assert loss.item() == pytest.approx(LN2, abs=1e-6)
 
-    # docs/algorithms.md#forward-processes: ‖x̂₀ − x₀‖² = σ² ‖v̂ − u‖² per sample, and the CPP targets map the same way
+    # docs/methods/algorithms.md#forward-processes: ‖x̂₀ − x₀‖² = σ² ‖v̂ − u‖² per sample, and the CPP targets map the
+    # same way
     perturb_lora(policy.inner)
     _, m_x0 = DDSPO(cpp=cpp, prediction_space="x0")(policy, batch, generator=torch.Generator().manual_seed(0))
     _, m_v = DDSPO(cpp=cpp, prediction_space="native")(policy, batch, generator=torch.Generator().manual_seed(0))

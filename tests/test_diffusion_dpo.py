@@ -1,5 +1,5 @@
 """Diffusion-DPO objective (arXiv:2311.12908 Eq. 14): hand-computed losses, the loss at initialisation, no
-reference aliasing and fp32 losses from half-precision outputs (docs/field_cases.md)."""
+reference aliasing and fp32 losses from half-precision outputs (docs/guides/field_cases.md)."""
 
 import copy
 import logging

@@ -1,6 +1,6 @@
-"""DiffusionNFT (diffalign/objectives/diffusion_nft.py, docs/diffusion_nft.md): the loss against values worked out by
-hand from the paper's equations, the reward normalisation, what β does to the gradient, the config checks, the plan,
-the old policy's soft update, and short runs of the method through the online loop."""
+"""DiffusionNFT (diffalign/objectives/diffusion_nft.py, docs/methods/diffusion_nft.md): the loss against values worked
+out by hand from the paper's equations, the reward normalisation, what β does to the gradient, the config checks, the
+plan, the old policy's soft update, and short runs of the method through the online loop."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from diffalign.validation import validate_train_config
 
 # ------------------------------------------------------------------------------------------------ hand-built values
 
-# two samples of shape (1, 1, 2): rows are [v_theta, v_old, v (target)], worked out in docs/diffusion_nft.md style
+# two samples of shape (1, 1, 2): rows are [v_theta, v_old, v (target)], worked out in docs/methods/diffusion_nft.md
+# style
 V_THETA = torch.tensor([[2.0, 0.0], [1.0, 3.0]]).reshape(2, 1, 1, 2)
 V_OLD = torch.tensor([[0.0, 0.0], [1.0, 1.0]]).reshape(2, 1, 1, 2)
 TARGET = torch.tensor([[1.0, 1.0], [0.0, 2.0]]).reshape(2, 1, 1, 2)

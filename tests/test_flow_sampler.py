@@ -39,7 +39,7 @@ def test_log_prob_of_the_mean_is_the_gaussian_normalising_constant():
     s = a * math.sqrt(sigma / (1 - sigma)) * math.sqrt(sigma - sigma_next)
     expected = -math.log(s) - 0.5 * math.log(2 * math.pi)
     torch.testing.assert_close(at_mean.log_prob, torch.full((2,), expected), rtol=0, atol=1e-5)
-    # and the mean by the closed form of docs/algorithms.md#flow-grpo-sde
+    # and the mean by the closed form of docs/methods/algorithms.md#flow-grpo-sde
     st2 = a**2 * sigma / (1 - sigma)
     dt = sigma_next - sigma
     mean = x * (1 + st2 / (2 * sigma) * dt) + v * (1 + st2 * (1 - sigma) / (2 * sigma)) * dt
@@ -120,8 +120,8 @@ def test_ode_rollouts_are_deterministic_and_flag_no_log_probs():
 
 
 def test_dance_sde_step_by_hand():
-    """DanceGRPO's step (docs/algorithms.md#dancegrpo-sde) at x = 1, v̂ = 0.5, σ = 0.5 → 0.25, η = 0.3, by hand:
-    x̂₀ = 1 − 0.5·0.5 = 0.75; g = −(1 − 0.5·0.75)/0.25 = −2.5; Δ = −0.25;
+    """DanceGRPO's step (docs/methods/algorithms.md#dancegrpo-sde) at x = 1, v̂ = 0.5, σ = 0.5 → 0.25, η = 0.3, by
+    hand: x̂₀ = 1 − 0.5·0.5 = 0.75; g = −(1 − 0.5·0.75)/0.25 = −2.5; Δ = −0.25;
     μ = 1 + (−0.25)(0.5) − ½(0.09)(−2.5)(−0.25) = 0.846875; s = 0.3·sqrt(0.25) = 0.15."""
     x, v = torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.5)
     out = dance_sde_step(v, 0.5, 0.25, x, noise_level=0.3, prev_sample=torch.full((1, 1, 1, 1), 0.846875 + 0.15))

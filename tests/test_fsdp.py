@@ -105,7 +105,8 @@ def test_fsdp_is_switched_on_and_said(runs):
 def test_fsdp_dpo_matches_one_process(runs):
     """Diffusion-DPO, same global batch and per-sample draws, every update clipped (max_grad_norm 1e-6; FSDP's norm
     over both shards): the final LoRA and the Adam moments of checkpoint-2 (gathered into the one-process layout)
-    agree with the one-process run's within float rounding, 1e-3 of the size of the change (docs/reliability.md)."""
+    agree with the one-process run's within float rounding, 1e-3 of the size of the change
+    (docs/guides/reliability.md)."""
     moved = max(float(v.abs().max()) for k, v in lora(runs["dpo_one"]).items() if "lora_B" in k or "lora.up" in k)
     assert moved > 1e-5
     assert max_difference(lora(runs["dpo_fsdp"]), lora(runs["dpo_one"])) < 1e-3 * moved

@@ -375,7 +375,8 @@ def test_http_is_a_registered_reward_with_a_config():
 
 
 def test_two_servers_in_one_run_through_two_entry_point_names(serve, tmp_path, monkeypatch):
-    """docs/rewards.md: the same config under two entry-point names selects two servers, each with its own url."""
+    """docs/guides/rewards.md: the same config under two entry-point names selects two servers, each with its own
+    url."""
     dist = fake_distribution(tmp_path, "my-judges", "[diffalign.rewards]\n"
                              "ocr = diffalign.rewards.http:HttpRewardConfig\n"
                              "judge = diffalign.rewards.http:HttpRewardConfig\n")

@@ -33,7 +33,7 @@ def test_vipo_raises_held_out_brightness_within_six_epochs(tmp_path):
     rollouts. Measured with exactly these overrides, seeds 0/1/2: held-out brightness 0.063 -> 0.118 / 0.157 / 0.282
     (paired gains +0.055 ± 0.014, +0.093 ± 0.012, +0.218 ± 0.028 over 12 prompts x 1 seed). The assertion asks for
     +0.02 at 1.5 paired s.e. (seed 0: 4.0 s.e.). The same run with two updates per epoch (the old recipe's; the
-    second one mostly clipped, docs/learning.md) gives +0.003 ± 0.004 and fails it."""
+    second one mostly clipped, docs/results/learning.md) gives +0.003 ± 0.004 and fails it."""
     ev = _train(tmp_path, "recipe=tiny_vipo_image", "online.checkpointing_epochs=null", "reward=[brightness]",
                 "eval_reward=[brightness]",
                 "online.num_epochs=6", "online.groups_per_epoch=8", "online.updates_per_epoch=1",
@@ -51,7 +51,7 @@ def test_diffusion_dpo_raises_held_out_brightness_on_ranked_pairs(tmp_path):
     overrides, seeds 0/1/2: held-out brightness 0.0697 -> 0.120 / 0.138 / 0.151 (paired gains +0.051 ± 0.009,
     +0.069 ± 0.014, +0.082 ± 0.014 over 12 prompts x 1 seed, 4.9-5.8 s.e.). The assertion asks for +0.025 at 2.5
     paired s.e.; the same run on pairs ranked by random scores (`random_control`, no signal) moved the full
-    benchmark run's brightness by +0.005 only (docs/learning.md), so a loop that stops learning fails it."""
+    benchmark run's brightness by +0.005 only (docs/results/learning.md), so a loop that stops learning fails it."""
     ev = _train(tmp_path, "recipe=tiny_dpo", "reward=[brightness]", "data=ranked_pairs", "data.reward=brightness",
                 "data.num_prompts=32", "trainer.max_steps=60", "trainer.checkpointing_steps=null",
                 "eval_reward=[brightness]", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0", "data.seed=0",
@@ -67,7 +67,7 @@ def test_dgpo_raises_held_out_brightness_within_eight_epochs(tmp_path):
     recipe cut to 8 epochs x 64 rollouts. Measured with exactly these overrides, seeds 0/1/2: held-out brightness
     0.0634 -> 0.112 / 0.104 / 0.109 (paired gains +0.048 ± 0.011, +0.040 ± 0.007, +0.045 ± 0.008 over 12 prompts x
     1 seed, 4.6-5.9 s.e.). The assertion asks for +0.02 at 2.5 paired s.e.; the recipe's DGPO on random scores
-    (`random_control`, no signal) moved brightness by +0.008 in 20 epochs (docs/learning.md)."""
+    (`random_control`, no signal) moved brightness by +0.008 in 20 epochs (docs/results/learning.md)."""
     ev = _train(tmp_path, "recipe=tiny_dgpo", "online.checkpointing_epochs=null", "reward=[brightness]",
                 "eval_reward=[brightness]", "online.num_epochs=8", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
@@ -84,7 +84,7 @@ def test_seppo_winners_loop_raises_held_out_verifier_accuracy(tmp_path):
     +0.083 ± 0.023, +0.049 ± 0.023 over 117 prompts x 4 seeds, 2.2-3.6 s.e.; 145-155 s per run on one thread; with
     the recipe's 20 reference steps +0.064 / +0.068 / +0.062 in 220 s). The assertion asks for +0.03 at 1.5 paired s.e.; the same loop with
     the AAF on (`method.aaf_mode=sign`, half of its pairs then fine-tune on the model's own samples) gained
-    −0.009 ± 0.008 over 3 seeds (docs/learning.md), so a loop that stops learning fails it."""
+    −0.009 ± 0.008 over 3 seeds (docs/results/learning.md), so a loop that stops learning fails it."""
     ev = _train(tmp_path, "recipe=tiny_seppo", "model=tiny_sd_conv_lora", "trainer.batch_size=32",
                 "reference.selection=initial", "method.aaf_mode=off", "reward=[geneval_shapes]",
                 "eval_reward=[geneval_shapes]", "eval.seeds=[0,1,2,3]", "eval.num_inference_steps=10",

@@ -1,6 +1,6 @@
-"""LoRA interchange (diffalign/lora_io.py, diffalign-export; docs/lora.md): diffalign's files ↔ kohya format ↔ diffusers
-format, proved against diffusers' own kohya writer and reader, diffusers' `load_lora_weights` on the shipped tiny SD
-model, an SDXL-layout UNet and the tiny SD3 model; and the errors of files diffalign does not read."""
+"""LoRA interchange (diffalign/lora_io.py, diffalign-export; docs/guides/lora.md): diffalign's files ↔ kohya format ↔
+diffusers format, proved against diffusers' own kohya writer and reader, diffusers' `load_lora_weights` on the shipped
+tiny SD model, an SDXL-layout UNet and the tiny SD3 model; and the errors of files diffalign does not read."""
 
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ FAMILIES = {
     "sd3": ("diffalign.models.tiny_flow", "build_tiny_flow_policy", {}),
     "t2v": ("diffalign.models.tiny_video", "build_tiny_t2v_policy", {}),
     "wan": ("diffalign.models.tiny_video", "build_tiny_wan_policy", {}),
+    "wan22": ("diffalign.models.tiny_video", "build_tiny_wan22_policy", {}),
     "flux": ("diffalign.models.tiny_flux", "build_tiny_flux_policy", {}),
     "flux_cfg": ("diffalign.models.tiny_flux", "build_tiny_flux_policy", {"guidance_embeds": False}),
 }
@@ -72,7 +73,7 @@ def test_every_family_implements_the_protocol_and_flow_families_the_flow_protoco
     assert isinstance(policy, DiffusionPolicy) and isinstance(policy, nn.Module)
     assert isinstance(policy, FlowDiffusionPolicy) == policy.flow_matching == (policy.prediction_type == "flow")
     assert policy.denoiser is policy.forward_module and policy.lora_rank == 4
-    assert policy.modality == ("video" if name in ("t2v", "wan") else "image")
+    assert policy.modality == ("video" if name in ("t2v", "wan", "wan22") else "image")
     assert policy.num_train_timesteps == policy.scheduler.config.num_train_timesteps == 1000
 
 
@@ -80,8 +81,8 @@ def test_train_mode_reaches_only_the_denoiser(family_policy):
     _, policy = family_policy
     policy.train()
     assert policy.denoiser.training
-    assert not any(m.training for child in policy.children() if child is not policy.denoiser
-                   for m in child.modules())
+    inside = {id(m) for m in policy.denoiser.modules()}  # (Wan 2.2: the experts are also the policy's children)
+    assert not any(m.training for m in policy.modules() if m is not policy and id(m) not in inside)
     policy.eval()
 
 

@@ -336,8 +336,20 @@ def test_tiny_flux_kohya_export_loads_back_into_a_policy_with_the_same_outputs(t
     embeds = policy.encode_prompts(PROMPTS)
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(other.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5),
-                                   policy.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5), rtol=1e-5, atol=1e-6)
+        want = policy.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5)
+        torch.testing.assert_close(other.predict(x, torch.tensor([700.0, 100.0]), embeds, 3.5), want,
+                                   rtol=1e-5, atol=1e-6)
+    # kohya -> diffusers folder (diffalign-export --format diffusers) -> a plain FluxPipeline
+    export(str(file), str(tmp_path / "back"), fmt="diffusers")
+    pipe = build_tiny_flux_pipeline(seed=1)
+    pipe.load_lora_weights(str(tmp_path / "back"))
+    with torch.no_grad():
+        out = pipe.transformer(
+            hidden_states=FluxPipeline._pack_latents(x, 2, 4, 8, 8), timestep=torch.tensor([0.7, 0.1]),
+            guidance=torch.full((2,), 3.5), pooled_projections=embeds.pooled_prompt_embeds,
+            encoder_hidden_states=embeds.prompt_embeds, txt_ids=torch.zeros(MAX_LEN, 3),
+            img_ids=FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32), return_dict=False)[0]
+    torch.testing.assert_close(unpack_latents(out, 8, 8), want, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------- recipes

@@ -73,8 +73,8 @@ def assert_same_lora(one: Path, two: Path, atol: float = 1e-4) -> None:
 
 
 def test_launch_time_is_the_launchers_on_every_process():
-    """docs/field_cases.md#one-run-folder-for-all-processes: two processes of one launch resolving the default run
-    folder at 12:00:00 and 12:00:01 get the same folder (the launcher's start time); one process gets its clock; a
+    """docs/guides/field_cases.md#one-run-folder-for-all-processes: two processes of one launch resolving the default
+    run folder at 12:00:00 and 12:00:01 get the same folder (the launcher's start time); one process gets its clock; a
     multi-node launch or an unreadable launcher asks for output_dir."""
     from datetime import datetime
 

@@ -1,6 +1,6 @@
 """The speed-ups of the main job keep its results: LoRA folded out of no-grad sampling (skipped when zero, fused and
 restored exactly otherwise), winners' latents encoded once per run, the base evaluation reused from an identical earlier
-one (docs/performance.md)."""
+one (docs/guides/performance.md)."""
 
 from __future__ import annotations
 

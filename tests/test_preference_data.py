@@ -1,4 +1,5 @@
-"""Preference pairs (ties and winner order) and the resumable sampler (mid-epoch resume); docs/field_cases.md."""
+"""Preference pairs (ties and winner order) and the resumable sampler (mid-epoch resume);
+docs/guides/field_cases.md."""
 
 import logging
 

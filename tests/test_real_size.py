@@ -4,7 +4,7 @@ independent count by hand from the config; the LoRA of each ``model=`` config (i
 out) parameters over the targeted layers, counted by hand; SD1.5 (the one that fits in a few GiB) is wrapped by the
 project's policy and runs one forward at its minimum size, and FLUX.1-dev (33 GB in bfloat16, more than this machine
 has) runs as a real-width slice, one block of each kind. The step of every method at real size is
-``scripts/bench_real_size.py`` (docs/real_size.md; FLUX.1-dev is not in it yet)."""
+``scripts/bench_real_size.py`` (docs/guides/real_size.md; FLUX.1-dev is not in it yet)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,36 @@ def test_flux1_dev_width_runs_with_the_policy_one_block_of_each_kind():
     policy.scheduler.set_timesteps(4)  # 64 tokens: mu = 0.5 + (64 - 256) * 0.65 / 3840
     mu = 0.5 + (64 - 256) * 0.65 / 3840
     assert float(policy.scheduler.sigmas[1]) == pytest.approx(math.exp(mu) / (math.exp(mu) + 1 / 0.75 - 1), rel=1e-6)
+
+
+def test_wan22_a14b_experts_counted_by_hand():
+    """Wan2.2-T2V-A14B (config ``wan/configs/wan_t2v_A14B.py`` of the Wan2.2 release: dim 5120, FFN 13824, 40 heads,
+    40 layers, boundary 0.875, two experts of this architecture): one expert built on the meta device with the
+    diffusers config of that architecture has the count of `test_wan_transformer_counted_by_hand`'s formula at d =
+    5120 — 14.3 B (Wan 2.1-14B's architecture), 28.6 B for the two experts, one of them active per step;
+    `model=wan22_t2v_a14b`'s LoRA is r × 2d × 8 × 40 per expert, on both experts. Nothing
+    of it runs on this CPU machine (57 GB of bfloat16 experts); the two-expert logic is tested on the tiny model
+    (tests/test_models_wan22.py)."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    with init_empty_weights(include_buffers=True):
+        expert = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+                                       in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+                                       num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                       eps=1e-6, rope_max_seq_len=1024)
+    d, f, layers = 5120, 13824, 40
+    block = 8 * (d * d + d) + 4 * d + 2 * d + (2 * d * f + f + d) + 6 * d
+    outside = (64 * d + d) + (256 * d + d + d * d + d) + (6 * d * d + 6 * d) + (4096 * d + d + d * d + d) \
+        + (64 * d + 64) + 2 * d
+    count = _count(expert)
+    assert count == layers * block + outside
+    assert round(count / 1e8) / 10 == 14.3
+    cfg = _model_config("wan22_t2v_a14b")
+    assert cfg["lora_experts"] == "both" and cfg["flow_shift"] == 12.0 and cfg["guidance_scale_2"] == 3.0
+    add_trainable_lora(expert, cfg["lora_rank"], cfg["lora_alpha"], ["attn1.to_q", "attn1.to_k", "attn1.to_v",
+                       "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"], 0)
+    assert sum(p.numel() for p in expert.parameters() if p.requires_grad) == cfg["lora_rank"] * 2 * d * 8 * layers
 
 
 def _unet_attention_layers(config: dict) -> list[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """Reference strategies (diffalign/reference.py): storage, memory, selection, EMA, named checkpoints, state round trip,
 and the reference never aliasing the policy
-(docs/field_cases.md#reference-aliasing-the-policy)."""
+(docs/guides/field_cases.md#reference-aliasing-the-policy)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 versions of the real architectures, built in-process, saved to a temporary folder and loaded back through the same
 local-folder code a user's real weights take. No downloads (conftest sets HF_HUB_OFFLINE=1).
 
-docs/field_cases.md: the aesthetic predictor needs normalised embeddings; preprocessing matches the reference transform
-(range conversion before mean/std); no batch-composition effect."""
+docs/guides/field_cases.md: the aesthetic predictor needs normalised embeddings; preprocessing matches the reference
+transform (range conversion before mean/std); no batch-composition effect."""
 
 from __future__ import annotations
 

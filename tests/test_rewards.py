@@ -1,5 +1,5 @@
 """Rewards: DDPO JPEG (in)compressibility (arXiv:2305.13301 §6.1), WeightedSum, and batch-independent scores
-(docs/field_cases.md#rewards-do-not-depend-on-batch-composition)."""
+(docs/guides/field_cases.md#rewards-do-not-depend-on-batch-composition)."""
 
 import io
 import logging

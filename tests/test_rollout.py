@@ -1,5 +1,5 @@
 """The rollout loop: trajectory bookkeeping, the on-policy ratio, parity with `StableDiffusionPipeline`, per-image
-generators and deterministic last steps (docs/field_cases.md)."""
+generators and deterministic last steps (docs/guides/field_cases.md)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
-"""SePPO (arXiv:2410.05255; docs/algorithms.md#seppo): hand-computed losses, equivalence with Diffusion-DPO when the
-flipper is forced to +1, ln 2 at the first step, the reference-sample cache, winner fine-tuning, and CLI runs with
-exact resume."""
+"""SePPO (arXiv:2410.05255; docs/methods/algorithms.md#seppo): hand-computed losses, equivalence with Diffusion-DPO
+when the flipper is forced to +1, ln 2 at the first step, the reference-sample cache, winner fine-tuning, and CLI runs
+with exact resume."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """StableDiffusionPolicy on the tiny random SD pipeline: trainable parameters in fp32, CFG batch order, prompt
-expansion (docs/field_cases.md), the adapter-disabled reference, LoRA save/load through diffusers, loading from a
-folder."""
+expansion (docs/guides/field_cases.md), the adapter-disabled reference, LoRA save/load through diffusers, loading from
+a folder."""
 
 import dataclasses
 import inspect

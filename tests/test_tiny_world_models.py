@@ -71,7 +71,8 @@ def test_vae_reconstructions_pass_the_verifier():
 
 @pytest.mark.slow
 def test_heldout_accuracy_is_in_the_documented_range(tmp_path):
-    """README documents 0.40 ± 0.02 (468 images); one seed on all 117 held-out prompts must land in [0.25, 0.55]."""
+    """docs/results/tiny_world.md documents 0.40 ± 0.02 (468 images); one seed on all 117 held-out prompts must land
+    in [0.25, 0.55]."""
     from diffalign.evaluate import EvalConfig, evaluate_policy
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
     from diffalign.rewards.geneval_shapes import GenevalShapes
@@ -90,8 +91,8 @@ def test_heldout_accuracy_is_in_the_documented_range(tmp_path):
 
 
 def test_tiny_clip_prefers_the_matching_caption_on_heldout_scenes():
-    """Measured (README, 1,000 scenes): vs a corrupted caption colour 1.00, shape 0.97, count 0.71, swapped relation
-    0.54 — attributes are learned, relations are at chance; vs another scene's caption 0.96."""
+    """Measured (docs/results/tiny_world.md, 1,000 scenes): vs a corrupted caption colour 1.00, shape 0.97, count
+    0.71, swapped relation 0.54 — attributes are learned, relations are at chance; vs another scene's caption 0.96."""
     from diffalign.rewards.clip_score import ClipScore
     from diffalign.world.prompts import all_prompts
     from diffalign.world.render import caption, corrupt_spec, render_spec, to_tensor
@@ -109,7 +110,7 @@ def test_tiny_clip_prefers_the_matching_caption_on_heldout_scenes():
             for kind in ("color", "shape", "count", "swap")}
     assert np.mean(wins["color"]) >= 0.95 and np.mean(wins["shape"]) >= 0.85, {k: np.mean(v) for k, v in wins.items()}
     assert float((right > wrong).float().mean()) >= 0.7
-    # the true caption against the caption of another held-out scene (README: 0.96 on 1,000 scenes)
+    # the true caption against the caption of another held-out scene (docs/results/tiny_world.md: 0.96 on 1,000 scenes)
     other = [rows[(i % len(rows) + 1 + (i * 7) % (len(rows) - 1)) % len(rows)]["prompt"] for i in range(300)]
     assert all(o != s["prompt"] for o, s in zip(other, specs))
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     """The shipped tiny text-to-video model (scripts/pretrain_tiny_video.py --inflate) loads with
     `TextToVideoSDPipeline.from_pretrained` and as a policy; 8 held-out prompts give 8 videos of 8 frames, whose
     objects the motion verifier tracks across frames (identity kept, the dense score's 2 of 3 constraints) while the
-    direction of motion is not learned (docs/vipo.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
+    direction of motion is not learned (docs/results/video.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
     from diffusers import TextToVideoSDPipeline
 
     from diffalign.models.text_to_video import TextToVideoPolicy

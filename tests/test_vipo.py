@@ -1,5 +1,5 @@
-"""ViPO (docs/algorithms.md#vipo): per-position log-probs, the Perceptual Structuring Module, advantage maps, the
-objective (per-position and scalar-weighted) and the online loop."""
+"""ViPO (docs/methods/algorithms.md#vipo): per-position log-probs, the Perceptual Structuring Module, advantage maps,
+the objective (per-position and scalar-weighted) and the online loop."""
 
 from __future__ import annotations
 

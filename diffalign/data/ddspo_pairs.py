@@ -1,11 +1,11 @@
 """DDSPO's offline pairs: x^w from the prompt c and x^l from a degraded prompt c⁻, same seed, frozen model.
 
 Kim et al., *Direct Diffusion Score Preference Optimization*, [arXiv:2512.23426](https://arxiv.org/abs/2512.23426);
-docs/algorithms.md#ddspo-data. No reward model and no human label: for each prompt, one of its degraded variants
-(`diffalign.data.degrade`) is drawn, and the frozen reference pipeline generates ``x^w_0`` from c and ``x^l_0`` from c⁻
-with the same seed (the same initial noise and, for stochastic schedulers, the same step noise). The latents are
-stored as they leave the denoiser (``output_type="latent"``: for SD the VAE latents times ``scaling_factor``, the space
-`policy.encode_images` returns), so training never runs the VAE.
+docs/methods/algorithms.md#ddspo-data. No reward model and no human label: for each prompt, one of its degraded
+variants (`diffalign.data.degrade`) is drawn, and the frozen reference pipeline generates ``x^w_0`` from c and
+``x^l_0`` from c⁻ with the same seed (the same initial noise and, for stochastic schedulers, the same step noise). The
+latents are stored as they leave the denoiser (``output_type="latent"``: for SD the VAE latents times
+``scaling_factor``, the space `policy.encode_images` returns), so training never runs the VAE.
 
 Layout of a pairs folder (written by `generate_pairs`, the ``diffalign-ddspo-pairs`` command, or `DDSPOPairs` with
 ``generate: true``)::
@@ -18,10 +18,10 @@ Layout of a pairs folder (written by `generate_pairs`, the ``diffalign-ddspo-pai
 A shard is finished when its jsonl exists (written after its safetensors, each through a temporary file and a
 rename), so an interrupted generation resumes at the first unfinished shard and skips the others.
 
-Paper defaults (authors' ``prepare_latents.py``/``scripts``, docs/algorithms.md#ddspo-data, step 3): 25 steps, CFG 7.5,
-the pipeline's own scheduler (PNDM for ``CompVis/stable-diffusion-v1-4``; Euler discrete for SDXL), fp16, one degraded
-variant per prompt drawn uniformly from up to 5. The tiny-world recipe uses the tiny world's sampler instead (DDIM, 20
-steps, CFG 4).
+Paper defaults (authors' ``prepare_latents.py``/``scripts``, docs/methods/algorithms.md#ddspo-data, step 3): 25 steps,
+CFG 7.5, the pipeline's own scheduler (PNDM for ``CompVis/stable-diffusion-v1-4``; Euler discrete for SDXL), fp16, one
+degraded variant per prompt drawn uniformly from up to 5. The tiny-world recipe uses the tiny world's sampler instead
+(DDIM, 20 steps, CFG 4).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Semantically degraded prompts c⁻ for DDSPO (Kim et al., [arXiv:2512.23426](https://arxiv.org/abs/2512.23426)).
 
-DDSPO's losing policy is the frozen model conditioned on a degraded prompt (docs/algorithms.md#ddspo-data, step 2).
-Three degradations, each deterministic in ``(prompt, seed)`` and each returning up to ``num_variants`` distinct prompts
-that are neither empty nor the original:
+DDSPO's losing policy is the frozen model conditioned on a degraded prompt (docs/methods/algorithms.md#ddspo-data, step
+2). Three degradations, each deterministic in ``(prompt, seed)`` and each returning up to ``num_variants`` distinct
+prompts that are neither empty nor the original:
 
 - ``random_removal`` (`random_word_removal`): drop 40–70 % of the whitespace-separated words, the paper's degradation
   for text–image alignment (authors' ``data_prep/random_removal.py``: up to 5 variants per prompt).
@@ -69,7 +69,8 @@ def random_word_removal(
     max_fraction: float = 0.7,
     max_trials: int = 20,
 ) -> list[str]:
-    """Degraded variants of `prompt` by random word removal (DDSPO, arXiv:2512.23426; docs/algorithms.md#ddspo-data).
+    """Degraded variants of `prompt` by random word removal (DDSPO, arXiv:2512.23426;
+    docs/methods/algorithms.md#ddspo-data).
 
     Each trial draws ``k`` uniformly from `removal_range` (so 40–70 % of the ``n`` words go, exactly) and drops ``k``
     distinct word positions, keeping the others in order, joined by single spaces. Distinct results are collected in
@@ -226,7 +227,7 @@ def attribute_degradation(prompt: str, seed: int = 0, num_variants: int = 5, max
 @runtime_checkable
 class PromptRewriter(Protocol):
     """An external degradation, e.g. an LLM asked to remove or alter the key nouns and attributes of a prompt (the
-    paper's LLaMA-3-8B-Instruct few-shot rewriting, docs/algorithms.md#ddspo-data).
+    paper's LLaMA-3-8B-Instruct few-shot rewriting, docs/methods/algorithms.md#ddspo-data).
 
     ``rewriter(prompt, num_variants, seed)`` returns candidate degraded prompts; `degrade_prompt` strips them and drops
     empty ones, the original and duplicates. Select one with ``degradation=external`` and an import string

@@ -4,13 +4,13 @@ Before training, the policy samples ``samples_per_prompt`` images for each promp
 (DDIM, η = 0 by default), a verifier reward judges every sample, and each sample judged *incorrect* becomes the loser
 of one pair whose winner is a ground-truth render of the same prompt (the shapes world's renderer, `render_spec`).
 
-This is SePPO's data flow (Zhang et al., arXiv:2410.05255, §3.1–3.2; docs/algorithms.md#seppo): only off-policy winners
-are needed and the losers are on-policy samples of the reference model, here the frozen base that Diffusion-DPO
+This is SePPO's data flow (Zhang et al., arXiv:2410.05255, §3.1–3.2; docs/methods/algorithms.md#seppo): only off-policy
+winners are needed and the losers are on-policy samples of the reference model, here the frozen base that Diffusion-DPO
 (Wallace et al., arXiv:2311.12908, Eq. 14) uses as its reference. Where SePPO decides from the model's own likelihoods
 whether a reference sample may serve as a loser (its anchor-based criterion), this data set asks a verifier, so that
 only samples that really fail become losers: the contrast is between what the model draws when it is wrong and what a
-right image looks like. ``losers="all"`` keeps every sample as a loser (the ablation of the filter; the README's
-main-job table compares the two on the tiny world).
+right image looks like. ``losers="all"`` keeps every sample as a loser (the ablation of the filter;
+docs/results/budgets.md compares the two on the tiny world).
 """
 
 from __future__ import annotations

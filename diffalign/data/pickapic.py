@@ -4,11 +4,11 @@ jsonl.
 Rows hold a caption, two images and their labels: ``caption``, ``jpg_0``, ``jpg_1``, ``label_0``, ``label_1`` in the
 released parquet shards (field names are configurable). ``label_0`` is the preference for image 0: 1 → image 0 wins,
 0 → image 1 wins, 0.5 → tie (dropped and counted); anything else raises, naming the row
-(docs/field_cases.md#preference-ties-and-winner-order; the tie and ordering rules are `PreferencePairs`'). Images are
-bytes (parquet binary, or a Hugging Face ``Image`` struct ``{"bytes", "path"}``) or paths; in jsonl, a path string
-(relative to `image_root`, default the jsonl's folder) or ``{"bytes": <base64>}``. They are decoded only when a pair is
-read, converted to RGB, resized and center-cropped to `resolution` (`diffalign.data.images`); a corrupt image raises an
-error naming the file, row and field.
+(docs/guides/field_cases.md#preference-ties-and-winner-order; the tie and ordering rules are `PreferencePairs`').
+Images are bytes (parquet binary, or a Hugging Face ``Image`` struct ``{"bytes", "path"}``) or paths; in jsonl, a path
+string (relative to `image_root`, default the jsonl's folder) or ``{"bytes": <base64>}``. They are decoded only when a
+pair is read, converted to RGB, resized and center-cropped to `resolution` (`diffalign.data.images`); a corrupt image
+raises an error naming the file, row and field.
 
 Parquet needs ``pyarrow`` (imported only for parquet input). Each shard is read with ``memory_map=True``; for the full
 data set (~850k pairs with image bytes) point `path` at a subset of shards or use `max_rows`.

@@ -74,7 +74,7 @@ def to_image_tensor(image: Any, where: str) -> torch.Tensor:
 
 class PreferencePairs:
     """Preference pairs ``(prompt, image_w, image_l, id)`` ordered winner-first, ties never counted as wins
-    (docs/field_cases.md#preference-ties-and-winner-order).
+    (docs/guides/field_cases.md#preference-ties-and-winner-order).
 
     Follows the Diffusion-DPO data preparation (arXiv:2311.12908 §5; its ``train.py``): ties are removed, and the
     images are swapped only when ``label_0 == 0``. The id of a pair is the index of its row in `rows`, so ids stay
@@ -189,7 +189,7 @@ class PreferencePairs:
 class ResumableSampler:
     """Epoch-wise batches of dataset indices whose position survives a checkpoint (accelerate's
     loaders once replayed a different order after a resume:
-    docs/field_cases.md#mid-epoch-resume-replays-the-data-order).
+    docs/guides/field_cases.md#mid-epoch-resume-replays-the-data-order).
 
     Epoch ``e`` uses the permutation ``torch.randperm(num_items, generator=torch.Generator().manual_seed(seed + e))``
     (or ``0..num_items-1`` without shuffle), cut into consecutive batches. Iterating yields the *remaining* batches

@@ -219,7 +219,7 @@ def disable_dropout(module: nn.Module) -> int:
     loss against an identical reference exactly ln 2, but a dropout layer makes two forwards of the same input differ.
     Most denoisers have none; diffusers' UNet3D (the text-to-video family) has dropout 0.1 in every temporal
     convolution, which made the recomputed log-probs differ from the rollout's by up to 4.5 nats per position before
-    any update (docs/online.md#dropout).
+    any update (docs/guides/online.md#dropout).
 
     Returns:
         the number of dropout layers whose probability was above 0.
@@ -238,8 +238,8 @@ def add_trainable_lora(denoiser: nn.Module, lora_rank: int | None, lora_alpha: f
     (rank `lora_rank`, alpha `lora_alpha`, Gaussian init drawn under `lora_seed` without touching the global RNG) on
     `target_modules`; trainable parameters are cast to float32 (fp16 trainable
     weights broke the grad scaler in diffusers and d3po:
-    docs/field_cases.md#trainable-parameters-left-in-half-precision). The denoiser's dropout is switched off first
-    (`disable_dropout`)."""
+    docs/guides/field_cases.md#trainable-parameters-left-in-half-precision). The denoiser's dropout is switched off
+    first (`disable_dropout`)."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
@@ -316,7 +316,8 @@ def inference_lora(denoiser: nn.Module, *, fuse: bool = True) -> Iterator[str]:
 
     - ``"skipped"``: every active adapter is zero (``lora_B`` all 0, as peft initialises it, so before the first
       update), so the adapters are disabled: the outputs are bit-for-bit those of the adapted model, at the bare
-      denoiser's cost (the LoRA branch adds ~20–55 % to a forward of the tiny model on CPU; `docs/performance.md`);
+      denoiser's cost (the LoRA branch adds ~20–55 % to a forward of the tiny model on CPU;
+      `docs/guides/performance.md`);
     - ``"fused"`` (with `fuse`): each adapted layer's base weight gets its LoRA delta added (W + (α/r)·B·A, peft's
       `get_delta_weight`, what diffusers' `fuse_lora` does) and the adapters are disabled; on exit the original
       weights are copied back from a saved copy (exact, unlike peft's `unmerge`, which subtracts the delta again and

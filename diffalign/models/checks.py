@@ -75,6 +75,8 @@ def check_model_config(cfg) -> None:
     number(m, "flow_shift", p, gt=0, nullable=True)
     boolean(m, "load_t5", p)
     boolean(m, "guidance_embeds", p)
+    choice(m, "lora_experts", p, ("both", "high", "low"))
+    number(m, "guidance_scale_2", p, ge=1, nullable=True, hint="Wan 2.2: the low-noise expert's CFG scale")
     number(m, "guidance", p, gt=0, nullable=True, hint="FLUX: the fixed embedded guidance, null: sampler.guidance_scale")
     boolean(m, "local_files_only", p, nullable=True)
     text(m, "revision", p, nullable=True)

@@ -57,7 +57,7 @@ from diffalign.models.pipeline_policy import (
 from diffalign.types import PromptEmbeds
 
 # The attention projections of both streams (the double blocks' image and text projections; the single blocks'
-# to_q/to_k/to_v match the same suffixes), as Flow-GRPO's FLUX LoRA (docs/guides/flux.md#lora).
+# to_q/to_k/to_v match the same suffixes), as Flow-GRPO's FLUX LoRA (docs/guides/flux.md#lora-files).
 DEFAULT_FLUX_LORA_TARGET_MODULES = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",

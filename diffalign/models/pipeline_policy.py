@@ -41,7 +41,7 @@ def cfg_batch(prompt_embeds: PromptEmbeds, *, pooled: bool = False) -> torch.Ten
     This is the one place the order is decided (diffusers pipelines use the same order); rollouts and the
     training-time recomputation of log-probs both go through it (a OneTrainer
     sampler that ordered token and pooled embeddings differently mixed the conditioning:
-    docs/field_cases.md#cfg-batch-order).
+    docs/guides/field_cases.md#cfg-batch-order).
 
     Args:
         prompt_embeds (`PromptEmbeds`): `B` rows with negative embeddings.
@@ -270,8 +270,8 @@ class PipelinePolicy(ForwardModuleMixin, nn.Module):
             prompt_embeds (`PromptEmbeds`): `B` rows (with negatives when `guidance_scale > 1`).
             guidance_scale (`float`, defaults to 1.0): w ≥ 1.
             detach_unconditional (`bool`, defaults to False): with w > 1, stop gradients through the unconditional
-                branch (Flow-GRPO/ViPO training forwards, docs/algorithms.md#classifier-free-guidance); the value is
-                unchanged.
+                branch (Flow-GRPO/ViPO training forwards, docs/methods/algorithms.md#classifier-free-guidance); the
+                value is unchanged.
 
         Returns:
             `torch.Tensor` float32, the shape of `latents`.
@@ -470,7 +470,8 @@ class NoisePredictionMixin:
         return self.scheduler.config.prediction_type
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | int) -> torch.Tensor:
-        """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 − ᾱ_t) ε (docs/algorithms.md#forward-processes), via `DDIMScheduler.add_noise`.
+        """x_t = sqrt(ᾱ_t) x_0 + sqrt(1 − ᾱ_t) ε (docs/methods/algorithms.md#forward-processes), via
+        `DDIMScheduler.add_noise`.
 
         Args:
             latents (`torch.Tensor`): `(B, *latent_shape)` clean scaled latents x_0.
@@ -486,7 +487,7 @@ class NoisePredictionMixin:
         self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | int
     ) -> torch.Tensor:
         """What `predict` should output for x_t = `add_noise(latents, noise, timesteps)`
-        (docs/algorithms.md#denoising-loss).
+        (docs/methods/algorithms.md#denoising-loss).
 
         Returns ε for "epsilon" and v = sqrt(ᾱ_t) ε − sqrt(1 − ᾱ_t) x_0 (`DDIMScheduler.get_velocity`) for
         "v_prediction"; the shape of `latents`.
@@ -522,7 +523,7 @@ class RectifiedFlowMixin:
         return sigma.reshape(-1, *([1] * (like.ndim - 1)))
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor | float) -> torch.Tensor:
-        """x_σ = (1 − σ) x_0 + σ ε with σ = t / 1000 (docs/algorithms.md#forward-processes;
+        """x_σ = (1 − σ) x_0 + σ ε with σ = t / 1000 (docs/methods/algorithms.md#forward-processes;
         `FlowMatchEulerDiscreteScheduler.scale_noise`).
 
         Args: `latents` x_0 and `noise` ε `(B, *latent_shape)`; `timesteps` scalar or `(B,)` in [0, 1000].
@@ -532,5 +533,5 @@ class RectifiedFlowMixin:
         return (1 - sigma) * latents.float() + sigma * noise.float()
 
     def training_target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps=None) -> torch.Tensor:
-        """The velocity target u = ε − x_0 (docs/algorithms.md#denoising-loss), independent of σ; float32."""
+        """The velocity target u = ε − x_0 (docs/methods/algorithms.md#denoising-loss), independent of σ; float32."""
         return noise.float() - latents.float()

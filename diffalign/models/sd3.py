@@ -2,8 +2,8 @@
 
 Latents are `(B, C, H/f, W/f)` (C = 16 for SD3, 4 for the tiny world's model; f = `vae_scale_factor`, 8 for SD3),
 in the pipeline's normalised space ``(z − shift_factor) · scaling_factor``. The forward process is rectified flow
-(docs/algorithms.md#forward-processes): x_σ = (1 − σ) x_0 + σ ε with σ ∈ [0, 1] (σ = 1 is pure noise), the model
-predicts the velocity v̂ ≈ ε − x_0, and the transformer is fed the timestep ``1000 σ`` — the values
+(docs/methods/algorithms.md#forward-processes): x_σ = (1 − σ) x_0 + σ ε with σ ∈ [0, 1] (σ = 1 is pure noise), the
+model predicts the velocity v̂ ≈ ε − x_0, and the transformer is fed the timestep ``1000 σ`` — the values
 `FlowMatchEulerDiscreteScheduler.timesteps` holds, so a timestep t in this file always means σ = t / 1000. The
 schedule's shift s (σ' = sσ / (1 + (s − 1)σ), the scheduler's `shift`, 3.0 for SD3) is applied by the scheduler when it
 builds inference timesteps.
@@ -35,8 +35,8 @@ from diffalign.models.pipeline_policy import (
 )
 from diffalign.types import PromptEmbeds
 
-# Flow-GRPO / DGPO adapt the joint-attention projections of both streams (docs/algorithms.md#flow-grpo,
-# docs/algorithms.md#dgpo).
+# Flow-GRPO / DGPO adapt the joint-attention projections of both streams (docs/methods/algorithms.md#flow-grpo,
+# docs/methods/algorithms.md#dgpo).
 DEFAULT_SD3_LORA_TARGET_MODULES = (
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",

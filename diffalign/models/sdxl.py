@@ -2,7 +2,7 @@
 micro-conditioning, ε- or v-prediction) as a `DiffusionPolicy` with a peft LoRA adapter on the UNet.
 
 Latents are `(B, 4, H/8, W/8)` (1024×1024 px ↔ `(4, 128, 128)` for SDXL-base), times `vae.config.scaling_factor`
-(0.13025). The conditioning is the pipeline's (docs/sdxl.md):
+(0.13025). The conditioning is the pipeline's (docs/guides/sdxl.md):
 
 - token embeddings `(B, 77, 2048)`: the penultimate hidden states of both text encoders, concatenated (768 + 1280);
 - pooled embeddings `(B, 1280)`: the projected pooled output of the second encoder, the UNet's ``text_embeds``;

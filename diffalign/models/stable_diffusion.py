@@ -47,7 +47,7 @@ class StableDiffusionPolicy(NoisePredictionMixin, PipelinePolicy):
     The VAE, text encoder and UNet base weights are frozen (`requires_grad=False`, VAE and text encoder in eval
     mode). With `lora_rank` set, a peft LoRA adapter named "default" is added to the UNet's attention projections and
     is the only trainable part; with `lora_rank=None` the whole UNet is trained. Trainable parameters are float32 even
-    when the frozen parts are fp16/bf16 (docs/field_cases.md#trainable-parameters-left-in-half-precision). The
+    when the frozen parts are fp16/bf16 (docs/guides/field_cases.md#trainable-parameters-left-in-half-precision). The
     scheduler is converted to a `DDIMScheduler` with the same config, which the samplers in `diffalign.samplers` step
     with.
 
@@ -225,7 +225,7 @@ class StableDiffusionPolicy(NoisePredictionMixin, PipelinePolicy):
         Returns:
             `PromptEmbeds` with `prompt_embeds` `(P·n, L, D)` in rows ``[p0]*n + [p1]*n + ...`` and, with CFG,
             `negative_prompt_embeds` `(P·n, L, D)` expanded the same way (diffusers once failed for n > 1 with
-            precomputed embeddings: docs/field_cases.md#several-images-per-prompt); `L` is
+            precomputed embeddings: docs/guides/field_cases.md#several-images-per-prompt); `L` is
             `tokenizer.model_max_length`. Pooled embeddings are `None` (SD1.x/2.x do not use them).
 
         Raises:

@@ -1,8 +1,8 @@
 """Text-to-video with a UNet3D (`TextToVideoSDPipeline`: the ModelScope T2V / Zeroscope format, ε or v-prediction) as
 a `DiffusionPolicy`.
 
-Latents are native, channels first then time (docs/algorithms.md#latent-layouts): `(B, 4, F, H/8, W/8)`, one latent
-frame per video frame, each encoded by the image VAE (`AutoencoderKL`) on its own and scaled by
+Latents are native, channels first then time (docs/methods/algorithms.md#latent-layouts): `(B, 4, F, H/8, W/8)`, one
+latent frame per video frame, each encoded by the image VAE (`AutoencoderKL`) on its own and scaled by
 `vae.config.scaling_factor`. Decoding returns pixels `(B, F, 3, H, W)` in [0, 1] (frames first). The samplers
 (`rollout` with DDIM-η, `recompute_step`, the ODE solvers), the group rollouts and every objective run on it unchanged:
 the steps reduce over every non-batch dim, and ``reduction="per_position"`` keeps `(B, F, h, w)`.
@@ -13,8 +13,8 @@ The text encoding, the UNet call and the ε/v forward process are Stable Diffusi
 policy gives it peft adapter support (`diffusers.loaders.PeftAdapterMixin`) at construction.
 
 The denoiser may also be an AnimateDiff-style `UNetMotionModel` (an image UNet with motion modules: temporal
-attentions with sinusoidal frame positions; the tiny world's `--arch motion` base, docs/vipo.md). Its forward takes
-the same `(B, C, F, h, w)` latents, but diffusers' `AnimateDiffPipeline` hands it one text state per *frame*
+attentions with sinusoidal frame positions; the tiny world's `--arch motion` base, docs/methods/vipo.md). Its forward
+takes the same `(B, C, F, h, w)` latents, but diffusers' `AnimateDiffPipeline` hands it one text state per *frame*
 `(B·F, L, D)`, where `TextToVideoSDPipeline` and this policy pass one per *video* `(B, L, D)`; the policy therefore
 gives it a forward that repeats per-video text states over the frames (`_UNetMotionWithVideoText`), so both pipelines'
 calls work and the weights and saved config are unchanged.

@@ -3,7 +3,8 @@
 - `build_tiny_t2v_pipeline`: a `TextToVideoSDPipeline` (UNet3D, ε, SD1.5 DDIM schedule) with the tiny world's image
   VAE layout (32×32 px ↔ 4×8×8 per frame), the world's tokenizer and a tiny CLIP text encoder;
 - `build_tiny_wan_pipeline`: a `WanPipeline` (`WanTransformer3DModel`, `AutoencoderKLWan` with 8× spatial and 4×
-  temporal compression, a tiny umT5 encoder over the world's tokenizer), 9 frames of 32×32 px ↔ latents 4×3×4×4.
+  temporal compression, a tiny umT5 encoder over the world's tokenizer), 9 frames of 32×32 px ↔ latents 4×3×4×4;
+- `build_tiny_wan22_pipeline`: the same with Wan 2.2's second expert (`transformer_2`, `boundary_ratio`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,31 @@ def build_tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> WanPipeli
                        transformer=transformer, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def build_tiny_wan22_pipeline(seed: int = 0, flow_shift: float = 3.0, boundary_ratio: float = 0.5) -> WanPipeline:
+    """A tiny random Wan 2.2-style `WanPipeline`: `build_tiny_wan_pipeline(seed)` plus a second expert
+    `transformer_2` (same architecture, seed + 1) for timesteps below ``boundary_ratio · 1000`` (Wan2.2-T2V-A14B:
+    0.875; 0.5 here so that short rollouts use both)."""
+    base = build_tiny_wan_pipeline(seed, flow_shift=flow_shift)
+    torch.manual_seed(seed + 1)
+    transformer_2 = WanTransformer3DModel.from_config(base.transformer.config)
+    pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+                       transformer=base.transformer, scheduler=base.scheduler, transformer_2=transformer_2,
+                       boundary_ratio=boundary_ratio)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def build_tiny_wan22_policy(seed: int = 0, num_frames: int = 9, lora_rank: int | None = 4,
+                            lora_alpha: float | None = None, lora_seed: int = 0, max_sequence_length: int = 16,
+                            lora_experts: str = "both", guidance_scale_2: float | None = None,
+                            boundary_ratio: float = 0.5) -> WanPolicy:
+    """`WanPolicy` around `build_tiny_wan22_pipeline(seed, boundary_ratio=...)` (two experts, 32×32 px)."""
+    return WanPolicy(build_tiny_wan22_pipeline(seed, boundary_ratio=boundary_ratio), num_frames=num_frames,
+                     height=32, width=32, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_seed=lora_seed,
+                     max_sequence_length=max_sequence_length, lora_experts=lora_experts,
+                     guidance_scale_2=guidance_scale_2)
 
 
 def build_tiny_wan_policy(seed: int = 0, num_frames: int = 9, lora_rank: int | None = 4,

@@ -8,7 +8,7 @@ import torch
 
 
 def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    r"""Per-sample denoising ("DSM") loss, docs/algorithms.md#denoising-loss.
+    r"""Per-sample denoising ("DSM") loss, docs/methods/algorithms.md#denoising-loss.
 
     Computes $\ell = \operatorname{mean}_{\text{all non-batch dims}} (\text{pred} - \text{target})^2$ in float32,
     whatever the input dtype, so fp16/bf16 network outputs do not lose the small loss differences that preference

@@ -1,6 +1,6 @@
-"""DDPO_IS (Black et al., arXiv:2305.13301), docs/algorithms.md#ddpo: PPO-clip over stored DDIM(η = 1) transitions with
-advantages from per-prompt running reward statistics (`diffalign.advantages.PerPromptStatTracker`), no KL; the
-training forward is guided with gradients through both branches."""
+"""DDPO_IS (Black et al., arXiv:2305.13301), docs/methods/algorithms.md#ddpo: PPO-clip over stored DDIM(η = 1)
+transitions with advantages from per-prompt running reward statistics (`diffalign.advantages.PerPromptStatTracker`), no
+KL; the training forward is guided with gradients through both branches."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class DDPOConfig:
     timestep_selection: str = "random"  # below fraction 1 a random subset shared by the batch; per_sample: one per
                                         # sample (ddpo-pytorch); first: in order
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
-    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/guides/reliability.md)
 
 
 class DDPO(ClippedPolicyGradient):

@@ -1,15 +1,15 @@
 r"""DDSPO: Direct Diffusion Score Preference Optimization (Kim et al., [arXiv:2512.23426](https://arxiv.org/abs/2512.23426)).
 
-docs/algorithms.md#ddspo. Diffusion-DPO (docs/algorithms.md#diffusion-dpo) regresses winner and loser on the
-forward-process noise ε. DDSPO keeps its loss but takes the targets of every denoising transition from a *contrastive
-policy pair* (CPP): a winning-policy score for the winner and a losing-policy score for the loser,
+docs/methods/algorithms.md#ddspo. Diffusion-DPO (docs/methods/algorithms.md#diffusion-dpo) regresses winner and loser
+on the forward-process noise ε. DDSPO keeps its loss but takes the targets of every denoising transition from a
+*contrastive policy pair* (CPP): a winning-policy score for the winner and a losing-policy score for the loser,
 
 $$m_w=\ell(f_\theta(x^w_t,t,c),\,\epsilon^w_\star),\quad m_l=\ell(f_\theta(x^l_t,t,c),\,\epsilon^l_\star),\quad
 r_w=\ell(f_{ref}(x^w_t,t,c),\,\epsilon^w_\star),\quad r_l=\ell(f_{ref}(x^l_t,t,c),\,\epsilon^l_\star),$$
 $$\mathcal L=\operatorname{mean}_{\text{pairs}}\ \omega_t\,\big[-\log\sigma\big(-\tfrac\beta2[(m_w-r_w)-(m_l-r_l)]\big)\big]$$
 
-with ℓ the per-sample mean squared error (docs/algorithms.md#denoising-loss), one t and one ε shared by the pair, and
-the policy and reference always conditioned on the original prompt c. CPP instantiations (``cpp=``):
+with ℓ the per-sample mean squared error (docs/methods/algorithms.md#denoising-loss), one t and one ε shared by the
+pair, and the policy and reference always conditioned on the original prompt c. CPP instantiations (``cpp=``):
 
 =======  ==================================  ============================================================
 ``cpp``  ε^w_⋆                               ε^l_⋆
@@ -22,7 +22,7 @@ the policy and reference always conditioned on the original prompt c. CPP instan
 
 Under TF-CPP ``r_w ≡ 0`` (the winner's target is the reference's own output). Sources: the project page (method,
 tables) and the authors' code (``ddspo/dpo.py``, ``ddspo/adapters/{sd,sd3}.py``, ``ddspo/data.py``) as summarised in
-docs/algorithms.md#ddspo; the β/2 prefactor and the per-sample mean are the Diffusion-DPO code's
+docs/methods/algorithms.md#ddspo; the β/2 prefactor and the per-sample mean are the Diffusion-DPO code's
 (arXiv:2311.12908 Eq. 14).
 """
 
@@ -67,7 +67,7 @@ def ddspo_loss(
     beta: float,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""DDSPO loss from per-sample losses against the CPP targets (docs/algorithms.md#ddspo; authors'
+    r"""DDSPO loss from per-sample losses against the CPP targets (docs/methods/algorithms.md#ddspo; authors'
     ``ddspo/dpo.py``).
 
     $$z=-\tfrac\beta2\big[(m_w-r_w)-(m_l-r_l)\big],\qquad \mathcal L=\operatorname{mean}_b\ \omega_b\,(-\log\sigma(z_b)).$$
@@ -76,9 +76,11 @@ def ddspo_loss(
     is ``ln 2`` (times the mean weight).
 
     Args:
-        model_losses_w, model_losses_l (`torch.Tensor` of shape `(B,)`): m_w, m_l ≥ 0 (carry the gradient).
-        ref_losses_w, ref_losses_l (`torch.Tensor` of shape `(B,)`): r_w, r_l ≥ 0.
-        beta (`float`): β > 0 (SD1.x TF-CPP 16000, DD-CPP 8000, SD3/SANA 2000; docs/algorithms.md#ddspo).
+        model_losses_w (`torch.Tensor` of shape `(B,)`): m_w ≥ 0 (carries the gradient).
+        model_losses_l (`torch.Tensor` of shape `(B,)`): m_l ≥ 0 (carries the gradient).
+        ref_losses_w (`torch.Tensor` of shape `(B,)`): r_w ≥ 0.
+        ref_losses_l (`torch.Tensor` of shape `(B,)`): r_l ≥ 0.
+        beta (`float`): β > 0 (SD1.x TF-CPP 16000, DD-CPP 8000, SD3/SANA 2000; docs/methods/algorithms.md#ddspo).
         weights (`torch.Tensor` of shape `(B,)`, *optional*): per-pair timestep weights ω_t ≥ 0 (e.g. ``t / (T-1)``,
             the "linear" weighting used for SDXL); `None` weights every pair 1.
 
@@ -104,7 +106,7 @@ def ddspo_loss(
 def rand_cond_probability(timesteps: torch.Tensor, num_train_timesteps: int, schedule: str = "sigmoid",
                           lam: float = 20.0) -> torch.Tensor:
     r"""Probability that a pair's condition is replaced by an unpaired prompt (random-condition removal, authors'
-    ``--rand_cond``; docs/algorithms.md#ddspo), with ``s = t / T``:
+    ``--rand_cond``; docs/methods/algorithms.md#ddspo), with ``s = t / T``:
 
     - "sigmoid": $\sigma(\lambda(s-0.7))$ (the default; λ = 20 in the authors' arguments);
     - "exponential": $e^{-\lambda(1-s)}$;
@@ -144,7 +146,7 @@ class TargetPolicyAdapters:
     never require grad, are not in `policy.trainable_parameters()`, and are active only inside `use`.
 
     Args:
-        policy: a LoRA policy whose adapter is named "default" (`StableDiffusionPolicy`).
+        policy (`StableDiffusionPolicy`): a LoRA policy whose adapter is named "default".
         paths (`dict[str, str]`): adapter name → folder.
 
     Raises:
@@ -215,7 +217,7 @@ class DDSPOConfig:
 
 
 class DDSPO(nn.Module):
-    r"""DDSPO objective (arXiv:2512.23426; docs/algorithms.md#ddspo).
+    r"""DDSPO objective (arXiv:2512.23426; docs/methods/algorithms.md#ddspo).
 
     One call, for a batch of ``B`` pairs ``(c, c⁻, x^w_0, x^l_0)``:
 
@@ -235,11 +237,11 @@ class DDSPO(nn.Module):
     Prediction spaces: "native" is what `policy.predict` returns — ε for ε-prediction SD models (the paper's SD1.x /
     SDXL setting), v for v-prediction, the velocity v for flow models (SANA's setting; non-CPP target ``ε − x_0``).
     "x0" (flow models only, the paper's SD3 ``precondition_outputs``) compares ``x̂_0 = x_σ − σ v̂`` with σ = t / T
-    (the flow policy is fed ``1000 σ``; docs/algorithms.md#forward-processes), non-CPP target x_0. β does not transfer
-    between spaces.
+    (the flow policy is fed ``1000 σ``; docs/methods/algorithms.md#forward-processes), non-CPP target x_0. β does not
+    transfer between spaces.
 
     Args:
-        beta (`float`, defaults to 16000.0): β > 0; the SD1.x TF-CPP value (docs/algorithms.md#ddspo).
+        beta (`float`, defaults to 16000.0): β > 0; the SD1.x TF-CPP value (docs/methods/algorithms.md#ddspo).
         cpp (`str`, defaults to "tf"): "tf", "dd" or "off" (table in the module docstring).
         loss_weighting (`str`, defaults to "uniform"): "uniform" or "linear" (ω_t = t / (T-1), SDXL).
         prediction_space (`str`, defaults to "native"): "native" or "x0" (flow models only).
@@ -247,7 +249,8 @@ class DDSPO(nn.Module):
         rand_cond_schedule (`str`, defaults to "sigmoid"), rand_cond_lambda (`float`, defaults to 20.0): p(t).
         rand_cond_prompts (`str`, *optional*): a prompt file (jsonl/txt) of unpaired prompts; rows with a
             ``"degraded_prompts"`` list use it, others get `random_word_removal` (seed 0); `None` uses the batch.
-        target_lora_w, target_lora_l (`str`, *optional*): DD-CPP's φ^w and φ^l LoRA folders (required for "dd").
+        target_lora_w (`str`, *optional*): DD-CPP's φ^w LoRA folder (required for "dd").
+        target_lora_l (`str`, *optional*): DD-CPP's φ^l LoRA folder (required for "dd").
         timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive.
 
     Raises:

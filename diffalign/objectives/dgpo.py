@@ -1,8 +1,9 @@
-r"""DGPO — Direct Group Preference Optimization (Luo, Hu, Tang; ICLR 2026; arXiv:2510.08425), docs/algorithms.md#dgpo.
+r"""DGPO — Direct Group Preference Optimization (Luo, Hu, Tang; ICLR 2026; arXiv:2510.08425),
+docs/methods/algorithms.md#dgpo.
 
 Online and without a policy gradient: for each prompt a group of G samples x^i (from the rollout policy θ⁻ with a
 deterministic ODE sampler), rewards, group-normalised advantages A_i, and a group Bradley–Terry objective whose
-trainable bound is (paper Eq. 17, with the per-sample denoising loss ℓ of docs/algorithms.md#denoising-loss)
+trainable bound is (paper Eq. 17, with the per-sample denoising loss ℓ of docs/methods/algorithms.md#denoising-loss)
 
 $$\mathcal L = -\log\sigma\Big(-\beta\lambda_t \sum_{i=1}^{G} A_i\,[\ell_\theta(x^i) - \ell_{ref}(x^i)]\Big),$$
 
@@ -140,7 +141,9 @@ class DGPO:
         timesteps_per_epoch (`int`, defaults to 4): M, the timesteps trained per epoch (the released code's
             ``num_train_timesteps``; the config key ``method.num_train_timesteps`` is accepted until 0.3).
         timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
-        old_policy_switch_step, old_policy_decay, old_policy_ramp: θ⁻ schedule (`diffalign.old_policy`).
+        old_policy_switch_step (`int`, defaults to 200): updates during which θ⁻ = θ (`EmaRolloutPolicy`).
+        old_policy_decay (`float`, defaults to 0.3): θ⁻'s EMA decay cap, in [0, 1).
+        old_policy_ramp (`float`, defaults to 0.001): θ⁻'s decay d = min(decay, ramp · step).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range, guidance < 1 or an unknown `kl_reference`
@@ -193,7 +196,7 @@ class DGPO:
         sampler = build_sampler(sp)
         if sampler.stochastic:
             raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
-                             f"docs/algorithms.md#dgpo), but sampler={sampler.describe()} is stochastic. Use "
+                             f"docs/methods/algorithms.md#dgpo), but sampler={sampler.describe()} is stochastic. Use "
                              "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler=ddim sampler.eta=0 "
                              "for deterministic DDIM")
         if m.timestep_max_index >= sp.num_inference_steps:
@@ -264,9 +267,9 @@ class DGPO:
             batch (`GroupBatch`): `N` samples; `latents` `(N, C, h, w)`.
             timesteps (`torch.Tensor`): scalar or `(N,)` training timestep(s) (the same for a group).
             noise (`torch.Tensor`): `(N, C, h, w)` ε, identical rows within a group (`group_noise`).
-            reference: the DPO term's reference strategy, a `use(policy)` context (frozen base by default); also the
+            reference (`ReferenceStrategy`): the DPO term's reference strategy, a `use(policy)` context (frozen base by default); also the
                 KL term's with ``kl_reference="reference"``.
-            old_policy: θ⁻ (`EmaRolloutPolicy`) for the clip; required when `clip_range` is set.
+            old_policy (`EmaRolloutPolicy`, *optional*): θ⁻ for the clip; required when `clip_range` is set.
 
         Returns:
             (scalar loss, detached metrics: ``loss, dgpo_z, dgpo_weight, loss_diff, clipfrac, kl``; ``kl`` is

@@ -1,7 +1,7 @@
 """Diffusion-DPO (Wallace et al., CVPR 2024, [arXiv:2311.12908](https://arxiv.org/abs/2311.12908)).
 
-docs/algorithms.md#diffusion-dpo. Offline preference pairs ``(c, x_0^w, x_0^l)``; per pair one timestep and one noise
-draw shared by winner and loser; the reference is the initial model (``policy.reference()``) unless a reference
+docs/methods/algorithms.md#diffusion-dpo. Offline preference pairs ``(c, x_0^w, x_0^l)``; per pair one timestep and one
+noise draw shared by winner and loser; the reference is the initial model (``policy.reference()``) unless a reference
 strategy of `diffalign.reference` is passed (e.g. a named checkpoint or an EMA).
 """
 
@@ -68,8 +68,8 @@ def diffusion_dpo_loss(
         - ``rewards/margins``: mean ``z``.
         - ``model_loss/chosen``, ``model_loss/rejected``, ``ref_loss/chosen``, ``ref_loss/rejected``: mean losses.
         - ``saturated``: number of pairs with ``|z| > 30``. Such pairs give ~0 gradient, and a batch of them can log
-          a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
-          logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
+            logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0 or the four inputs are not 1-D tensors of one shape.
@@ -121,7 +121,7 @@ class DiffusionDPOConfig:
 
 
 class DiffusionDPO(nn.Module):
-    r"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14; docs/algorithms.md#diffusion-dpo).
+    r"""Diffusion-DPO objective (arXiv:2311.12908 Eq. 14; docs/methods/algorithms.md#diffusion-dpo).
 
     One call, for a batch of ``B`` pairs:
 
@@ -136,7 +136,7 @@ class DiffusionDPO(nn.Module):
     Args:
         beta (`float`, defaults to 5000.0):
             KL strength β > 0 (released SD1.5/SDXL value; the paper/SePPO also quote 2000). β does not transfer
-            between ε, v and flow parametrizations (docs/algorithms.md#forward-processes).
+            between ε, v and flow parametrizations (docs/methods/algorithms.md#forward-processes).
         timestep_min (`int`, defaults to 0):
             Smallest training timestep drawn, inclusive, ≥ 0.
         timestep_max (`int`, *optional*):

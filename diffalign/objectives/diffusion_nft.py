@@ -1,9 +1,10 @@
-r"""DiffusionNFT, negative-aware fine-tuning (Zheng et al., ICLR 2026; arXiv:2509.16117); see docs/diffusion_nft.md.
+r"""DiffusionNFT, negative-aware fine-tuning (Zheng et al., ICLR 2026; arXiv:2509.16117); see
+docs/methods/diffusion_nft.md.
 
 Online and likelihood-free: the old policy v_old samples a group of G clean images per prompt with *any* solver (an
 ODE here, CFG-free), the rewards become optimality probabilities r ∈ [0, 1], and the training policy v_θ is fitted on
 the forward process (the clean rollouts noised again, x_t = (1 − σ) x_0 + σ ε, target v = ε − x_0) through two
-implicit policies (docs/diffusion_nft.md (N2), the paper's policy-optimisation theorem)
+implicit policies (docs/methods/diffusion_nft.md (N2), the paper's policy-optimisation theorem)
 
 $$v^+_\theta = (1-\beta)\,v_{old} + \beta\,v_\theta,\qquad v^-_\theta = (1+\beta)\,v_{old} - \beta\,v_\theta,$$
 $$\mathcal L(\theta) = \mathbb E\big[\,r\,\|v^+_\theta(x_t) - v\|^2 + (1-r)\,\|v^-_\theta(x_t) - v\|^2\,\big],$$
@@ -21,9 +22,9 @@ with r = ½ + ½ clip(A / A_max, −1, 1) from the group advantage A (N3). As th
 - keeps v_old in a second LoRA adapter ``"old"``, equal to θ at the start and soft-updated after every epoch
   θ_old ← η θ_old + (1 − η) θ with η = min(rate · max(0, s − flat), η_max) at optimizer step s (N5).
 
-At θ = θ_old the gradient of L/β is (2r − 1)·∇‖v_θ − v‖² whatever β (docs/diffusion_nft.md, "What β does"): samples
-above their group mean are fitted, those below are pushed away, and β only weighs the proximal term β‖v_θ − v_old‖²
-once θ has moved from θ_old. Every inferred choice and deviation is listed in docs/diffusion_nft.md.
+At θ = θ_old the gradient of L/β is (2r − 1)·∇‖v_θ − v‖² whatever β (docs/methods/diffusion_nft.md, "What β does"):
+samples above their group mean are fitted, those below are pushed away, and β only weighs the proximal term β‖v_θ −
+v_old‖² once θ has moved from θ_old. Every inferred choice and deviation is listed in docs/methods/diffusion_nft.md.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ WEIGHT_FLOOR = 1e-5  # the released code's clip(min=0.00001) of the adaptive wei
 
 
 def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
-    r"""The optimality probability r = ½ + ½ clip(A / A_max, −1, 1) (docs/diffusion_nft.md (N3), the paper's
+    r"""The optimality probability r = ½ + ½ clip(A / A_max, −1, 1) (docs/methods/diffusion_nft.md (N3), the paper's
     "optimality reward" [REVIEW]; code ``clamp(adv, ±adv_clip_max) / adv_clip_max / 2 + 0.5``).
 
     Args:
@@ -63,7 +64,7 @@ def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> to
 
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The implicit positive and negative policies v⁺ = (1 − β) v_old + β v_θ and v⁻ = (1 + β) v_old − β v_θ
-    (docs/diffusion_nft.md (N2), the paper's policy-optimisation theorem). `v_old` is detached.
+    (docs/methods/diffusion_nft.md (N2), the paper's policy-optimisation theorem). `v_old` is detached.
 
     Args: `v_theta`, `v_old` `(B, ...)` velocity predictions; `beta` β > 0.
     Returns: `(v_plus, v_minus)`, each `(B, ...)`; their mean is v_old.
@@ -73,7 +74,7 @@ def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float) -
 
 
 def branch_loss(v_branch: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor, weighting: str) -> torch.Tensor:
-    r"""One branch's per-sample regression loss (docs/diffusion_nft.md (N1), (N4)).
+    r"""One branch's per-sample regression loss (docs/methods/diffusion_nft.md (N1), (N4)).
 
     - ``"uniform"``: mean ‖v_branch − v‖² (the flow-matching loss with w(t) = 1).
     - ``"adaptive"``: mean ‖x̂_0 − x_0‖² / sg(max(mean |x̂_0 − x_0|, 1e-5)) with x̂_0 − x_0 = −σ (v_branch − v)
@@ -101,7 +102,7 @@ def branch_loss(v_branch: torch.Tensor, target: torch.Tensor, sigma: torch.Tenso
 
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
              r: torch.Tensor, beta: float, weighting: str = "adaptive") -> torch.Tensor:
-    r"""The per-sample DiffusionNFT loss r ℓ(v⁺) + (1 − r) ℓ(v⁻) (docs/diffusion_nft.md (N2), the paper's
+    r"""The per-sample DiffusionNFT loss r ℓ(v⁺) + (1 − r) ℓ(v⁻) (docs/methods/diffusion_nft.md (N2), the paper's
     policy-optimisation theorem), unscaled (the method multiplies it by A_max / β, as the released code).
 
     Args:
@@ -122,8 +123,9 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, s
 
 
 def old_policy_decay(step: int, decay_max: float, decay_rate: float, flat_steps: int) -> float:
-    r"""η of the soft update θ_old ← η θ_old + (1 − η) θ after `step` optimizer steps (docs/diffusion_nft.md (N5);
-    code ``return_decay``): 0 for the first `flat_steps` steps, then min(decay_rate · (step − flat_steps), decay_max).
+    r"""η of the soft update θ_old ← η θ_old + (1 − η) θ after `step` optimizer steps (docs/methods/diffusion_nft.md
+    (N5); code ``return_decay``): 0 for the first `flat_steps` steps, then min(decay_rate · (step − flat_steps),
+    decay_max).
     """
     if step < flat_steps:
         return 0.0
@@ -135,7 +137,9 @@ class SoftUpdateOldPolicy:
     start, soft-updated once per epoch (`soft_update`, after the epoch's last optimizer step).
 
     Args:
-        decay_max, decay_rate (`float`), flat_steps (`int`): the η schedule of `old_policy_decay`.
+        decay_max (`float`, defaults to 0.5): the η schedule's maximum (`old_policy_decay`).
+        decay_rate (`float`, defaults to 0.001): its rate per step.
+        flat_steps (`int`, defaults to 0): the steps before it rises.
     """
 
     def __init__(self, decay_max: float = 0.5, decay_rate: float = 0.001, flat_steps: int = 0):
@@ -202,8 +206,10 @@ class DiffusionNFT:
         loss_weighting (`str`, defaults to "adaptive"): "adaptive" (x_0-space, released) or "uniform" (velocity MSE).
         timestep_fraction (`float`, defaults to 0.99): each sample trains on max(1, ⌊K · fraction⌋) of the K
             timesteps of `training_schedule` (K = the rollout's steps), a per-sample random subset.
-        old_policy_decay_max, old_policy_decay_rate, old_policy_flat_steps: the soft update's η schedule
-            (`old_policy_decay`).
+        old_policy_decay_max (`float`, defaults to 0.5): the soft update's η schedule (`old_policy_decay`): its
+            maximum (0.5 GenEval, 0.999 OCR).
+        old_policy_decay_rate (`float`, defaults to 0.001): its rate per optimizer step (0.0075 OCR).
+        old_policy_flat_steps (`int`, defaults to 0): the steps before it rises (75 OCR).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, A_max ≤ 0, an unknown weighting, a fraction outside (0, 1], η_max outside
@@ -332,7 +338,8 @@ class DiffusionNFT:
             advantages (`torch.Tensor`): `(B,)` group advantages A.
             timesteps (`torch.Tensor`): `(B,)` training timesteps t = 1000 σ (or a scalar).
             noise (`torch.Tensor`): `(B, C, h, w)` ε of the forward process.
-            reference: the run's reference strategy (a `use(policy)` context); needed when β_KL > 0.
+            reference (`ReferenceStrategy`, *optional*): the run's reference strategy (a `use(policy)` context);
+                needed when β_KL > 0.
 
         Returns:
             (scalar loss (A_max / β) · mean_i [r_i ℓ⁺_i + (1 − r_i) ℓ⁻_i] + β_KL · mean ‖v_θ − v_ref‖², detached

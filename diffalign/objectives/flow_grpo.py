@@ -1,6 +1,7 @@
-"""Flow-GRPO (Liu et al., arXiv:2505.05470), docs/algorithms.md#flow-grpo: group-normalised advantages, the clipped
-ratio over stored SDE transitions (Flow-GRPO SDE, noise level a = 0.7), and a KL to the frozen base; the training
-forward is guided with the unconditional branch detached. On ε-models it is DDPO + KL with the DDIM-η Gaussian."""
+"""Flow-GRPO (Liu et al., arXiv:2505.05470), docs/methods/algorithms.md#flow-grpo: group-normalised advantages, the
+clipped ratio over stored SDE transitions (Flow-GRPO SDE, noise level a = 0.7), and a KL to the frozen base; the
+training forward is guided with the unconditional branch detached. On ε-models it is DDPO + KL with the DDIM-η
+Gaussian."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class FlowGRPOConfig:
     timestep_selection: str = "first"   # first: transitions 0..8 in order [CODE scripts/train_sd3.py]; random: a random 9
                                         # for the batch; per_sample: a random 9 per sample (DanceGRPO)
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
-    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/guides/reliability.md)
 
 
 class FlowGRPO(ClippedPolicyGradient):

@@ -1,16 +1,16 @@
 r"""The clipped policy-gradient surrogate over stored denoising transitions, shared by DDPO and Flow-GRPO.
 
-Per stored transition k of rollout i (docs/algorithms.md#ddpo, docs/algorithms.md#flow-grpo):
+Per stored transition k of rollout i (docs/methods/algorithms.md#ddpo, docs/methods/algorithms.md#flow-grpo):
 
 $$\rho_{ik}=\exp(\log\pi_\theta(x_{k+1}\mid x_k,c)-\log\pi_{old}),\qquad
 \mathcal L=\operatorname{mean}_{i}\max\big(-A_i\rho_{ik},\,-A_i\operatorname{clip}(\rho_{ik},1-\epsilon_c,1+\epsilon_c)\big)
 +\beta_{KL}\,\operatorname{mean}_i D_{KL}\big(\pi_\theta(\cdot\mid x_k)\,\|\,\pi_{ref}(\cdot\mid x_k)\big)$$
 
 (PPO, Schulman et al., arXiv:1707.06347, eq. 7, as DDPO eq. 5 and Flow-GRPO eq. 8 use it), with the Gaussian step
-policies of docs/algorithms.md#step-log-probabilities whose std does not depend on θ. The KL between two Gaussians of
-the same std s is ‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO code divides the *mean* squared difference by 2σ_t²
-where σ_t is the SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ absorbed in β);
-`kl_form="exact"` uses the step std s.
+policies of docs/methods/algorithms.md#step-log-probabilities whose std does not depend on θ. The KL between two
+Gaussians of the same std s is ‖μ_θ − μ_ref‖² / (2 s²); the released Flow-GRPO code divides the *mean* squared
+difference by 2σ_t² where σ_t is the SDE's noise scale without the √|Δ| factor (`kl_form="code"`, the default, Δ
+absorbed in β); `kl_form="exact"` uses the step std s.
 
 Which stored transitions an inner epoch trains is set by ``timestep_selection``: the first ⌊K · timestep_fraction⌋
 in order, as the released Flow-GRPO loop, or a random subset of that size shared by every rollout (both
@@ -248,9 +248,9 @@ def per_sample_transitions(num_rows: int, num_steps: int, timestep_fraction: flo
 LOGPROB_CHECKS = ("stop", "warn", "off")
 LOGPROB_TOLERANCE = 1e-3
 """Default of ``method.logprob_tolerance``: the largest |recomputed − stored| step log-prob accepted before the first
-update of an epoch. Measured in the tiny world on CPU in float32 (docs/reliability.md#trainrollout-consistency): 0 when
-rollout and training batch the rows alike, at most 1.4e-6 when they do not; a stored guidance scale off by 0.5 gives
-5e-2, off by 0.01 6.5e-4. The default sits about 700 times above the float noise, with room for GPU kernels."""
+update of an epoch. Measured in the tiny world on CPU in float32 (docs/guides/reliability.md#trainrollout-consistency):
+0 when rollout and training batch the rows alike, at most 1.4e-6 when they do not; a stored guidance scale off by 0.5
+gives 5e-2, off by 0.01 6.5e-4. The default sits about 700 times above the float noise, with room for GPU kernels."""
 
 CAUSES = ("the guidance scale differs between the rollout and the training forward (sampler.guidance_scale is what "
           "both should use; a custom plugin may guide differently); the noise level differs (sampler.eta: DDIM's eta, "
@@ -429,11 +429,12 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         """The loss of transition `k` of every rollout in `trajectory` (a minibatch).
 
         Args:
-            policy: the policy θ.
+            policy (`DiffusionPolicy`): the policy θ.
             trajectory (`Trajectory`): `B` stochastic rollouts with stored `log_probs` `(B, K)` (θ_old's).
             advantages (`torch.Tensor`): `(B,)` advantages.
             k (`int`): the transition index.
-            reference: a reference strategy (`use(policy)` context), needed when `beta_kl > 0`.
+            reference (`ReferenceStrategy`, *optional*): a reference strategy (`use(policy)` context), needed when
+                `beta_kl > 0`.
 
         Returns:
             (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, kl``).

@@ -1,12 +1,12 @@
 """SePPO: Semi-Policy Preference Optimization (Zhang et al., [arXiv:2410.05255](https://arxiv.org/abs/2410.05255)).
 
-docs/algorithms.md#seppo. SePPO trains on winning images only. A previous checkpoint θ_r of the policy, drawn from a
-pool (`diffalign.reference.PoolReference`), is both the DPO reference and the generator of an on-policy *reference
-sample* x^r that takes the loser's place; the anchor-based adaptive flipper (AAF) decides per sample whether x^r is
-treated as a loser (s = +1) or as a likely winner (s = −1, or 0 in the "switch to SFT" form of the paper's v2).
+docs/methods/algorithms.md#seppo. SePPO trains on winning images only. A previous checkpoint θ_r of the policy, drawn
+from a pool (`diffalign.reference.PoolReference`), is both the DPO reference and the generator of an on-policy
+*reference sample* x^r that takes the loser's place; the anchor-based adaptive flipper (AAF) decides per sample whether
+x^r is treated as a loser (s = +1) or as a likely winner (s = −1, or 0 in the "switch to SFT" form of the paper's v2).
 
-SePPO has no public training code, so the points docs/algorithms.md#seppo marks [INFERRED] are explicit choices here,
-each a field:
+SePPO has no public training code, so the points docs/methods/algorithms.md#seppo marks [INFERRED] are explicit choices
+here, each a field:
 
 =====================================  ==========================================  =============================
 INFERRED item                           default                                     field
@@ -54,8 +54,8 @@ SAMPLE_CACHE_MODES = ("prompt", "off")
 
 
 def anchor_flip(model_losses_w: torch.Tensor, ref_losses_w: torch.Tensor, aaf_mode: str, aaf_tie: str) -> torch.Tensor:
-    r"""The anchor-based adaptive flipper (AAF) s of SePPO (arXiv:2410.05255, as restated in docs/algorithms.md#seppo;
-    the paper's full text was not available, so its equation numbers are not cited).
+    r"""The anchor-based adaptive flipper (AAF) s of SePPO (arXiv:2410.05255, as restated in
+    docs/methods/algorithms.md#seppo; the paper's full text was not available, so its equation numbers are not cited).
 
     With the winner x^w as anchor and a single Monte-Carlo draw (the loss's own t, ε), no gradient:
 
@@ -100,8 +100,9 @@ def seppo_loss(
     aaf_mode: str = "sign",
     aaf_tie: str = "loser",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    r"""SePPO loss from per-sample denoising losses (arXiv:2410.05255, docs/algorithms.md#seppo: the Diffusion-DPO loss
-    of arXiv:2311.12908 Eq. 14 with x^r as the second sample, θ_r as the reference and the AAF sign s).
+    r"""SePPO loss from per-sample denoising losses (arXiv:2410.05255, docs/methods/algorithms.md#seppo: the
+    Diffusion-DPO loss of arXiv:2311.12908 Eq. 14 with x^r as the second sample, θ_r as the reference and the AAF sign
+    s).
 
     $$\Delta_w=\ell_\theta(x^w)-\ell_{\theta_r}(x^w),\quad \Delta_r=\ell_\theta(x^r)-\ell_{\theta_r}(x^r),\quad
     z=-\tfrac{\beta}{2}\big[\Delta_w-s\,\Delta_r\big],\quad \mathcal L=\operatorname{mean}-\log\sigma(z),$$
@@ -128,7 +129,7 @@ def seppo_loss(
         - ``anchor_gap``: mean ℓ_θr(x^w) − ℓ_θ(x^w), the AAF statistic (> 0: the policy fits winners better);
         - ``model_loss/chosen``, ``model_loss/reference_sample``, ``ref_loss/chosen``, ``ref_loss/reference_sample``;
         - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero; counted and
-          reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0, the inputs are not four `(B,)` tensors, or `aaf_mode`/`aaf_tie` is unknown.
@@ -197,7 +198,7 @@ class SePPOConfig:
 
 
 class SePPO(nn.Module):
-    r"""SePPO objective (arXiv:2410.05255; docs/algorithms.md#seppo).
+    r"""SePPO objective (arXiv:2410.05255; docs/methods/algorithms.md#seppo).
 
     One call, for a batch of ``B`` winners ``(c, x_0^w)`` and a reference strategy whose θ_r is current:
 
@@ -213,8 +214,8 @@ class SePPO(nn.Module):
        ``reference.use(policy)``; per-sample losses against `policy.training_target`, then `seppo_loss`.
 
     Args:
-        beta (`float`, defaults to 2000.0): β > 0 (SePPO's quoted value; docs/algorithms.md#seppo suggests sweeping
-            {2000, 5000}).
+        beta (`float`, defaults to 2000.0): β > 0 (SePPO's quoted value; docs/methods/algorithms.md#seppo suggests
+            sweeping {2000, 5000}).
         aaf_mode (`str`, defaults to "sign"): "sign" (v1), "indicator" (≈ v2) or "off" (no flipper).
         aaf_tie (`str`, defaults to "loser"): how a tie on the anchor counts (INFERRED), see `anchor_flip`.
         share_noise (`bool`, defaults to True): share t and ε between x^w and x^r (INFERRED, Diffusion-DPO convention).

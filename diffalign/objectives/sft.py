@@ -1,8 +1,8 @@
 """Plain supervised fine-tuning on winning images (the "SFT^w" baseline of SePPO, arXiv:2410.05255;
-docs/algorithms.md#sft-on-winners).
+docs/methods/algorithms.md#sft-on-winners).
 
-The denoising loss (docs/algorithms.md#denoising-loss) on the winners alone, no reference and no preference: the
-baseline SePPO is compared with.
+The denoising loss (docs/methods/algorithms.md#denoising-loss) on the winners alone, no reference and no preference:
+the baseline SePPO is compared with.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class WinnerSFTConfig:
 
 class WinnerSFT(nn.Module):
     r"""Fine-tuning on winners: $\mathcal L=\operatorname{mean}_{b}\ \ell_\theta(x^w_b,\epsilon_b,t_b,c_b)$ with
-    ``t ~ U{timestep_min..timestep_max}`` and ``ε ~ N(0, I)`` per sample (docs/algorithms.md#denoising-loss; the DDPM
-    loss of Ho et al., arXiv:2006.11239 Eq. 14, mean-reduced).
+    ``t ~ U{timestep_min..timestep_max}`` and ``ε ~ N(0, I)`` per sample (docs/methods/algorithms.md#denoising-loss;
+    the DDPM loss of Ho et al., arXiv:2006.11239 Eq. 14, mean-reduced).
 
     Args:
         timestep_min (`int`, defaults to 0): smallest timestep drawn, inclusive, ≥ 0.

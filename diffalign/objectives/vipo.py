@@ -1,4 +1,5 @@
-r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719), docs/algorithms.md#vipo.
+r"""ViPO — Visual Preference Policy Optimization (Ni et al., CVPR 2026, arXiv:2511.18719),
+docs/methods/algorithms.md#vipo.
 
 GRPO whose scalar group advantage A_i is redistributed over latent positions p (space, and time for video) by a
 perceptual allocation map M_i ∈ [0, 1] (`diffalign.vipo.psm.PerceptualStructuring`, built once per epoch from the
@@ -69,7 +70,7 @@ class ViPOConfig:
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
-    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/reliability.md)
+    logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/guides/reliability.md)
 
 
 class ViPO(StoredTransitionMethod):
@@ -90,13 +91,18 @@ class ViPO(StoredTransitionMethod):
             `reward_coefficients`); False uses the advantage of the weighted reward sum.
         backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
             object with ``patch_tokens``.
-        num_components, aggregation, orientation, spatial_sigma, temporal_sigma, smoothing_padding,
-            smoothing_truncate: the PSM's options (`diffalign.vipo.psm.PerceptualStructuring`; paper: K = 3,
-            weighted, σ = 1, temporal σ = 0.3; released code: `scipy.ndimage.gaussian_filter`, i.e. padding
-            "reflect" and truncate 4).
-        logprob_check (`str`, defaults to "stop"), logprob_tolerance (`float`): the train/rollout consistency alarm
-            (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off", and its
-            tolerance on |Δ log π| (per position here).
+        num_components (`int`, defaults to 3): the PSM's K (`diffalign.vipo.psm.PerceptualStructuring`, as each
+            PSM option below; paper: K = 3).
+        aggregation (`str`, defaults to "weighted"): the PSM's aggregation of its components (paper: weighted).
+        orientation (`str`, defaults to "reverse"): the PSM's normalisation of each component.
+        spatial_sigma (`float`, defaults to 1.0): the PSM's spatial Gaussian σ (paper: σ = 1).
+        temporal_sigma (`float`, defaults to 0.3): the PSM's temporal Gaussian σ (video; paper: 0.3).
+        smoothing_padding (`str`, defaults to "reflect"): the smoothings' border handling (released code:
+            `scipy.ndimage.gaussian_filter`, i.e. "reflect").
+        smoothing_truncate (`float`, defaults to 4.0): the smoothings' kernel radius in σ (scipy's default 4).
+        logprob_check (`str`, defaults to "stop"): the train/rollout consistency alarm
+            (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off".
+        logprob_tolerance (`float`, defaults to 1e-3): its tolerance on |Δ log π| (per position here).
 
     Raises:
         ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection/aggregation/

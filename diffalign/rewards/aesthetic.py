@@ -6,7 +6,8 @@ layers 768→1024→128→64→16→1 with dropout between the first four (ident
 ``layers.{0,2,4,6,7}.{weight,bias}``. The original single linear layer of LAION-AI/aesthetic-predictor
 (``sa_0_4_vit_l_14_linear.pth``, keys ``weight``/``bias``) loads too. Both were trained on CLIP embeddings divided by
 their L2 norm; feeding raw embeddings gives scores of 20–30 instead of 1–10 (LAION-AI/aesthetic-predictor#5,
-docs/field_cases.md#aesthetic-predictor-needs-normalised-embeddings), so the embedding is normalised here, always.
+docs/guides/field_cases.md#aesthetic-predictor-needs-normalised-embeddings), so the embedding is normalised here,
+always.
 
 Layer sizes are read from the weights, so a tiny head over a tiny CLIP runs through the same code as the real one.
 """

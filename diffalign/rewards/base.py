@@ -1,4 +1,5 @@
-"""The reward interface (docs/rewards.md#write-a-reward-plugin): every reward plugin is a callable with this signature.
+"""The reward interface (docs/guides/rewards.md#write-a-reward-plugin): every reward plugin is a callable with this
+signature.
 
 A plugin ships a reward class that satisfies `Reward` and a config dataclass beside it (``_target_`` pointing at the
 class, fields mirroring ``__init__``), and declares the *config* in the ``diffalign.rewards`` entry-point group:
@@ -63,10 +64,10 @@ class RewardError(RuntimeError):
 class Reward(Protocol):
     """A reward model or rule.
 
-    Contract (docs/rewards.md#write-a-reward-plugin): scores `(B,)` float32 on any device, higher is better, finite;
-    optional dense ``maps`` `(B, H, W)` (or `(B, F, H, W)` for videos); a sample's score does not depend on the rest of
-    the batch. A non-differentiable reward runs under `torch.no_grad()`; model-based rewards keep their model on their
-    own ``device``/``dtype`` and move the input there. Failures raise; they never return zeros.
+    Contract (docs/guides/rewards.md#write-a-reward-plugin): scores `(B,)` float32 on any device, higher is better,
+    finite; optional dense ``maps`` `(B, H, W)` (or `(B, F, H, W)` for videos); a sample's score does not depend on the
+    rest of the batch. A non-differentiable reward runs under `torch.no_grad()`; model-based rewards keep their model
+    on their own ``device``/``dtype`` and move the input there. Failures raise; they never return zeros.
 
     Attributes:
         differentiable (`bool`): whether the scores can be back-propagated to the input pixels (needed by methods
@@ -95,6 +96,6 @@ class Reward(Protocol):
         Returns:
             `RewardOutput` with ``scores`` of shape `(B,)`, float32, higher is better. A sample's score must not
             depend on the other samples of the batch (HPSv2 and Q-Align reports;
-            docs/field_cases.md#rewards-do-not-depend-on-batch-composition).
+            docs/guides/field_cases.md#rewards-do-not-depend-on-batch-composition).
         """
         ...

@@ -1,4 +1,4 @@
-"""Brightness: a toy reward for checking that a training loop learns (docs/rewards.md, "Toy rewards").
+"""Brightness: a toy reward for checking that a training loop learns (docs/guides/rewards.md, "Toy rewards").
 
 The score is the image's mean luma, Y = 0.299 R + 0.587 G + 0.114 B (ITU-R BT.601), in [0, 1]. It has a lot of
 headroom in the tiny world, whose images are mostly black (mean about 0.1), every pixel can raise it, and it needs no

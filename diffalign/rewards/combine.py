@@ -24,7 +24,7 @@ def zscore(scores: torch.Tensor, eps: float = ZSCORE_EPS) -> torch.Tensor:
 
     A batch of one, or a batch whose scores are all equal, gives zeros (nothing to rank). Note that a z-scored reward
     depends on the rest of the batch by construction (so batch-independence,
-    docs/field_cases.md#rewards-do-not-depend-on-batch-composition, holds only for ``normalize="none"``).
+    docs/guides/field_cases.md#rewards-do-not-depend-on-batch-composition, holds only for ``normalize="none"``).
 
     Args:
         scores (`torch.Tensor`): `(B,)` float scores.

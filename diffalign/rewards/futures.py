@@ -1,4 +1,5 @@
-"""Asynchronous scoring: rewards of one batch computed while the next batch is sampled (docs/rewards.md#http).
+"""Asynchronous scoring: rewards of one batch computed while the next batch is sampled
+(docs/guides/rewards.md#rewards-served-over-http).
 
 A reward may offer ``submit(images, prompts, metadata) -> concurrent.futures.Future[RewardOutput]`` besides its call
 (`diffalign.rewards.http.HttpReward` does: the batch goes to a reward server in a background thread). The loops use

@@ -1,4 +1,5 @@
-"""``reward=[http]``: a reward computed by another process, over HTTP (docs/rewards.md#rewards-served-over-http).
+"""``reward=[http]``: a reward computed by another process, over HTTP
+(docs/guides/rewards.md#rewards-served-over-http).
 
 Rewards that cannot share the training environment (GenEval needs mmdet, OCR needs paddle, VLM judges need vLLM) run
 as a server in their own environment; this reward posts each batch of images, prompts and metadata to it and reads
@@ -250,7 +251,7 @@ def decode_output(answer: Any, count: int) -> RewardOutput:
 
 @dataclass
 class HttpRewardConfig:
-    """Config of `HttpReward` (fields mirror its ``__init__``; docs/rewards.md#rewards-served-over-http)."""
+    """Config of `HttpReward` (fields mirror its ``__init__``; docs/guides/rewards.md#rewards-served-over-http)."""
 
     _target_: str = "diffalign.rewards.http.HttpReward"
     url: str = ""
@@ -309,7 +310,7 @@ class HttpReward:
             raise ValueError(f"reward.http.url is required: the reward server's address, e.g. "
                              f"reward.http.url=http://127.0.0.1:8000 (got {url!r}); start a server with "
                              "`diffalign-reward-server <reward> --port 8000` "
-                             "(docs/rewards.md#rewards-served-over-http)")
+                             "(docs/guides/rewards.md#rewards-served-over-http)")
         if image_format not in IMAGE_FORMATS:
             raise ValueError(f"reward.http.image_format={image_format!r} must be one of {IMAGE_FORMATS}")
         for field, value in (("max_batch_size", max_batch_size), ("max_concurrency", max_concurrency)):
@@ -352,7 +353,7 @@ class HttpReward:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{prefix}.url is required: the reward server's address, e.g. {prefix}.url="
                               f"http://127.0.0.1:8000 (got {url!r}); start a server with `diffalign-reward-server "
-                              "<reward> --port 8000` (docs/rewards.md#rewards-served-over-http)")
+                              "<reward> --port 8000` (docs/guides/rewards.md#rewards-served-over-http)")
         if not node.get("check_health", True):
             return
         health = f"{url.rstrip('/')}/health"

@@ -2,8 +2,8 @@
 
 Weights are read with safetensors only (no ``torch.load`` of untrusted pickles). Several reward models
 are published as pickled ``.pt``/``.pth``/``.bin`` files; `missing_weights_error` and `require_safetensors` tell the
-user where the weights go and give the one-line conversion to run once on a file they trust. docs/rewards.md lists
-every built-in reward's weights.
+user where the weights go and give the one-line conversion to run once on a file they trust. docs/guides/rewards.md
+lists every built-in reward's weights.
 """
 
 from __future__ import annotations

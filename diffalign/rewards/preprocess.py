@@ -7,7 +7,7 @@ convention), a uint8 tensor (0..255), or PIL images (one or a list). `to_pixels`
 side to ``size`` (bicubic, antialiased), centre-crop ``size × size``, normalise with the model's mean and std — the
 order of OpenAI CLIP's, open_clip's and transformers' ``CLIPImageProcessor`` (never squash to a square, as a
 transformers feature extractor once did; never normalise before mapping the range:
-docs/field_cases.md#reward-preprocessing-matches-the-reference-transform).
+docs/guides/field_cases.md#reward-preprocessing-matches-the-reference-transform).
 """
 
 from __future__ import annotations

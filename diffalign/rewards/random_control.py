@@ -1,4 +1,5 @@
-"""Random control: a reward with no signal, for measuring what the updates alone do to a model (docs/learning.md).
+"""Random control: a reward with no signal, for measuring what the updates alone do to a model
+(docs/results/learning.md).
 
 Each image's score is a pseudo-random number in [0, 1), fixed by the image's 8-bit pixels and the reward's `seed`:
 the first 8 bytes of SHA-256(seed ‖ round(255 · x) as uint8 bytes) read as an unsigned integer and divided by 2⁶⁴.

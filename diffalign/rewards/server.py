@@ -7,10 +7,10 @@ given as ``field=value``, so a reward whose dependencies cannot live in the trai
     diffalign-train recipe=tiny_ddpo reward=[http] reward.http.url=http://127.0.0.1:8000
 
 Endpoints: ``GET /health`` → ``{"status": "ok", "protocol", "reward", "modality", "differentiable"}``; ``POST /score``
-(the request and answer of docs/rewards.md#rewards-served-over-http). A request that is not the protocol gets HTTP 400,
-a reward that raises HTTP 422 (neither is retried by the client), with ``{"error": "<message>"}``. Requests are read
-and decoded concurrently (one thread each); at most ``--max-concurrent`` are scored at once (default 1: a reward
-model need not be thread-safe). It uses the standard library's ``ThreadingHTTPServer``: bind it to loopback or a
+(the request and answer of docs/guides/rewards.md#rewards-served-over-http). A request that is not the protocol gets
+HTTP 400, a reward that raises HTTP 422 (neither is retried by the client), with ``{"error": "<message>"}``. Requests
+are read and decoded concurrently (one thread each); at most ``--max-concurrent`` are scored at once (default 1: a
+reward model need not be thread-safe). It uses the standard library's ``ThreadingHTTPServer``: bind it to loopback or a
 private network, as it has no authentication.
 """
 
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="diffalign-reward-server",
         description="Serve an installed diffalign reward over HTTP (protocol diffalign-reward/1; POST /score, GET "
-                    "/health) for reward=[http] reward.http.url=http://HOST:PORT. See docs/rewards.md.")
+                    "/health) for reward=[http] reward.http.url=http://HOST:PORT. See docs/guides/rewards.md.")
     parser.add_argument("reward", nargs="?", help="an installed reward (e.g. geneval_shapes, brightness, clip_score) "
                                                   "or python:<module>:<function>")
     parser.add_argument("overrides", nargs="*", metavar="field=value", help="the reward's config fields")

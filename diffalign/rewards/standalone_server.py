@@ -5,9 +5,9 @@ the environment of your reward model (mmdet for GenEval, an OCR engine, a vLLM j
     diffalign-train ... reward=[http] reward.http.url=http://HOST:8000     # in the training environment
 
 (``diffalign-reward-server --template > standalone_server.py`` writes this file.) It needs Python >= 3.8, numpy and
-pillow, and speaks the protocol ``diffalign-reward/1`` of docs/rewards.md#rewards-served-over-http: ``GET /health``
-and ``POST /score`` with JSON bodies; images arrive as base64 PNGs (``reward.http.image_format=png``, the default) or
-raw uint8 / float32 arrays. The example `score` is the mean luma of each image, so it runs as it is.
+pillow, and speaks the protocol ``diffalign-reward/1`` of docs/guides/rewards.md#rewards-served-over-http: ``GET
+/health`` and ``POST /score`` with JSON bodies; images arrive as base64 PNGs (``reward.http.image_format=png``, the
+default) or raw uint8 / float32 arrays. The example `score` is the mean luma of each image, so it runs as it is.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Video rewards: any image reward applied per frame, temporal consistency, and the tiny world's motion verifier.
 
-Layout: videos are `(B, F, 3, H, W)` in [0, 1] (`policy.decode` of a video model, docs/algorithms.md#latent-layouts:
-pixels are always frames-first); ``layout="BCFHW"`` accepts channels-first `(B, 3, F, H, W)` tensors instead. Prompt i
-(and metadata row i) always belongs to video i: per-frame rewards see prompt i repeated F times for the F frames of
-video i (frames taken along the time axis, in time order), and the per-frame scores are folded back as `(B, F)`.
+Layout: videos are `(B, F, 3, H, W)` in [0, 1] (`policy.decode` of a video model,
+docs/methods/algorithms.md#latent-layouts: pixels are always frames-first); ``layout="BCFHW"`` accepts channels-first
+`(B, 3, F, H, W)` tensors instead. Prompt i (and metadata row i) always belongs to video i: per-frame rewards see
+prompt i repeated F times for the F frames of video i (frames taken along the time axis, in time order), and the
+per-frame scores are folded back as `(B, F)`.
 
 - `per_frame` — ``reward.per_frame.image_reward=<registered image reward>`` (e.g. ``clip_score``, ``aesthetic``,
   ``geneval_shapes``), aggregated over frames by ``mean`` or ``min``; ``info["per_frame"]`` keeps the `(B, F)` scores.

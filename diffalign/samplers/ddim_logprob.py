@@ -1,15 +1,15 @@
 # Mirrors `diffusers.schedulers.scheduling_ddim.DDIMScheduler.step` (diffusers==0.42.1), written against the installed
 # package and pinned by tests/test_ddim_logprob.py, with these differences:
 # - It returns the Gaussian transition's mean, std and the log-probability of `prev_sample`
-# (docs/algorithms.md#ddim-step; DDPO, arXiv:2305.13301, eq. 4 with the DDIM posterior of arXiv:2010.02502, eq. 12 and
-# 16).
+# (docs/methods/algorithms.md#ddim-step; DDPO, arXiv:2305.13301, eq. 4 with the DDIM posterior of arXiv:2010.02502, eq.
+# 12 and 16).
 # - `prev_sample` may be given, in which case it is scored instead of sampled (the policy-gradient contract).
 # - All arithmetic runs in float32 whatever the input dtype (fp16/bf16 inputs are upcast;
-#   docs/field_cases.md#half-precision-nans).
+#   docs/guides/field_cases.md#half-precision-nans).
 # - `timestep` may be a scalar or one timestep per sample, shape `(B,)`.
 # - A list of generators must have one generator per sample (diffusers' `randn_tensor` would silently use the first B).
 # - Where the std is 0 (eta = 0, or the final step of a schedule whose final alpha is 1) the log-prob is 0 instead of
-#   NaN/inf (docs/field_cases.md#log-prob-at-the-last-denoising-step).
+#   NaN/inf (docs/guides/field_cases.md#log-prob-at-the-last-denoising-step).
 # - `thresholding` (dynamic thresholding) and `use_clipped_model_output` are not supported; `clip_sample` is.
 # - No `variance_noise` argument and no `return_dict`; `prediction_type` may override the scheduler config.
 """DDIM step with a per-step Gaussian log-probability, for policy-gradient objectives (DDPO, GRPO-style)."""
@@ -136,7 +136,7 @@ def ddim_step(
     prediction_type: str | None = None,
     reduction: str = "mean",
 ) -> DDIMStepOutput:
-    """One DDIM step x_t → x_{t'} with the log-probability of the transition (docs/algorithms.md#ddim-step).
+    """One DDIM step x_t → x_{t'} with the log-probability of the transition (docs/methods/algorithms.md#ddim-step).
 
     With N = `scheduler.num_inference_steps`, t' = t − num_train_timesteps // N and ᾱ_{t'} = `final_alpha_cumprod` if
     t' < 0:

@@ -1,5 +1,5 @@
 """Flow-GRPO's SDE step for rectified-flow models, with its Gaussian log-probability
-(docs/algorithms.md#flow-grpo-sde).
+(docs/methods/algorithms.md#flow-grpo-sde).
 
 Flow-GRPO (Liu et al., arXiv:2505.05470, eq. 9–10; the `sde_step_with_logprob` of the released code) turns the
 flow ODE into an SDE with the same marginals. With t ≡ σ integrated from 1 to 0, an Euler–Maruyama step from σ_k to
@@ -13,8 +13,8 @@ With a = 0 it is the deterministic Euler step x + Δ v̂ of `FlowMatchEulerDiscr
 tests/test_flow_sampler.py). All arithmetic runs in float32.
 
 `dance_sde_step` is DanceGRPO's parametrisation, the one ViPO's released code samples with
-(docs/algorithms.md#dancegrpo-sde; DanceGRPO, arXiv:2505.07818; `ziqi-nox/ViPO`): with x̂₀ = x − σ_k v̂ and the score
-estimate g = −(x − (1 − σ_k) x̂₀) / σ_k²,
+(docs/methods/algorithms.md#dancegrpo-sde; DanceGRPO, arXiv:2505.07818; `ziqi-nox/ViPO`): with x̂₀ = x − σ_k v̂ and the
+score estimate g = −(x − (1 − σ_k) x̂₀) / σ_k²,
 
     μ_θ = x + Δ v̂ − ½ η² g Δ,   s = η · sqrt(σ_k − σ_{k+1})
 
@@ -56,15 +56,16 @@ class FlowStepOutput:
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """log N(x; mean, std² I) per sample, reduced over every non-batch element
-    (docs/algorithms.md#step-log-probabilities): −(x − μ)² / (2 s²) − log s − ½ log 2π per element; 0 where std = 0 (a
-    deterministic step has no density).
+    (docs/methods/algorithms.md#step-log-probabilities): −(x − μ)² / (2 s²) − log s − ½ log 2π per element; 0 where std
+    = 0 (a deterministic step has no density).
 
     Args:
-        x, mean (`torch.Tensor`): `(B, ...)`.
+        x (`torch.Tensor`): `(B, ...)` the sample scored.
+        mean (`torch.Tensor`): `(B, ...)` the Gaussian's mean.
         std (`torch.Tensor`): broadcastable to `x`, ≥ 0.
         reduction (`str`): "mean" (nats per element, the DDPO/Flow-GRPO convention), "sum", or "per_position"
             (sum over the channel dim 1 only, keeping the latent grid: ViPO's per-position log-prob,
-            docs/algorithms.md#vipo).
+            docs/methods/algorithms.md#vipo).
 
     Returns:
         `(B,)` float32, or `(B, *x.shape[2:])` for "per_position".
@@ -127,7 +128,8 @@ def flow_sde_step(
 
     Args:
         model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
-        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], σ_next < σ.
+        sigma (`float` or `torch.Tensor`): σ, a scalar or `(B,)` in [0, 1].
+        sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
         noise_level (`float`, defaults to 0.7): a ≥ 0 (0.7 is Flow-GRPO's default; 0 gives the Euler ODE step).
         sigma_max (`float`, *optional*): replaces σ = 1 in the denominator of σ_t (the schedule's second sigma in the
@@ -173,11 +175,12 @@ def dance_sde_step(
     reduction: str = "mean",
 ) -> FlowStepOutput:
     """One DanceGRPO SDE step σ → σ_next (σ_next < σ, σ > 0) with its log-probability (module docstring;
-    docs/algorithms.md#dancegrpo-sde).
+    docs/methods/algorithms.md#dancegrpo-sde).
 
     Args:
         model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
-        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], 0 < σ, σ_next < σ.
+        sigma (`float` or `torch.Tensor`): σ > 0, a scalar or `(B,)` in [0, 1].
+        sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
         noise_level (`float`, defaults to 0.25): DanceGRPO's η ≥ 0 (ViPO-Wan 0.25, ViPO-FLUX 0.3; 0 gives the Euler
             ODE step).

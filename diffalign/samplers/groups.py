@@ -1,11 +1,11 @@
 """Group rollouts for online methods: G samples per prompt, with initial noise shared inside a group or not.
 
 DGPO draws independent initial noises for the G samples of a prompt; DanceGRPO/ViPO start all G from the same noise
-(`init_same_noise`); Flow-GRPO and DDPO draw independently (docs/algorithms.md#dancegrpo, docs/algorithms.md#dgpo).
-Noise is never shared across groups or across processes: every random stream is seeded from ``(seed, epoch, global
-group index[, member])`` through `numpy.random.SeedSequence`, and each process owns distinct global group indices. The
-same seed therefore reproduces the same rollouts bit for bit; another chunking (`rollout_batch_size`) draws the same
-noise and differs only by the float rounding of batched forwards.
+(`init_same_noise`); Flow-GRPO and DDPO draw independently (docs/methods/algorithms.md#dancegrpo,
+docs/methods/algorithms.md#dgpo). Noise is never shared across groups or across processes: every random stream is
+seeded from ``(seed, epoch, global group index[, member])`` through `numpy.random.SeedSequence`, and each process owns
+distinct global group indices. The same seed therefore reproduces the same rollouts bit for bit; another chunking
+(`rollout_batch_size`) draws the same noise and differs only by the float rounding of batched forwards.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def group_initial_noise(shape: tuple[int, ...], group_indices: list[int], group_
         shape (`tuple`): one sample's latent shape `(C, h, w)`.
         group_indices (`list[int]`): global group indices (distinct across processes).
         group_size (`int`): G ≥ 1.
-        seed, epoch (`int`): the run's seed and the epoch.
+        seed (`int`): the run's seed.
+        epoch (`int`): the epoch.
         shared (`bool`): True gives all G members of a group the same noise (GRPO/DanceGRPO); False independent ones.
         members (`list[int]`, *optional*): the member indices (in ``0..G-1``) to draw for every group; default all.
 
@@ -98,7 +99,8 @@ def group_rollout(
         sampler (`Sampler`): the rollout sampler (`diffalign.samplers.base.build_sampler` of ``cfg.sampler``), of
             the policy's family; ``sampler.at_epoch(epoch)`` samples (MixGRPO's window moves with the epoch).
         group_indices (`list[int]`): `P` global group indices (seed the noise; distinct across processes).
-        seed, epoch (`int`): the run's seed and the epoch.
+        seed (`int`): the run's seed.
+        epoch (`int`): the epoch.
         shared_initial_noise (`bool`): one initial noise per group (GRPO/DanceGRPO) instead of one per sample (DGPO).
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
         reduction (`str`): log-prob reduction of a stochastic sampler ("mean", "sum", or "per_position" for ViPO).

@@ -1,8 +1,8 @@
-"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, docs/algorithms.md#dgpo).
+"""Deterministic ODE rollouts with diffusers' solvers (DGPO's rollout sampler, docs/methods/algorithms.md#dgpo).
 
 DGPO samples its groups with Flow-DPM-Solver (diffusers `DPMSolverMultistepScheduler` with flow sigmas and shift 3,
 10 steps) and no noise; for ε-models the matching choice is DPM-Solver++ 2M
-(docs/algorithms.md#dgpo-on-eps-models-and-video). Solvers:
+(docs/methods/algorithms.md#dgpo-on-eps-models-and-video). Solvers:
 
 * ``"dpm_solver"`` — `DPMSolverMultistepScheduler` (flow: ``use_flow_sigmas=True, prediction_type="flow_prediction",
   flow_shift=<the policy scheduler's shift>``; ε/v models: DPM-Solver++ from the policy scheduler's config);

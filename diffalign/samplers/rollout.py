@@ -62,7 +62,7 @@ def recompute_log_probs(
         guidance_scale (`float`, *optional*): defaults to `trajectory.guidance_scale`.
         reduction (`str`, defaults to "mean"): must be the reduction the rollout used.
         detach_unconditional (`bool`, defaults to False): stop gradients through the unconditional CFG branch
-            (Flow-GRPO, ViPO; docs/algorithms.md#classifier-free-guidance); the value is unchanged.
+            (Flow-GRPO, ViPO; docs/methods/algorithms.md#classifier-free-guidance); the value is unchanged.
 
     Returns:
         `torch.Tensor` `(B, S)` float32; 0 at steps whose std is 0 (`trajectory.trainable[k]` False).

@@ -161,8 +161,8 @@ class Updates:
     """The optimizer updates of a run, taken the same way by both loops.
 
     The reference is stepped here and nowhere else: ``reference.on_step(policy, n)`` runs before every update with
-    ``n`` = the number of updates already done (0 before the first; docs/algorithms.md#reference-stepping). Every
-    reference strategy is written for that call (`diffalign.reference`): the pool snapshots θ_n when ``n %
+    ``n`` = the number of updates already done (0 before the first; docs/methods/algorithms.md#reference-stepping).
+    Every reference strategy is written for that call (`diffalign.reference`): the pool snapshots θ_n when ``n %
     save_every == 0``, so θ_0 is in the pool before the first update, and an EMA reference takes its step once the
     policy has had ``n`` updates. A resumed run at step ``n`` makes the next call with ``n``, so no call is repeated
     or skipped (each strategy also ignores a second call for the same ``n``).

@@ -31,7 +31,8 @@ class TrainerConfig:
     adam_epsilon: float = 1.0e-8
     max_grad_norm: float | None = 1.0  # null: no clipping
     mixed_precision: str = "no"  # no | fp16 | bf16 (trainable LoRA parameters stay fp32)
-    log_with: str = "tensorboard"  # tensorboard | wandb | none (or any tracker accelerate knows; docs/reliability.md)
+    log_with: str = "tensorboard"  # tensorboard | wandb | none (or any tracker accelerate knows;
+                                   # docs/guides/reliability.md)
     # preference loop: optimizer steps between two console summaries of the repeating warnings (saturation, skipped
     # updates, truncated prompts, ...): one line per kind, counts to the trackers (online loop: once per epoch)
     warnings_every: int = 10
@@ -50,7 +51,7 @@ class TrainerConfig:
 @dataclass
 class OnlineConfig:
     """The ``online`` group: rollouts, advantages and epochs of the online loop (``configs/online/``; used by DGPO,
-    Flow-GRPO, DDPO, ViPO and DiffusionNFT, docs/online.md)."""
+    Flow-GRPO, DDPO, ViPO and DiffusionNFT, docs/guides/online.md)."""
 
     prompts: str | None = "train"  # train | heldout | a .jsonl/.txt/.csv prompt file; null: required (a recipe's)
     num_epochs: int = 20
@@ -59,7 +60,7 @@ class OnlineConfig:
     group_size: int = 8  # G samples per prompt (DGPO paper 24, code 16; Flow-GRPO 24)
     rollout_batch_size: int = 64  # images per rollout forward batch (the noise does not depend on it)
     shared_initial_noise: bool = False  # true: one initial noise per group (DanceGRPO/ViPO); DGPO/Flow-GRPO: not
-    advantage_std: str = "group"  # group | global | none (docs/algorithms.md#group-advantages)
+    advantage_std: str = "group"  # group | global | none (docs/methods/algorithms.md#group-advantages)
     # std over n - this: 0 population (np.std: flow_grpo, DGPO) | 1 sample (DanceGRPO/ViPO)
     advantage_std_correction: int = 0
     # A = (r - mean) / (std + eps): 1e-4 flow_grpo/DGPO, 1e-8 ViPO (DDPO's tracker: 1e-6, fixed)

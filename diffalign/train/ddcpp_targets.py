@@ -1,5 +1,5 @@
 """``diffalign-ddcpp-targets``: trains DDSPO's DD-CPP target policies φ^w and φ^l (Kim et al., arXiv:2512.23426;
-docs/algorithms.md#ddspo-data, step 4).
+docs/methods/algorithms.md#ddspo-data, step 4).
 
 Two LoRAs on the frozen base model, each fine-tuned with the plain denoising loss (`diffalign.objectives.sft.
 WinnerSFT`, ε-MSE with its own noise) on one side of a preference data set: φ^w on the preferred images, φ^l on the

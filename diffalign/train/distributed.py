@@ -1,6 +1,6 @@
 """Fully sharded data parallel (FSDP) training for both loops: what a run needs beyond accelerate's ``prepare``.
 
-Launch (docs/reliability.md#distributed): ``accelerate launch --config_file configs/accelerate/fsdp.yaml
+Launch (docs/guides/reliability.md#distributed): ``accelerate launch --config_file configs/accelerate/fsdp.yaml
 --num_processes N train.py ...``; on CPU (gloo) add ``trainer.cpu=true``. FSDP1 ``FULL_SHARD`` with
 ``use_orig_params=True`` (only the LoRA trains, so the optimizer sees the original parameters), the denoiser as one
 FSDP unit (``fsdp_auto_wrap_policy: NO_WRAP``; `fsdp_root` refuses several).
@@ -245,7 +245,7 @@ DEEPSPEED_REFUSED = (
     "while the loops own their updates (no_sync micro-batches, the non-finite guard that skips an update, clipping by "
     "trainer.max_grad_norm); (3) with trainer.cpu=true accelerate drops DeepSpeed without a word and would run plain "
     "data parallel. Launch with configs/accelerate/fsdp.yaml (sharded) or configs/accelerate/ddp.yaml instead "
-    "(docs/reliability.md#distributed)")
+    "(docs/guides/reliability.md#distributed)")
 
 
 def check_launch(cfg=None, env=None) -> None:

@@ -1,4 +1,5 @@
-"""Frozen vision backbones for ViPO's Perceptual Structuring Module (docs/algorithms.md#vipo-perceptual-maps, step 1).
+"""Frozen vision backbones for ViPO's Perceptual Structuring Module (docs/methods/algorithms.md#vipo-perceptual-maps,
+step 1).
 
 A backbone is any object with ``patch_tokens(images) -> (N, gh, gw, d)``: images `(N, 3, H, W)` in [0, 1] in, the
 patch tokens (class/register tokens dropped) on the patch grid out. Two are provided:

@@ -1,4 +1,4 @@
-r"""ViPO's Perceptual Structuring Module (PSM) and advantage maps (docs/algorithms.md#vipo-perceptual-maps;
+r"""ViPO's Perceptual Structuring Module (PSM) and advantage maps (docs/methods/algorithms.md#vipo-perceptual-maps;
 arXiv:2511.18719 Eq. 5–8).
 
 For each decoded sample (each frame of a video):
@@ -236,7 +236,7 @@ class PerceptualStructuring:
             fallback |= bad.cpu()
             s = s.clamp(0, 1)
             s[fallback.to(s.device)] = 1.0
-        except Exception:  # noqa: BLE001 — all-ones map on failure: docs/algorithms.md#vipo-perceptual-maps
+        except Exception:  # noqa: BLE001 — all-ones map on failure: docs/methods/algorithms.md#vipo-perceptual-maps
             s = torch.ones((b, *grid))
             fallback[:] = True
         if tuple(s.shape[1:]) != grid:
