@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -127,6 +127,18 @@ def build_sampler(node: Any, where: str = "sampler") -> Sampler:
         return cls(**values)
     except ConfigError as err:
         raise ConfigError(f"{where}.{err}") from None
+
+
+class StepOutput(Protocol):
+    """What a sampler's ``step`` returns (`diffalign.samplers.ddim_logprob.DDIMStepOutput`,
+    `diffalign.samplers.flow_sde.FlowStepOutput`): the next latent `(B, ...)`, the transition's mean `(B, ...)` (the
+    gradient path to the model), its std (0-dim or broadcastable) and the log-prob of the next latent `(B,)` (or
+    `(B, *grid)` for ``reduction="per_position"``), 0 where the std is 0."""
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
 
 
 @dataclass
@@ -228,10 +240,9 @@ class Sampler:
 
     def step(self, schedule: Schedule, k: int, model_output: torch.Tensor, sample: torch.Tensor, *,
              generator: torch.Generator | list[torch.Generator] | None = None,
-             prev_sample: torch.Tensor | None = None, reduction: str = "mean"):
+             prev_sample: torch.Tensor | None = None, reduction: str = "mean") -> StepOutput:
         """Step `k` of the schedule: draws (or scores the given `prev_sample`) x_{k+1} from `sample` x_k and the
-        guided model output; returns an output with ``prev_sample``, ``mean``, ``std`` and ``log_prob``
-        (`diffalign.samplers.flow_sde.FlowStepOutput`)."""
+        guided model output (a `StepOutput`)."""
         raise NotImplementedError(f"sampler {self.name} defines no `step`")
 
     def sample(

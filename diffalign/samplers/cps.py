@@ -54,7 +54,8 @@ def cps_step(
 
     Args:
         model_output (`torch.Tensor`): `(B, ...)` the (guided) velocity v̂(x, σ).
-        sigma, sigma_next (`float` or `torch.Tensor`): scalars or `(B,)` in [0, 1], σ_next < σ.
+        sigma (`float` or `torch.Tensor`): σ, a scalar or `(B,)` in [0, 1].
+        sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
         noise_level (`float`, defaults to 0.8): a in [0, 1]; s = σ_next · sin(a π / 2).
         generator: noise source for drawing x_{k+1}; a list must have one generator per sample.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from diffalign.models.base import DiffusionPolicy
-from diffalign.samplers.base import Sampler, sampler_class
+from diffalign.samplers.base import Sampler, StepOutput, sampler_class
 from diffalign.types import Trajectory
 
 
@@ -91,14 +91,13 @@ def recompute_step(
     guidance_scale: float | None = None,
     reduction: str = "mean",
     detach_unconditional: bool = False,
-):
+) -> StepOutput:
     """Re-evaluates stored transition `k` of every rollout in `trajectory` and returns the whole step output (mean,
     std and log-prob of the stored next latent) — what policy-gradient objectives with a KL term need
     (`recompute_log_probs` returns only the log-probs). Gradients flow unless called under `torch.no_grad()`.
 
     Returns:
-        the sampler's step output, e.g. `DDIMStepOutput` or `FlowStepOutput` (`mean` `(B, C, h, w)`, `std`,
-        `log_prob` `(B,)`).
+        The sampler's step output, e.g. `DDIMStepOutput` or `FlowStepOutput` (`mean`, `std`, `log_prob` `(B,)`).
 
     Raises:
         ValueError: as `recompute_log_probs`.
