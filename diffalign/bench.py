@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffalign.console import quiet_on_broken_pipe
+
 
 @dataclass
 class Method:
@@ -237,6 +239,7 @@ def plot_curves(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="diffalign-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from diffalign.models.base import save_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def _write_state(state: dict[str, Any], directory: Path, stem: str, *, always_te
     flat = _flatten(state, stem, tensors)
     (directory / f"{stem}.json").write_text(json.dumps(flat, indent=1))
     if tensors or always_tensors:
-        save_file(tensors, str(directory / f"{stem}.safetensors"))
+        save_safetensors(tensors, directory / f"{stem}.safetensors")
 
 
 def _read_state(directory: Path, stem: str) -> dict[str, Any]:
@@ -276,7 +278,7 @@ def save_checkpoint(
         rng_tensors = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng_tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_file(rng_tensors, str(tmp / "rng_state.safetensors"))
+        save_safetensors(rng_tensors, tmp / "rng_state.safetensors")
         np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
         py_version, py_internal, py_gauss = random.getstate()
         rng_json = {

@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.plugins import register_configs
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
@@ -143,18 +144,22 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
     Raises:
         ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), a
-            LoRA file cannot be read, or a LoRA is for the other kind of denoiser (`init_lora.check_lora_family`).
+            LoRA file cannot be read or is malformed (`diffalign.lora_io.read_lora`), or a LoRA is for the other kind
+            of denoiser (`init_lora.check_lora_family`) or another model size (`init_lora.check_lora_fits`).
     """
     import inspect
 
     from hydra.utils import get_method
 
-    from diffalign.init_lora import check_lora_family
+    from diffalign.init_lora import check_lora_family, check_lora_fits
     from diffalign.lora_io import read_lora
     from diffalign.models.base import saved_lora_settings
 
-    for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse): named before loading
-        check_lora_family(cfg, read_lora(folder, field_name="checkpoint"), field="checkpoint")
+    for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse), a malformed LoRA or
+        # one of another model size: named before loading (not after the base model was sampled)
+        weights = read_lora(folder, field_name="checkpoint")
+        check_lora_family(cfg, weights, field="checkpoint")
+        check_lora_fits(cfg, weights, field="checkpoint")
     found = {str(f): saved_lora_settings(f) for f in folders}
     distinct = {json.dumps(v, sort_keys=True) for v in found.values() if v}
     if len(distinct) > 1:
@@ -307,6 +312,7 @@ def _say_interrupted() -> None:
     tqdm.write("diffalign: interrupted", file=sys.stderr)  # (on its own line, also under an open progress bar)
 
 
+@quiet_on_broken_pipe
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
     _setup()
@@ -321,6 +327,7 @@ def train() -> None:
         sys.exit(130)
 
 
+@quiet_on_broken_pipe
 def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
     _setup()

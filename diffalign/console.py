@@ -22,16 +22,20 @@ mode) calls `warn_repeated` instead of ``logger.warning``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-__all__ = ["WarningCounts", "active_counts", "console_summary", "literal", "warn_repeated", "write"]
+__all__ = ["WarningCounts", "active_counts", "console_summary", "literal", "quiet_on_broken_pipe", "warn_repeated",
+           "write"]
 
 
 @dataclass
@@ -219,3 +223,35 @@ def console_summary() -> Iterator[WarningCounts]:
     finally:
         with _stack_lock:
             _stack.remove(counts)
+
+
+def quiet_on_broken_pipe(entry_point: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a command's entry point so that a reader closing its stdout early (``diffalign-train --help | head -3``)
+    ends the command quietly, as ``head`` expects of any Unix tool, instead of with a `BrokenPipeError` traceback
+    (and a second "Exception ignored ... BrokenPipeError" when Python flushes stdout at exit).
+
+    The recipe of the Python documentation (library/signal.html, "Note on SIGPIPE"): stdout is pointed at
+    ``/dev/null`` so that the final flush succeeds, and the process exits with status 141 (128 + SIGPIPE, the status
+    of a tool killed by SIGPIPE, which shells report for the writer of a broken pipe). SIGPIPE is not reset to its
+    default action, so a training run whose log pipe breaks still stops through Python (checkpoint logic intact).
+
+    Returns:
+        The wrapped entry point (same arguments and return value).
+    """
+
+    @functools.wraps(entry_point)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return entry_point(*args, **kwargs)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(devnull, sys.stdout.fileno())  # the unwritten rest of stdout's buffer goes nowhere
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):  # stderr was the closed pipe (`2>&1 | head`)
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(devnull, sys.stderr.fileno())
+            sys.exit(128 + 13)
+
+    return wrapped

@@ -15,12 +15,24 @@ diffusers format only.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
-from diffalign.lora_io import LAYOUTS, LORA_WEIGHT_NAME, LoraWeights, read_lora, write_diffusers, write_kohya
+from diffalign.console import quiet_on_broken_pipe
+from diffalign.lora_io import (
+    CROSS_ATTENTION_FAMILIES,
+    LAYOUTS,
+    LORA_WEIGHT_NAME,
+    LoraWeights,
+    read_lora,
+    write_diffusers,
+    write_kohya,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
@@ -34,14 +46,43 @@ def _source(path: str) -> Path:
     return p
 
 
+CROSS_ATTENTION_WIDTHS = {family: width for width, family in CROSS_ATTENTION_FAMILIES.items()}
+"""UNet family → its cross-attention width (the input width of every ``attn2.to_k`` / ``attn2.to_v``)."""
+
+
+def check_family(weights: LoraWeights, family: str) -> None:
+    """`family` (``--family``) against the weights: its denoiser (UNet or transformer) and, for a UNet family, the
+    input width of the file's cross-attention keys and values (SD1.x 768, SD2.x 1024, SDXL 2048), which tells the
+    families apart; an SD3 LoRA must adapt SD3's blocks (`lora_io.LAYOUTS`).
+
+    Raises:
+        ValueError: naming the flag, the file, the tensor that shows the family and the fix.
+    """
+    layout = LAYOUTS[family]
+    if layout.component != weights.component:
+        raise ValueError(f"--family {family} is a {layout.component} family but {weights.path} is a "
+                         f"{weights.component} LoRA")
+    if layout.component == "transformer":
+        if weights.layout is None or weights.layout.name != family:
+            raise ValueError(f"--family {family}: {weights.path} does not adapt SD3's transformer blocks (its "
+                             f"modules are e.g. {weights.modules[:2]}); use --format diffusers")
+        return
+    width = CROSS_ATTENTION_WIDTHS[family]
+    for key, value in sorted(weights.state.items()):
+        if re.search(r"\.attn2\.to_[kv]\.lora_A\.weight$", key) and value.shape[1] != width:
+            shown = CROSS_ATTENTION_FAMILIES.get(value.shape[1])
+            raise ValueError(f"--family {family}: {weights.path} is not an {family} LoRA: its tensor {key} takes "
+                             f"{value.shape[1]} inputs, {family}'s cross-attention width is {width}"
+                             f"{f' ({shown} has {value.shape[1]})' if shown else ''}; pass "
+                             f"{f'--family {shown}' if shown else 'the family it was trained on'} or --family auto")
+
+
 def _layout(weights: LoraWeights, family: str):
-    """The key map to write with: `family` when given (checked against the file), else what the file shows."""
+    """The key map to write with: `family` when given (checked against the file, `check_family`), else what the
+    file shows."""
     if family != "auto":
-        layout = LAYOUTS[family]
-        if layout.component != weights.component:
-            raise ValueError(f"--family {family} is a {layout.component} family but {weights.path} is a "
-                             f"{weights.component} LoRA")
-        return layout
+        check_family(weights, family)
+        return LAYOUTS[family]
     if weights.layout is not None:
         return weights.layout
     if weights.component == "transformer" or any(h in m for m in weights.modules for h in VIDEO_MODULE_HINTS):
@@ -58,8 +99,10 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
         `Path`: the file written.
 
     Raises:
-        FileNotFoundError, ValueError: an unreadable source (`diffalign.lora_io.read_lora`), a destination that exists
-            (without `overwrite`) or has the wrong form, or a family kohya export does not cover.
+        FileNotFoundError, ValueError: an unreadable or malformed source (`diffalign.lora_io.read_lora`), a
+            destination that exists (without `overwrite`), has the wrong form (a folder for a file, a file for a
+            folder) or cannot be written (`check_writable`), a `family` the weights contradict (`check_family`), or a
+            family kohya export does not cover.
     """
     if fmt not in ("kohya", "diffusers"):
         raise ValueError(f"--format must be kohya or diffusers, got {fmt!r}")
@@ -68,18 +111,51 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
     if fmt == "kohya":
         if out.suffix != ".safetensors":
             raise ValueError(f"the kohya destination {destination!r} must be a .safetensors file name")
+        if out.is_dir():
+            raise ValueError(f"the kohya destination {destination!r} is a folder; pass a file name, e.g. "
+                             f"{str(out / 'lora.safetensors')!r}")
         if out.exists() and not overwrite:
             raise ValueError(f"{destination!r} exists; pass --overwrite to replace it")
-        return write_kohya(weights, out, layout=_layout(weights, family), dtype=DTYPES[dtype])
+        layout = _layout(weights, family)
+        check_writable(out.parent, destination)
+        return write_kohya(weights, out, layout=layout, dtype=DTYPES[dtype])
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"the diffusers destination {destination!r} is a file; pass a folder (it gets "
+                         f"{LORA_WEIGHT_NAME})")
     if (out / LORA_WEIGHT_NAME).exists() and not overwrite:
         raise ValueError(f"{destination!r} already holds {LORA_WEIGHT_NAME}; pass --overwrite to replace it")
     if out.suffix == ".safetensors":
         raise ValueError(f"the diffusers destination {destination!r} is a folder (it gets {LORA_WEIGHT_NAME}); drop "
                          "the .safetensors suffix")
+    if family != "auto":
+        check_family(weights, family)
     layout = LAYOUTS[family] if family != "auto" else weights.layout
+    check_writable(out, destination)
     return write_diffusers(weights, out, layout=layout, dtype=DTYPES[dtype])
 
 
+def check_writable(folder: Path, destination: str) -> None:
+    """`folder` (made if missing) can hold a new file: a temporary file is created in its nearest existing folder and
+    removed again (which catches read-only mounts, where `os.access` says yes to root).
+
+    Raises:
+        ValueError: naming the destination, the folder and the reason.
+    """
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"cannot write {destination!r}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".diffalign-write-test-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise ValueError(f"cannot write {destination!r}: {probe} is not writable ({err.strerror}); pass a destination "
+                         "in a folder you can write") from None
+
+
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """``diffalign-export SOURCE DESTINATION [--format kohya|diffusers] [--dtype ...] [--family ...]``."""
     parser = argparse.ArgumentParser(prog="diffalign-export", description=__doc__.split("\n\n")[0],
@@ -98,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
                          overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"diffalign-export: error: {err}")
+    except OSError as err:  # (the checks above make this rare: a disk that fills up, a folder removed meanwhile)
+        sys.exit(f"diffalign-export: error: cannot write {args.destination!r}: {err.strerror or err}: "
+                 f"{err.filename or args.destination}")
     weights = read_lora(written, field_name="destination")
     print(f"[diffalign] wrote {weights.describe()}")
     if args.fmt == "kohya":

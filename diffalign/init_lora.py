@@ -106,6 +106,79 @@ def check_lora_family(cfg: DictConfig, weights: LoraWeights, field: str = FIELD)
                          f"model={'tiny_sd3' if weights.component == 'transformer' else 'tiny_sd'} in the tiny world)")
 
 
+def meta_denoiser(cfg: DictConfig):
+    """The denoiser of the local model folder ``cfg.model.pretrained_model_name_or_path`` built from its
+    ``unet/`` or ``transformer/`` config on the meta device (its modules and shapes; no weights, no memory), or None
+    when the model is not a local diffusers folder (a hub id, a randomly initialised tiny model) or its denoiser class
+    is not diffusers'."""
+    path = cfg.model.get("pretrained_model_name_or_path")
+    if not isinstance(path, str):
+        return None
+    folder = Path(os.path.expanduser(path))
+    if not (folder / "model_index.json").is_file():
+        return None
+    import diffusers
+    from accelerate import init_empty_weights
+
+    index = json.loads((folder / "model_index.json").read_text())
+    for component in ("unet", "transformer"):
+        entry = index.get(component)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers":
+            cls = getattr(diffusers, str(entry[1]), None)
+            if cls is None or not (folder / component / "config.json").is_file():
+                return None
+            with init_empty_weights(include_buffers=True):
+                return cls.from_config(cls.load_config(folder / component))
+    return None
+
+
+def check_lora_fits(cfg: DictConfig, weights: LoraWeights, field: str = FIELD) -> None:
+    """Refuses a LoRA whose modules the model's denoiser lacks, or whose matrices do not fit them (a LoRA of another
+    model size: SD1.x's on SDXL, a LoRA of a wider tiny model), before the model loads: the denoiser is built on the
+    meta device from the local model folder's config (`meta_denoiser`); a model that is not a local folder is not
+    checked here (`diffalign.lora_io.load_into_policy` checks the shapes once it is loaded).
+
+    Raises:
+        ValueError: one line naming `field`, the file, the module or tensor, what the model has and the fix.
+    """
+    from torch import nn
+
+    from diffalign.lora_io import layout_of_denoiser
+
+    denoiser = meta_denoiser(cfg)
+    if denoiser is None:
+        return
+    model = f"the model {cfg.model.pretrained_model_name_or_path}"
+    theirs, ours = weights.layout, layout_of_denoiser(denoiser)
+    family = (f" (the file's weights are {theirs.name}'s, the model is {ours.name})"
+              if theirs is not None and ours is not None and theirs.name != ours.name else "")
+    fix = ("use a LoRA trained on this model, or pass the LoRA's own model (model=... / "
+           "model.pretrained_model_name_or_path=...)")
+    modules = dict(denoiser.named_modules())
+    for module in weights.modules:
+        layer = modules.get(module)
+        if layer is None:
+            raise ValueError(f"{field}: {weights.path}: module {module!r} is not in {model}'s "
+                             f"{type(denoiser).__name__}: the LoRA is for another model{family}; {fix}")
+        down, up = weights.state[f"{module}.lora_A.weight"], weights.state[f"{module}.lora_B.weight"]
+        if isinstance(layer, nn.Linear):
+            fits, kind = down.ndim == 2 and down.shape[1] == layer.in_features and up.shape[0] == layer.out_features, \
+                f"Linear({layer.in_features} → {layer.out_features})"
+        elif isinstance(layer, nn.Conv2d):
+            fits = (down.ndim == 4 and tuple(down.shape[1:]) == (layer.in_channels, *layer.kernel_size)
+                    and up.shape[0] == layer.out_channels)
+            kind = f"Conv2d({layer.in_channels} → {layer.out_channels}, kernel {tuple(layer.kernel_size)})"
+        else:
+            kind = type(layer).__name__  # (a bad file: ValueError, as every other refusal)
+            raise ValueError(f"{field}: {weights.path}: module {module!r} of {model} is a {kind}, "  # noqa: TRY004
+                             f"which a LoRA does not adapt (only Linear and Conv2d); the LoRA is for another model; "
+                             f"{fix}")
+        if not fits:
+            raise ValueError(f"{field}: {weights.path}: tensors {module}.lora_A/B are {tuple(down.shape)} / "
+                             f"{tuple(up.shape)} but {model}'s {module} is {kind}: the LoRA is for another model "
+                             f"size{family}; {fix}")
+
+
 def _same(key: str, current, wanted) -> bool:
     if key == "lora_target_modules":
         return current is not None and sorted(current) == sorted(wanted)
@@ -130,9 +203,10 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
 
     Raises:
         FileNotFoundError: the file or folder does not exist.
-        ValueError: naming ``model.init_lora`` and the fix: not a LoRA (format, text-encoder or non-LoRA tensors,
-            several ranks), a LoRA for another denoiser than a local model folder's, a model without LoRA settings,
-            or an explicit setting that differs from the file's.
+        ValueError: naming ``model.init_lora`` and the fix: not a LoRA or a malformed one (`read_lora`: format,
+            text-encoder or non-LoRA tensors, several ranks, dtypes, NaN / inf values, alphas, metadata), a LoRA for
+            another denoiser than a local model folder's, or with modules it lacks or of another size
+            (`check_lora_fits`), a model without LoRA settings, or an explicit setting that differs from the file's.
     """
     init = cfg.model.get("init_lora")
     if init is None:
@@ -144,6 +218,7 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
     weights = read_lora(ckpt if ckpt is not None else init, field_name="resume" if ckpt is not None else FIELD)
     if ckpt is None:
         check_lora_family(cfg, weights)
+        check_lora_fits(cfg, weights)
     settings = {k: v for k, v in weights.settings.items() if k in taken}
     for key in taken:
         current = cfg.model.get(key)

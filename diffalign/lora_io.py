@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import safetensors
-import safetensors.torch
 import torch
 
-from diffalign.models.base import readable_by_umask
+from diffalign.models.base import readable_by_umask, save_safetensors
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file a diffalign (or diffusers) LoRA folder holds."""
@@ -217,13 +216,18 @@ def read_lora(path: str | os.PathLike, *, field_name: str = "path", unet_config=
 
     Raises:
         FileNotFoundError: the path or the folder's file is missing.
-        ValueError: naming `field_name` and the fix: not safetensors, unreadable, no LoRA tensors, text-encoder
-            tensors, another adapter kind (DoRA, LoCon, LoHa, LoKr), ranks or alphas that differ between modules, or
-            kohya SD3 names diffalign cannot map.
+        ValueError: one line naming `field_name`, the file, the tensor or metadata key, and the fix: not
+            safetensors, unreadable, no LoRA tensors, text-encoder tensors, another adapter kind (DoRA, LoCon, LoHa,
+            LoKr), a LoRA matrix that is not floating point, not 2-D / 4-D, of rank 0 or holding NaN / inf values, a
+            kohya ``.alpha`` that is not one finite number > 0, down and up matrices of different ranks, ranks or
+            alphas that differ between modules, metadata that is not JSON or has fields of the wrong type (an ``r``
+            that is not an integer >= 1, a ``lora_alpha`` that is not a finite number > 0...), or kohya SD3 names
+            diffalign cannot map. Checked before any model loads (`diffalign.init_lora.adopt_init_lora`).
     """
     file = resolve_lora_file(path, field_name)
     state, metadata = _read_file(file, field_name)
     _refuse_other_kinds(state, file, field_name)
+    _check_tensors(state, file, field_name)
     keys = list(state)
     if any(k.startswith(KOHYA_DENOISER_PREFIXES + KOHYA_TEXT_PREFIXES) for k in keys):
         weights = _read_kohya(file, state, metadata, field_name, unet_config)
@@ -231,6 +235,48 @@ def read_lora(path: str | os.PathLike, *, field_name: str = "path", unet_config=
         weights = _read_diffusers(file, state, metadata, field_name)
     weights.metadata = metadata
     return weights
+
+
+MATRIX_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight", ".lora.down.weight",
+                   ".lora.up.weight")
+"""The names of LoRA matrices in the formats read (kohya, PEFT, diffusers' old attention processors)."""
+MATRIX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensors(state: dict[str, torch.Tensor], file: Path, field_name: str) -> None:
+    """Every LoRA matrix (named by `MATRIX_SUFFIXES`) is floating point, 2-D (4-D for a convolution), of rank >= 1 and
+    finite; every kohya ``.alpha`` is one finite number > 0. Names and shapes of other tensors are the format readers'
+    business.
+
+    Raises:
+        ValueError: ``<field_name>: <file>: tensor '<name>' <reason>; <fix>``.
+    """
+    where = f"{field_name}: {file}: tensor"
+    for key, value in state.items():
+        if key.endswith(".alpha"):
+            if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+                raise ValueError(f"{where} {key!r} is a {value.dtype} tensor of shape {tuple(value.shape)}; a kohya "
+                                 "alpha is one real number (the LoRA's scale is alpha / rank). The file is damaged")
+            alpha = float(value.reshape(()))
+            if not math.isfinite(alpha) or alpha <= 0:
+                raise ValueError(f"{where} {key!r} is alpha = {alpha:g}; a LoRA's alpha is a finite number > 0 (the "
+                                 "scale is alpha / rank). The file is damaged")
+            continue
+        if not key.endswith(MATRIX_SUFFIXES):
+            continue
+        if value.dtype not in MATRIX_DTYPES:
+            raise ValueError(f"{where} {key!r} has dtype {value.dtype}; LoRA matrices are float16, bfloat16 or "
+                             "float32 (the file is damaged, or not a LoRA)")
+        if value.ndim not in (2, 4):
+            raise ValueError(f"{where} {key!r} has shape {tuple(value.shape)}; a LoRA matrix is 2-D (4-D for a "
+                             "convolution). The file is damaged")
+        if 0 in value.shape[:2]:
+            raise ValueError(f"{where} {key!r} has shape {tuple(value.shape)}: rank 0; a LoRA's rank is >= 1. The "
+                             "file holds no adapter")
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            raise ValueError(f"{where} {key!r} holds {bad} non-finite values (NaN or inf) of {value.numel()}: it was "
+                             "saved from a run that diverged; use an earlier checkpoint of it")
 
 
 def _text_encoder_error(file: Path, field_name: str, count: int) -> ValueError:
@@ -243,7 +289,10 @@ def _text_encoder_error(file: Path, field_name: str, count: int) -> ValueError:
 def _uniform(values: dict[str, float], what: str, file: Path, field_name: str) -> float:
     distinct = sorted(set(values.values()))
     if len(distinct) > 1:
-        example = {v: next(k for k, x in values.items() if x == v) for v in distinct[:3]}
+        example = {}
+        for key, value in values.items():  # (a module of each of the first three values)
+            if value in distinct[:3]:
+                example.setdefault(value, key)
         raise ValueError(f"{field_name}: {file} has {len(distinct)} different LoRA {what}s ({example}); diffalign's "
                          f"policy adapter has one {what} for every module. Use a LoRA with a single {what}")
     return distinct[0]
@@ -266,21 +315,77 @@ def _check_pairs(state: dict[str, torch.Tensor], file: Path, field_name: str) ->
                          "file is damaged or not a LoRA")
     for module in down:
         a, b = state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"]
-        if b.shape[1] != a.shape[0]:
-            raise ValueError(f"{field_name}: {file}: {module} has down {tuple(a.shape)} but up {tuple(b.shape)}; the "
-                             "ranks differ, the file is damaged")
+        if b.shape[1] != a.shape[0] or a.ndim != b.ndim or (b.ndim == 4 and tuple(b.shape[2:]) != (1, 1)):
+            raise ValueError(f"{field_name}: {file}: {module} has down {tuple(a.shape)} but up {tuple(b.shape)}; a "
+                             "LoRA's up matrix is (out, rank) ((out, rank, 1, 1) for a convolution): the file is "
+                             "damaged")
 
 
-def _config_from_metadata(metadata: dict[str, str], component: str) -> dict | None:
+def _metadata_object(metadata: dict[str, str], key: str, file: Path, field_name: str) -> dict:
+    """The JSON object stored under metadata `key`.
+
+    Raises:
+        ValueError: naming the file and the key, when it is not JSON or not an object.
+    """
+    try:
+        value = json.loads(metadata[key])
+    except ValueError as err:
+        raise ValueError(f"{field_name}: {file}: metadata {key!r} is not JSON ({err}); the file's metadata is damaged "
+                         "(re-export the LoRA, or drop the metadata: the tensors alone are read with alpha = rank)"
+                         ) from None
+    if not isinstance(value, dict):  # (a bad file: ValueError, as every other refusal of read_lora)
+        kind = type(value).__name__
+        raise ValueError(f"{field_name}: {file}: metadata {key!r} is a JSON {kind}, not an object; "  # noqa: TRY004
+                         "the file's metadata is damaged (re-export the LoRA)")
+    return value
+
+
+def _check_config(config: dict, key: str, file: Path, field_name: str) -> dict:
+    """`config`'s fields have the types PEFT's ``LoraConfig`` takes: ``r`` an integer >= 1, ``lora_alpha`` a finite
+    number > 0, ``target_modules`` a list of strings or a string, ``rank_pattern`` / ``alpha_pattern`` objects.
+
+    Raises:
+        ValueError: ``<field_name>: <file>: metadata <key>: '<field>' is <value> (<type>); <what it must be>``.
+    """
+    def refuse(name: str, must: str) -> ValueError:
+        value = config[name]
+        return ValueError(f"{field_name}: {file}: metadata {key!r}: {name!r} is {repr(value)[:60]} "
+                          f"({type(value).__name__}); it must be {must}. The file's metadata is damaged (re-export "
+                          "the LoRA)")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if "r" in config and not (isinstance(config["r"], int) and not isinstance(config["r"], bool) and config["r"] >= 1):
+        raise refuse("r", "an integer >= 1")
+    if "lora_alpha" in config and not (number(config["lora_alpha"]) and math.isfinite(config["lora_alpha"])
+                                       and config["lora_alpha"] > 0):
+        raise refuse("lora_alpha", "a finite number > 0")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise refuse("target_modules", "a list of module names or a regular expression")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise refuse(name, "an object")
+    return config
+
+
+def _config_from_metadata(metadata: dict[str, str], component: str, file: Path, field_name: str) -> dict | None:
     """The adapter config diffusers (≥ 0.35) and diffalign write as ``lora_adapter_metadata``
-    (``{"<component>.r": ..., ...}``), or diffalign's kohya ``diffalign_lora_config``; None without one."""
+    (``{"<component>.r": ..., ...}``), or diffalign's kohya ``diffalign_lora_config``; None without one.
+
+    Raises:
+        ValueError: metadata that is not a JSON object, or fields of the wrong type (`_check_config`).
+    """
     if "diffalign_lora_config" in metadata:
-        return json.loads(metadata["diffalign_lora_config"])
+        key = "diffalign_lora_config"
+        return _check_config(_metadata_object(metadata, key, file, field_name), key, file, field_name)
     if "lora_adapter_metadata" not in metadata:
         return None
-    raw = json.loads(metadata["lora_adapter_metadata"])
+    raw = _metadata_object(metadata, "lora_adapter_metadata", file, field_name)
     config = {k.split(".", 1)[1]: v for k, v in raw.items() if k.startswith(f"{component}.")}
-    return config or None
+    return _check_config(config, "lora_adapter_metadata", file, field_name) if config else None
 
 
 def _read_diffusers(file: Path, state, metadata, field_name: str) -> LoraWeights:
@@ -298,13 +403,13 @@ def _read_diffusers(file: Path, state, metadata, field_name: str) -> LoraWeights
     peft_state = convert_unet_state_dict_to_peft({k.split(".", 1)[1]: v for k, v in state.items()})
     _check_pairs(peft_state, file, field_name)
     rank = int(_uniform(_ranks(peft_state), "rank", file, field_name))
-    config = _config_from_metadata(metadata, component)
+    config = _config_from_metadata(metadata, component, file, field_name)
     modules = sorted(k.removesuffix(".lora_A.weight") for k in peft_state if k.endswith(".lora_A.weight"))
     if config is not None:
         if config.get("rank_pattern") or config.get("alpha_pattern"):
             raise ValueError(f"{field_name}: {file} was saved with per-module ranks or alphas (rank_pattern/"
                              "alpha_pattern); diffalign's policy adapter has one rank and one alpha")
-        if int(config.get("r", rank)) != rank:
+        if config.get("r", rank) != rank:
             raise ValueError(f"{field_name}: {file}'s metadata says r={config['r']} but its tensors have rank {rank}; "
                              "the file is inconsistent")
         alpha = float(config.get("lora_alpha", rank))
@@ -350,6 +455,11 @@ def _read_kohya(file: Path, state, metadata, field_name: str, unet_config) -> Lo
     for name in names:
         if f"{name}.lora_down.weight" not in state or f"{name}.lora_up.weight" not in state:
             raise ValueError(f"{field_name}: {file}: {name} lacks lora_down or lora_up; the file is damaged")
+    for name in names:
+        down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+        if up.shape[1] != down.shape[0] or down.ndim != up.ndim:
+            raise ValueError(f"{field_name}: {file}: {name} has lora_down {tuple(down.shape)} but lora_up "
+                             f"{tuple(up.shape)}; a LoRA's up matrix is (out, rank): the file is damaged")
     from diffalign.models.flux import is_flux_kohya_name
 
     if any(is_flux_kohya_name(n) for n in names):
@@ -370,7 +480,7 @@ def _read_kohya(file: Path, state, metadata, field_name: str, unet_config) -> Lo
         peft_state[f"{paths[name]}.lora_A.weight"] = state[f"{name}.lora_down.weight"]
         peft_state[f"{paths[name]}.lora_B.weight"] = state[f"{name}.lora_up.weight"]
     modules = sorted(set(paths.values()))
-    config = _config_from_metadata(metadata, component)
+    config = _config_from_metadata(metadata, component, file, field_name)
     targets = sorted(config["target_modules"]) if config and isinstance(config.get("target_modules"), list) \
         else modules
     layout = LAYOUTS.get(metadata.get("diffalign_family", "")) or _layout_from_modules(component, peft_state)
@@ -398,7 +508,7 @@ def _read_kohya_flux(file: Path, state, metadata, names: list[str], field_name: 
         peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"] = a, b
     rank = int(_uniform({m: a.shape[0] for m, (a, _, _) in modules.items()}, "rank", file, field_name))
     alpha = _uniform({m: al for m, (_, _, al) in modules.items()}, "alpha", file, field_name)
-    config = _config_from_metadata(metadata, "transformer")
+    config = _config_from_metadata(metadata, "transformer", file, field_name)
     targets = sorted(config["target_modules"]) if config and isinstance(config.get("target_modules"), list) \
         else sorted(modules)
     return LoraWeights(file, "kohya", "transformer", peft_state, rank, alpha, targets, LAYOUTS["flux"])
@@ -536,9 +646,7 @@ def write_kohya(weights: LoraWeights, file: str | os.PathLike, *, layout: Layout
     layout = layout or weights.layout
     file = Path(file)
     file.parent.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(kohya_state_dict(weights, layout, dtype), str(file),
-                                metadata=kohya_metadata(weights, layout))
-    readable_by_umask(file)  # safetensors writes 0600
+    save_safetensors(kohya_state_dict(weights, layout, dtype), file, metadata=kohya_metadata(weights, layout))
     return file
 
 

@@ -145,3 +145,27 @@ def test_diffalign_train_error_is_not_glued_to_the_progress_bar(tmp_path):
     assert "epochs:" in res.stderr  # the bar was open
     errors = [line for line in res.stderr.splitlines() if "diffalign: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("diffalign: error:"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["diffalign-train", "diffalign-eval", "diffalign-bench", "diffalign-export",
+                                     "diffalign-reward-server", "diffalign-ddspo-pairs", "diffalign-ddcpp-targets"])
+def test_help_into_a_closed_pipe_exits_quietly(command, tmp_path):
+    """``<command> --help | head -3``: the reader has gone before the help is written. Made deterministic by handing
+    the command a pipe whose read end is already closed, so its first write fails with EPIPE. Before, the Hydra
+    commands ended in a BrokenPipeError traceback (exit 1). Now: nothing on stderr, and exit 141 (128 + SIGPIPE)
+    where the broken pipe reached the command (Hydra's help); argparse's short help ends with 0 (Python's exit
+    flush of the unwritten buffer fails silently there)."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    script = (f"import sys; sys.argv = [{command!r}, '--help']; from importlib.metadata import entry_points; "
+              f"(ep,) = [e for e in entry_points(group='console_scripts') if e.name == {command!r}]; "
+              "sys.exit(ep.load()())")
+    try:
+        done = subprocess.run([sys.executable, "-c", script], check=False, stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=CHILD_ENV, cwd=tmp_path, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == (141 if command in ("diffalign-train", "diffalign-eval") else 0)

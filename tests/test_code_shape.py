@@ -61,3 +61,13 @@ def test_the_walk_finds_a_long_method_in_a_class():
     source = f"class A:\n    @property\n    def f(self):\n{body}        return 0\n"  # def + 119 + return: 121
     assert long_functions(source) == ["<source>:3 f (121 lines)"]
     assert long_functions(source.replace("        x0 = 0\n", "")) == []  # 120 lines is allowed
+
+
+def test_safetensors_files_are_written_only_through_save_safetensors():
+    """safetensors writes 0600 whatever the umask; `diffalign.models.base.save_safetensors` restores the umask's mode
+    (tests/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
+    direct = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+              if path.name != "base.py" or path.parent.name != "models"
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\bsave_file\(", line) and not line.lstrip().startswith(("#", '"', "f\""))]
+    assert not direct, direct

@@ -5,6 +5,7 @@ down, answers NaN, refuses a batch or dies mid-run, and the asynchronous scoring
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -43,7 +44,7 @@ from diffalign.rewards.http import (
     encode_images,
     encode_output,
 )
-from diffalign.rewards.server import RewardServer, main, parse_overrides
+from diffalign.rewards.server import RewardServer, ServerLimits, main, parse_overrides
 from diffalign.samplers.base import build_sampler
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
@@ -187,7 +188,7 @@ def test_served_brightness_equals_the_in_process_reward(serve, fmt):
     served = serve(Brightness(), name="brightness")
     reward = HttpReward(served.url, image_format=fmt)
     assert reward.server_info == {"status": "ok", "protocol": PROTOCOL, "reward": "brightness", "modality": "any",
-                                  "differentiable": False}
+                                  "differentiable": False, "limits": dataclasses.asdict(ServerLimits())}
     out = reward(IMAGES, PROMPTS)
     expected = Brightness()(IMAGES if fmt == "float32" else quantized(IMAGES), PROMPTS)
     assert torch.equal(out.scores, expected.scores) and torch.equal(out.maps, expected.maps)

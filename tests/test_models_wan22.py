@@ -29,8 +29,8 @@ def _perturb(policy, scale=0.1):
 
 @pytest.mark.parametrize("guidance_scale_2", [None, 2.0])
 def test_zero_noise_rollout_equals_the_two_expert_wan_pipeline(guidance_scale_2):
-    """4 Euler steps at shift 3 have t = 1000, 900, 750, 500 ≥ 500 (the high-noise expert) — with boundary 0.6 the
-    last two (750 ≥ 600 is high, 500 low): both experts are used, as WanPipeline chooses per step."""
+    """4 Euler steps at shift 3 have t ≈ 1000, 858, 602, 9: with boundary 0.6 (t ≥ 600: the high-noise expert) the
+    first three use `transformer`, the last `transformer_2`, as WanPipeline chooses per step."""
     pipe = build_tiny_wan22_pipeline(seed=0, boundary_ratio=0.6)
     policy = WanPolicy(pipe, num_frames=9, lora_rank=4, max_sequence_length=16, guidance_scale_2=guidance_scale_2)
     noise = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
@@ -123,6 +123,10 @@ def test_wan22_settings_are_refused_on_one_expert_and_checked():
         WanPolicy(build_tiny_wan_pipeline(), lora_experts="low", max_sequence_length=16)
     with pytest.raises(ValueError, match="model.lora_experts='middle'"):
         build_tiny_wan22_policy(lora_experts="middle")
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_to_config(expand_timesteps=True)  # Wan2.2 TI2V-5B's per-token timesteps
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        WanPolicy(pipe, max_sequence_length=16)
     from diffalign.reference import ReferenceAdapter
 
     with pytest.raises(ValueError, match="reference=frozen_base"):  # (what reference=ema/checkpoint/pool build)

@@ -41,10 +41,11 @@ import numpy as np
 import torch
 from omegaconf import MISSING, OmegaConf
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.data.degrade import DEGRADATIONS, degrade_prompt, load_rewriter
+from diffalign.models.base import save_safetensors
 from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 
@@ -246,7 +247,7 @@ def generate_pairs(
             bar.update(len(chunk))
         tensors = {key: torch.cat(value).contiguous() for key, value in latents.items()}
         rows = "".join(json.dumps(job) + "\n" for job in shard)
-        _atomic_write(out / f"{shard_name(k)}.safetensors", lambda p, t=tensors: save_file(t, str(p)))
+        _atomic_write(out / f"{shard_name(k)}.safetensors", lambda p, t=tensors: save_safetensors(t, p))
         _atomic_write(out / f"{shard_name(k)}.jsonl", lambda p, r=rows: p.write_text(r))
         if after_shard is not None:
             try:
@@ -409,6 +410,7 @@ class DDSPOPairs:
 # ----------------------------------------------------------------------------------------------------------- command
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """``diffalign-ddspo-pairs``: generates a DDSPO pairs folder with a diffusers pipeline (see the module docstring).
 

@@ -37,9 +37,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffalign.console import write as console_write
+from diffalign.models.base import save_safetensors
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -99,7 +100,7 @@ class ChunkStore:
     def save(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
         """Writes chunk `k` (main process only; through a temporary file and a rename)."""
         if self.write:
-            _atomic(self.path(k), lambda p: save_file({n: t.contiguous() for n, t in tensors.items()}, str(p)))
+            _atomic(self.path(k), lambda p: save_safetensors({n: t.contiguous() for n, t in tensors.items()}, p))
 
     def _adopt(self, search: list[Path]) -> None:
         """Links (or copies) the chunks of a finished preparation with the same key from a sibling run folder."""

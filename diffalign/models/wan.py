@@ -164,6 +164,9 @@ class WanPolicy(RectifiedFlowMixin, PipelinePolicy):
                  max_sequence_length: int = 512, lora_experts: str = "both", guidance_scale_2: float | None = None):
         super().__init__()
         check_lora_arguments(lora_rank, lora_target_modules, "transformer", ["attn1.to_q", "attn2.to_k"])
+        if pipe.config.get("expand_timesteps"):
+            raise ValueError("this WanPipeline has expand_timesteps=True (Wan2.2 TI2V-5B: per-token timesteps), which "
+                             "WanPolicy does not reproduce; use a Wan 2.1 or Wan2.2-T2V-A14B pipeline")
         two = getattr(pipe, "transformer_2", None) is not None and pipe.config.get("boundary_ratio") is not None
         if lora_experts not in LORA_EXPERTS:
             raise ValueError(f"model.lora_experts={lora_experts!r} must be one of {LORA_EXPERTS} (which Wan 2.2 "

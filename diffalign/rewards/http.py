@@ -29,6 +29,7 @@ import base64
 import io
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +67,11 @@ class HttpRewardError(RuntimeError):
         self.status = status
 
 
+class ImageTooLarge(ValueError):
+    """A PNG whose header declares more pixels than the reader allows (`decode_images`); the reference server answers
+    it with HTTP 413."""
+
+
 HEALTH_CONNECT_TIMEOUT = 3.0
 """Seconds the validation's ``GET <url>/health`` waits for a connection (`HttpReward.check_config`)."""
 HEALTH_READ_TIMEOUT = 30.0
@@ -98,12 +104,18 @@ def decode_array(obj: Any, where: str = "array") -> torch.Tensor:
     """
     if not isinstance(obj, dict) or obj.get("format") not in _DTYPES or not isinstance(obj.get("shape"), list):
         raise ValueError(f"{where} must be {{'format': 'uint8' | 'float32', 'shape': [...], 'data': base64}}")
-    shape = [int(n) for n in obj["shape"]]
+    shape = obj["shape"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"{where}.shape must be a list of integers >= 0; got {str(shape)[:100]}")
+    dtype, data = _DTYPES[obj["format"]], obj.get("data", "")
+    if not isinstance(data, str) or len(data) != 4 * math.ceil(math.prod(shape) * dtype.itemsize / 3):
+        length = len(data) if isinstance(data, str) else type(data).__name__
+        raise ValueError(f"{where}.data: {length} characters of base64 do not fill shape {str(shape)[:100]} of "
+                         f"{obj['format']} ({math.prod(shape) * dtype.itemsize} bytes)")  # checked before decoding
     try:
-        raw = base64.b64decode(obj.get("data", ""), validate=True)
+        raw = base64.b64decode(data, validate=True)
     except ValueError as err:
         raise ValueError(f"{where}.data is not base64: {err}") from None
-    dtype = _DTYPES[obj["format"]]
     if len(raw) != int(np.prod(shape)) * dtype.itemsize:
         raise ValueError(f"{where}: {len(raw)} bytes of data do not fill shape {shape} of {obj['format']}")
     return torch.from_numpy(np.frombuffer(raw, dtype=dtype).reshape(shape).copy())
@@ -140,36 +152,58 @@ def encode_images(images: torch.Tensor, fmt: str = "png") -> dict[str, Any]:
     return {"format": "png", "shape": list(pixels.shape), "data": data}
 
 
-def decode_images(obj: Any) -> torch.Tensor:
+def check_image_shape(shape: Any) -> list[int]:
+    """An image batch's ``shape`` as a list of ints: `[B, 3, H, W]` or `[B, F, 3, H, W]`, every entry an integer >= 1.
+
+    Raises:
+        ValueError: naming ``images.shape`` and what it got (cut to 100 characters).
+    """
+    if (not isinstance(shape, list) or len(shape) not in (4, 5)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape) or shape[-3] != 3):
+        raise ValueError(f"images.shape must be [B, 3, H, W] or [B, F, 3, H, W] of integers >= 1; got "
+                         f"{str(shape)[:100]}")
+    return shape
+
+
+def decode_images(obj: Any, *, max_image_pixels: int | None = None) -> torch.Tensor:
     """Float32 pixels in [0, 1] of an image batch object (8-bit values `v` become ``v / 255``), shaped as its
     ``shape``.
 
+    Each PNG's header is read and checked before its pixels are decompressed: PNG format, the size ``shape`` declares,
+    and at most `max_image_pixels` pixels when given (so a small file declaring 8000 × 8000 costs nothing).
+
     Raises:
         ValueError: naming the field, when the object is malformed (unknown format, a shape that is not
-            `(B, 3, H, W)` / `(B, F, 3, H, W)`, PNGs of another size or count, data that do not fill the shape).
+            `(B, 3, H, W)` / `(B, F, 3, H, W)`, PNGs of another size, count or format, data that do not fill the
+            shape), or a PNG's header declares more than `max_image_pixels`.
     """
     if not isinstance(obj, dict) or obj.get("format") not in IMAGE_FORMATS:
         raise ValueError(f"images.format must be one of {IMAGE_FORMATS}")
-    shape = obj.get("shape")
-    if not isinstance(shape, list) or len(shape) not in (4, 5) or shape[-3] != 3:
-        raise ValueError(f"images.shape must be [B, 3, H, W] or [B, F, 3, H, W]; got {shape}")
+    shape = check_image_shape(obj.get("shape"))
     if obj["format"] != "png":
         pixels = decode_array(obj, "images")
         return pixels.float() / 255 if obj["format"] == "uint8" else pixels
-    data, frames_expected = obj.get("data"), int(np.prod(shape[:-3]))
+    data, frames_expected = obj.get("data"), math.prod(shape[:-3])
     if not isinstance(data, list) or len(data) != frames_expected:
         raise ValueError(f"images.data must be a list of {frames_expected} base64 PNGs for shape {shape}")
-    height, width = int(shape[-2]), int(shape[-1])
+    height, width = shape[-2], shape[-1]
     frames = []
     for k, item in enumerate(data):
         try:
-            image = Image.open(io.BytesIO(base64.b64decode(item, validate=True)))
-            image.load()
+            image = Image.open(io.BytesIO(base64.b64decode(item, validate=True)), formats=["PNG"])  # the header only
         except Exception as err:  # noqa: BLE001 - any undecodable item is a bad request
-            raise ValueError(f"images.data[{k}] is not a base64 PNG: {err}") from None
+            raise ValueError(f"images.data[{k}] is not a base64 PNG: {str(err)[:200]}") from None
+        declared = image.size[0] * image.size[1]
+        if max_image_pixels is not None and declared > max_image_pixels:
+            raise ImageTooLarge(f"images.data[{k}]'s PNG header declares {image.size[0]}x{image.size[1]} = {declared} "
+                             f"pixels, over the server's limit of {max_image_pixels}; not decoded")
         if image.size != (width, height):
             raise ValueError(f"images.data[{k}] is {image.size[0]}x{image.size[1]} px, shape says {width}x{height}")
-        frames.append(np.asarray(image.convert("RGB")))
+        try:
+            image.load()
+            frames.append(np.asarray(image.convert("RGB")))
+        except Exception as err:  # noqa: BLE001 - a truncated or corrupt PNG
+            raise ValueError(f"images.data[{k}] is not a decodable PNG: {str(err)[:200]}") from None
     pixels = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255
     return pixels.reshape(shape)
 

@@ -27,6 +27,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.console import quiet_on_broken_pipe
 from diffalign.data.preference import ResumableSampler
 from diffalign.init_lora import model_config
 from diffalign.objectives.sft import WinnerSFT
@@ -74,6 +75,7 @@ def train_side(cfg, side: str, args, out: Path) -> float:
     return loss_value
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``diffalign-ddcpp-targets`` (`argv` defaults to ``sys.argv[1:]``)."""
     if argv is None:
