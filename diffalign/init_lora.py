@@ -240,13 +240,34 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
     return settings
 
 
+def _missing_targets(err: BaseException) -> set[str] | None:
+    """The target modules of peft's "Target modules {...} not found in the base model" anywhere in `err`'s chain
+    (Hydra wraps it in its "Error in call to target"), or None when it is another error."""
+    import ast
+    import re
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        found = re.search(r"Target modules (\{.*?\}) not found in the base model", str(err))
+        if found:
+            try:
+                return set(ast.literal_eval(found.group(1)))
+            except (ValueError, SyntaxError):
+                return set()
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def build_policy(cfg: DictConfig, log: Callable[[str], None] = print):
     """The training loops' policy: ``cfg.model`` instantiated (without ``init_lora``), with ``model.init_lora``'s
     weights in its adapter unless the run resumes (then the checkpoint's LoRA is loaded later, by the loop, and this
     says so). Call before the reference strategy's ``setup``.
 
     Raises:
-        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora_io.load_into_policy`.
+        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora_io.load_into_policy`; also a model
+            (one without a local folder to check before it loads) that has none of the file's modules, named instead
+            of peft's error inside Hydra's.
     """
     from hydra.utils import instantiate
 
@@ -254,7 +275,15 @@ def build_policy(cfg: DictConfig, log: Callable[[str], None] = print):
     if init is None:
         return instantiate(model_config(cfg.model))
     adopt_init_lora(cfg)
-    policy = instantiate(model_config(cfg.model))
+    try:
+        policy = instantiate(model_config(cfg.model))
+    except Exception as err:
+        missing = _missing_targets(err)
+        if missing is None:
+            raise
+        raise ValueError(f"{FIELD}: {init}: the model ({cfg.model.get('_target_')}) has none of the modules the "
+                         f"LoRA adapts (e.g. {sorted(missing)[:2]}): the LoRA is for another model; use a LoRA trained "
+                         "on this model, or pass the LoRA's own model (model=...)") from None
     ckpt = resume_checkpoint(cfg)
     if ckpt is not None:
         log(f"[diffalign] {FIELD}={init} is not loaded: the run resumes from {ckpt}, whose LoRA it continues")

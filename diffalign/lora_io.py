@@ -705,7 +705,8 @@ def load_into_policy(policy, weights: LoraWeights, *, field_name: str = "model.i
 
     Raises:
         ValueError: naming `field_name`: a policy without LoRA, a file for another denoiser (UNet vs transformer),
-            modules, shapes, rank or alpha that differ from the adapter's.
+            modules the denoiser does not have (a LoRA for another model), modules, shapes, rank or alpha that differ
+            from the adapter's.
     """
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -723,6 +724,12 @@ def load_into_policy(policy, weights: LoraWeights, *, field_name: str = "model.i
                          f"but the policy's adapter has r={config.r}, alpha={config.lora_alpha}; set model.lora_rank/"
                          "model.lora_alpha to the file's (or leave them unset: they are taken from the file)")
     expected = get_peft_model_state_dict(denoiser)
+    present = {name for name, _ in denoiser.named_modules()}
+    absent = [m for m in weights.modules if m not in present]
+    if absent:
+        raise ValueError(f"{field_name}: {weights.path}: module {absent[0]!r} (and {len(absent) - 1} more) is not in "
+                         f"this model's {type(denoiser).__name__}: the LoRA is for another model; use a LoRA trained "
+                         "on this model, or pass the LoRA's own model (model=...)")
     if set(expected) != set(weights.state):
         missing = sorted({k.rsplit(".", 2)[0] for k in set(expected) - set(weights.state)})
         extra = sorted({k.rsplit(".", 2)[0] for k in set(weights.state) - set(expected)})
@@ -733,7 +740,8 @@ def load_into_policy(policy, weights: LoraWeights, *, field_name: str = "model.i
     for key, value in weights.state.items():
         if value.shape != expected[key].shape:
             raise ValueError(f"{field_name}: {weights.path}: {key} has shape {tuple(value.shape)}, the policy's "
-                             f"adapter {tuple(expected[key].shape)}; the LoRA is for another model")
+                             f"adapter {tuple(expected[key].shape)}; the LoRA is for another model size: use a LoRA "
+                             "trained on this model, or pass the LoRA's own model (model=...)")
     result = set_peft_model_state_dict(denoiser, {k: v.float() for k, v in weights.state.items()})
     unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unexpected:

@@ -15,11 +15,12 @@ LOOPS = ("train/online.py", "train/preference.py")
 
 
 def method_names() -> set[str]:
-    """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``),
-    their objective classes and the families they belong to."""
+    """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``; the
+    generic words diffusion, flow, tiny and guard only joined: the loops use ``diffalign.rewards.guard``), their
+    objective classes and the families they belong to."""
     names = {"grpo", "dancegrpo", "dpo"}
     for option in (PACKAGE / "configs" / "method").glob("*.yaml"):
-        names |= {part for part in option.stem.split("_") if part not in ("diffusion", "flow", "tiny")}
+        names |= {part for part in option.stem.split("_") if part not in ("diffusion", "flow", "tiny", "guard")}
         names.add(option.stem.replace("_", ""))
         target = yaml.safe_load(option.read_text()).get("defaults", [""])[0]
         names.add(target.rsplit("/", 1)[-1].split("@")[0].replace("_", ""))

@@ -142,6 +142,28 @@ def test_a_lora_of_another_model_size_is_refused_before_it_loads(tmp_path, no_mo
         adopt_init_lora(init_cfg(tmp_path, lora))
 
 
+def test_a_model_without_a_local_folder_names_the_missing_module_at_load(tmp_path):
+    """A randomly initialised model (no folder to read its config from) is checked as it is built and when the LoRA
+    is loaded into it: the message says the LoRA is for another model. Before: peft's NoMatchingPeftModuleError inside
+    Hydra's "Error in call to target" when no module matched, and when some did, "adapts other modules than the
+    policy's adapter" with the advice to set model.lora_target_modules, which the user never set."""
+    from diffalign.init_lora import build_policy
+
+    lora = tiny_sd_lora(tmp_path / "renamed", rename=("down_blocks.", "down_blocks.7"))
+    cfg = compose_cfg([f"output_dir={tmp_path / 'run'}", "model=tiny_random", "method=diffusion_dpo_tiny",
+                       "data=shapes_pairs", f"model.init_lora={lora}"])
+    with pytest.raises(ValueError, match=r"^model.init_lora: .*: the model \(.*build_tiny_random_policy\) has none of "
+                                         r"the modules the LoRA adapts \(e.g. \['down_blocks.7.*'\]\): the LoRA is for "
+                                         r"another model; use a LoRA trained on this model"):
+        build_policy(cfg, log=lambda line: None)
+    partly = tiny_sd_lora(tmp_path / "partly", rename=("attn1", "attn9"))  # one module of two renamed
+    cfg = compose_cfg([f"output_dir={tmp_path / 'run2'}", "model=tiny_random", "method=diffusion_dpo_tiny",
+                       "data=shapes_pairs", f"model.init_lora={partly}"])
+    with pytest.raises(ValueError, match=r"^model.init_lora: .*: module '.*attn9.to_q' \(and 0 more\) is not in this "
+                                         r"model's UNet2DConditionModel: the LoRA is for another model; use a LoRA"):
+        build_policy(cfg, log=lambda line: None)
+
+
 def test_a_nan_init_lora_is_refused_before_training(tmp_path, no_model_loading):
     """Before: a NaN init LoRA trained to exit code 0 and was exported as a NaN file."""
     lora = tiny_sd_lora(tmp_path / "nan")

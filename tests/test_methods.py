@@ -21,12 +21,13 @@ from diffalign.objectives.ddspo import DDSPO
 from diffalign.objectives.dgpo import DGPO
 from diffalign.objectives.diffusion_dpo import DiffusionDPO
 from diffalign.objectives.flow_grpo import FlowGRPO
+from diffalign.objectives.grpo_guard import GRPOGuard
 from diffalign.objectives.seppo import SePPO
 from diffalign.objectives.sft import WinnerSFT
 from diffalign.objectives.vipo import ViPO
 from diffalign.types import PromptEmbeds, Trajectory
 
-ONLINE = [DGPO, FlowGRPO, DDPO, ViPO]
+ONLINE = [DGPO, FlowGRPO, GRPOGuard, DDPO, ViPO]
 PREFERENCE = [DiffusionDPO, SePPO, WinnerSFT, DDSPO]
 
 

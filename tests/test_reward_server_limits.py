@@ -155,7 +155,7 @@ def test_the_default_limits_admit_the_clients_defaults():
 
 @pytest.mark.parametrize("kind", ["diffalign", "standalone"])
 def test_a_decompression_bomb_png_is_refused_from_its_header(serve, count_decodes, kind):
-    """A 1-KB PNG declaring 8000 x 8000 (192 MB of RGB once decoded; 31 s and 6.2 GB before this fix): refused from
+    """A 74-byte PNG declaring 8000 x 8000 (192 MB of RGB once decoded; 31 s and 6.2 GB before this fix): refused from
     Pillow's read of its IHDR, before any pixel is decompressed, with HTTP 413 whether `shape` declares the bomb's
     size or a small one; a header within the limit that contradicts `shape` is a 400."""
     served = serve(kind)
@@ -211,12 +211,10 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(serve, kind):
     instead), and the connection closed (an unread body must not be taken for the next request)."""
     served = serve(kind) if kind == "standalone" else serve(max_body_bytes=2**20, idle_timeout=30)
     limit = standalone_server.MAX_BODY_BYTES if kind == "standalone" else 2**20
-    started = time.monotonic()
     status, headers, answer = exchange(served.port, (f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: "
                                                      f"{limit + 1}\r\n\r\n").encode() + b"{")
     assert status == 413 and str(limit + 1) in answer["error"]
-    assert headers.get("Connection") == "close"
-    assert time.monotonic() - started < 10  # answered, not timed out (idle_timeout is 30 s / 60 s)
+    assert headers.get("Connection") == "close"  # (a server waiting for the body would have answered 408)
     assert healthy(served.port)
 
 
@@ -238,9 +236,9 @@ def test_the_limits_are_configurable_and_checked(serve):
 
 def test_a_stalled_upload_frees_its_thread(serve):
     """With --max-connections 1, a client that sends 10 of 1000 bytes and stops holds the only connection slot: the
-    server answers 408 after --idle-timeout and closes, and /health then gets through (it would get 503 while the
+    server answers 408 after --idle-timeout (2 s) and closes, and /health then gets through (it would get 503 while the
     thread was pinned)."""
-    served = serve(idle_timeout=1.0, read_timeout=30.0, max_connections=1)
+    served = serve(idle_timeout=2.0, read_timeout=30.0, max_connections=1)
     with socket.create_connection(("127.0.0.1", served.port), timeout=20) as sock:
         sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n0123456789")
         time.sleep(0.2)

@@ -442,11 +442,32 @@ class ClippedPolicyGradient(StoredTransitionMethod):
         step = recompute_step(policy, trajectory, k, detach_unconditional=self.detach_unconditional)
         old = trajectory.log_probs[:, k].to(step.log_prob.device)
         self.check_logprobs(step.log_prob, old, k)
+        return self.clipped_loss(policy, trajectory, advantages, k, step, step.log_prob - old, reference=reference)
+
+    def clipped_loss(self, policy, trajectory: Trajectory, advantages: torch.Tensor, k: int, step,
+                     log_ratio: torch.Tensor, *, weight: float | torch.Tensor = 1.0, reference=None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped surrogate of the module docstring on a given log-ratio, plus β_KL · KL.
+
+        Args:
+            step (`DDIMStepOutput` or `FlowStepOutput`): the recomputed step output of transition `k`
+                (`recompute_step`: ``mean``, ``std``, ``log_prob``).
+            log_ratio (`torch.Tensor`): `(B,)` log ρ (here log π_θ − log π_old; GRPO-Guard passes its normalised one).
+            weight (`float` or `torch.Tensor`): multiplies the clipped term only (GRPO-Guard's gradient reweighting);
+                1 for DDPO/Flow-GRPO.
+
+        Returns:
+            (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, kl``; ``approx_kl`` is over the raw
+            log π_θ − log π_old).
+        """
+        old = trajectory.log_probs[:, k].to(step.log_prob.device)
         adv = advantages.to(step.log_prob.device).float()
-        ratio = torch.exp(step.log_prob - old)
+        ratio = torch.exp(log_ratio)
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
         loss = torch.maximum(unclipped, clipped).mean()
+        if not (isinstance(weight, (int, float)) and weight == 1):
+            loss = loss * weight
         kl = torch.zeros((), device=loss.device)
         if self.beta_kl > 0:
             if reference is None:

@@ -363,8 +363,9 @@ class _Handler(BaseHTTPRequestHandler):
                          close=True)
             return
         try:
+            body = self._read_body()
             try:
-                request = json.loads(self._read_body())
+                request = json.loads(body)
             except RecursionError:
                 raise RequestRefused(400, "the JSON is nested too deeply") from None
             except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError, an integer of 5000 digits
