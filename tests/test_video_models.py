@@ -151,7 +151,7 @@ def test_seppo_accepts_video_latents(family):
     batch = WinnerBatch(latents, PROMPTS[:2], policy.encode_prompts(PROMPTS[:2], do_classifier_free_guidance=False),
                         torch.arange(2))
     seppo = SePPO(beta=5000.0, aaf_mode="sign",
-                  sampler={"name": "ddim", "num_inference_steps": 2, "guidance_scale": 2.0, "eta": 0.0})
+                  sampler=step_sampler(policy, num_inference_steps=2, guidance_scale=2.0, noise=0.0))
     loss, _ = seppo(policy, batch, generator=torch.Generator().manual_seed(0), reference=pool)
     assert loss.item() == pytest.approx(math.log(2.0), abs=1e-5)
     loss.backward()
