@@ -14,36 +14,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffalign.console import quiet_on_broken_pipe
-from diffalign.plugins import register_configs
-
-CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
-ASSET_DIR = Path(__file__).resolve().parent / "assets"
-
-
-def asset_path(name: str) -> str:
-    """Absolute path of a shipped asset (``${diffalign_asset:tiny_sd}`` in configs).
-
-    Raises:
-        FileNotFoundError: when the asset is missing (the message says how to rebuild it).
-    """
-    path = ASSET_DIR / name
-    if not path.exists():
-        raise FileNotFoundError(f"shipped asset {name!r} not found at {path}; reinstall diffalign or rebuild it with "
-                                "`python scripts/pretrain_tiny_world.py all`")
-    return str(path)
-
-
-def _setup() -> None:
-    if not OmegaConf.has_resolver("diffalign_asset"):
-        OmegaConf.register_new_resolver("diffalign_asset", asset_path)
-    # default run folders: one per launch, not per process
-    # (docs/guides/field_cases.md#one-run-folder-for-all-processes)
-    if not OmegaConf.has_resolver("launch_time"):
-        from diffalign.launch import launch_time
-
-        OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
-    register_configs()
+from diffalign.config.compose import CONFIG_DIR, setup_hydra
+from diffalign.runtime.console import quiet_on_broken_pipe
 
 
 def check_reward_overrides(argv: list[str]) -> None:
@@ -55,8 +27,8 @@ def check_reward_overrides(argv: list[str]) -> None:
         ValueError: naming the unknown reward(s) and listing the installed ones.
         ImportError: a ``python:`` reward cannot be imported.
     """
-    from diffalign.plugins import REWARD_GROUPS, entry_point_configs, register_python_reward
-    from diffalign.rewards.python_function import PREFIX, load_function
+    from diffalign.config.registry import REWARD_GROUPS, entry_point_configs
+    from diffalign.rewards.python_function import PREFIX, load_function, register_python_reward
 
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -86,20 +58,20 @@ def _command_line_overrides() -> list[str]:
 
 
 def _train_main(cfg: DictConfig) -> None:
-    from diffalign.deprecation import migrate_config
-    from diffalign.init_lora import adopt_init_lora, command_line_model_keys
-    from diffalign.train.distributed import check_launch
-    from diffalign.validation import validate_train_config
+    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.validation import validate_train_config
+    from diffalign.lora.initial import adopt_init_lora, command_line_model_keys
+    from diffalign.runtime.distributed import check_launch
 
     try:
         # old config keys → new ones, a FutureWarning each; an old key beside its new one is an error
-        migrate_config(cfg, _command_line_overrides())  # (diffalign.deprecation)
+        migrate_config(cfg, _command_line_overrides())  # (diffalign.config.deprecation)
         # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
-        # command line is an error), read before any model is loaded (diffalign/init_lora.py); then every setting,
+        # command line is an error), read before any model is loaded (diffalign/lora/initial.py); then every setting,
         # the adopted ones included, is checked
         adopt_init_lora(cfg, explicit=command_line_model_keys())
         validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
-        check_launch(cfg)  # a DeepSpeed launch is refused with its causes (diffalign/train/distributed.py)
+        check_launch(cfg)  # a DeepSpeed launch is refused with its causes (diffalign/runtime/distributed.py)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
     from hydra.utils import get_class
@@ -111,9 +83,9 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
-    from diffalign.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.rewards.base import RewardError
-    from diffalign.runlock import RunLockedError
+    from diffalign.runtime.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
+    from diffalign.runtime.runlock import RunLockedError
 
     try:
         run(cfg)
@@ -144,15 +116,15 @@ def _adopt_saved_lora_settings(cfg: DictConfig, folders: list) -> None:
 
     Raises:
         ValueError: if the checkpoints were trained with different adapter settings (evaluate them separately), a
-            LoRA file cannot be read or is malformed (`diffalign.lora_io.read_lora`), or a LoRA is for the other kind
+            LoRA file cannot be read or is malformed (`diffalign.lora.io.read_lora`), or a LoRA is for the other kind
             of denoiser (`init_lora.check_lora_family`) or another model size (`init_lora.check_lora_fits`).
     """
     import inspect
 
     from hydra.utils import get_method
 
-    from diffalign.init_lora import check_lora_family, check_lora_fits
-    from diffalign.lora_io import read_lora
+    from diffalign.lora.initial import check_lora_family, check_lora_fits
+    from diffalign.lora.io import read_lora
     from diffalign.models.base import saved_lora_settings
 
     for folder in folders:  # an SD3 run's LoRA evaluated on the default SD model (or the reverse), a malformed LoRA or
@@ -188,7 +160,7 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
     Raises:
         ValueError: if the checkpoints' runs trained different models (naming the checkpoints and their models).
     """
-    from diffalign.init_lora import model_config
+    from diffalign.lora.initial import model_config
 
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     if "model" in keys:
@@ -225,18 +197,18 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
 
 
 def _eval_main(cfg: DictConfig) -> None:
-    from diffalign.config_checks import boolean
-    from diffalign.deprecation import migrate_config
-    from diffalign.evaluate import resolve_checkpoints
-    from diffalign.validation import (
+    from diffalign.config.checks import boolean
+    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.validation import (
         check_output_dir,
         check_reward_nodes,
         validate_eval_config,
         validate_reward_modality,
     )
+    from diffalign.evaluation.files import resolve_checkpoints
 
     try:
-        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.deprecation)
+        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.config.deprecation)
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):
             boolean(cfg, key, "")
@@ -266,8 +238,8 @@ def _eval_main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
 
-    from diffalign.faults import StopSignals, TrainingInterrupted
     from diffalign.rewards.base import RewardError
+    from diffalign.runtime.faults import StopSignals, TrainingInterrupted
 
     # SIGTERM / SIGINT: the evaluation stops before its next batch (what is finished is kept; a rerun continues it)
     with StopSignals(hint="run the same command again to continue") as stop:
@@ -284,9 +256,12 @@ def _eval_main(cfg: DictConfig) -> None:
 def _evaluate(cfg: DictConfig, variants: dict) -> None:
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import base_reuse_key, comparison_lines, eval_config_from, evaluate_policy, select_prompts
-    from diffalign.plugins import build_checked_rewards
-    from diffalign.report import write_report
+    from diffalign.evaluation.evaluate import evaluate_policy
+    from diffalign.evaluation.files import base_reuse_key
+    from diffalign.evaluation.generation import eval_config_from, select_prompts
+    from diffalign.evaluation.metrics import comparison_lines
+    from diffalign.evaluation.report import write_report
+    from diffalign.rewards.reward_set import build_checked_rewards
     from diffalign.world.prompts import load_prompts
 
     rewards = build_checked_rewards(cfg.reward)  # build → guard, as the training loops' evaluation
@@ -315,7 +290,7 @@ def _say_interrupted() -> None:
 @quiet_on_broken_pipe
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
-    _setup()
+    setup_hydra()
     try:
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
@@ -330,7 +305,7 @@ def train() -> None:
 @quiet_on_broken_pipe
 def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
-    _setup()
+    setup_hydra()
     try:
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:

@@ -7,10 +7,12 @@ declarations; they hold no method names. Every method has
   "online_trajectories" (`ONLINE_FLOWS`, `diffalign.train.online`), "pairs" or "winners" (`PREFERENCE_FLOWS`,
   `diffalign.train.preference`);
 - ``check_config(cfg, num_processes=None)`` (classmethod): its own checks of the composed run config, run by
-  `diffalign.validation.validate_train_config` before any model loads and again by the loop (errors name the field and
-  the fix); e.g. the model family it trains (a model config's class says ``flow_matching``) or the sampler it needs;
+  `diffalign.config.validation.validate_train_config` before any model loads and again by the loop (errors name the
+  field and the fix); e.g. the model family it trains (a model config's class says ``flow_matching``) or the sampler it
+  needs;
 - a constructor that only checks and stores its arguments (cheap, no side effects): validation builds the method
-  once from ``cfg.method`` so that its argument checks run before any model loads (`diffalign.validation.construct`);
+  once from ``cfg.method`` so that its argument checks run before any model loads
+  (`diffalign.config.validation.construct`);
 - ``setup(policy)``: called once, after the reference strategy's setup and before the optimizer collects the
   trainable parameters (adapters it needs go on the denoiser here);
 - ``checkpoint_states()``: ``{file stem: object with state_dict / load_state_dict}`` saved with every checkpoint and
@@ -42,19 +44,24 @@ import numpy as np
 import torch
 
 from diffalign.advantages import ADVANTAGE_KINDS  # noqa: F401 (what `OnlineMethod.advantage` may be)
-from diffalign.samplers.groups import stream_seed
 from diffalign.types import PreferenceBatch, Trajectory, WinnerBatch
 
 ONLINE_FLOWS = ("online_groups", "online_trajectories")
 PREFERENCE_FLOWS = ("pairs", "winners")
 BATCH_TYPES = {"pairs": PreferenceBatch, "winners": WinnerBatch}  # what a preference method is called with
-# stream tags of an online epoch's draws (diffalign.samplers.groups uses 0 and 1, the preference loop 20)
+# stream tags of an online epoch's draws (`stream_seed`; diffalign.samplers.groups uses 0 and 1, the preference
+# loop 20)
 PROMPTS, TIMESTEPS, NOISE, SHUFFLE = 10, 11, 12, 13
 
 _COMMON = ("data_flow", "check_config", "setup", "checkpoint_states")
 ONLINE_MEMBERS = (*_COMMON, "rollout_policy", "log_prob_reduction", "advantage", "epoch_updates", "prepare", "plan",
                   "loss")
 PREFERENCE_MEMBERS = _COMMON
+
+
+def stream_seed(seed: int, epoch: int, group: int, member: int, stream: int) -> int:
+    """A 63-bit seed for one random stream, from ``SeedSequence([seed, epoch, group, member, stream])``."""
+    return int(np.random.SeedSequence([seed, epoch, group, member, stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def epoch_generator(seed: int, epoch: int, tag: int, extra: int = 0) -> torch.Generator:
@@ -115,8 +122,9 @@ class CurrentPolicy:
 
 
 class RolloutPolicy(Protocol):
-    """The policy an online method samples its epochs with (`CurrentPolicy`, or `diffalign.old_policy.EmaRolloutPolicy`
-    for DGPO's θ⁻); ``after_update()`` follows every optimizer step."""
+    """The policy an online method samples its epochs with (`CurrentPolicy`, or
+    `diffalign.reference.old_policy.EmaRolloutPolicy` for DGPO's θ⁻); ``after_update()`` follows every optimizer
+    step."""
 
     def use(self, policy) -> contextlib.AbstractContextManager: ...
 

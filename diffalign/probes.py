@@ -48,10 +48,11 @@ def compose_run_config(overrides: list[str], output_dir: str):
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
-    from diffalign.cli import CONFIG_DIR, _setup, check_reward_overrides
-    from diffalign.deprecation import migrate_config
+    from diffalign.cli import check_reward_overrides
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
+    from diffalign.config.deprecation import migrate_config
 
-    _setup()
+    setup_hydra()
     check_reward_overrides(overrides)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         try:
@@ -72,8 +73,8 @@ def build_probe_setup(cfg) -> ProbeSetup:
     """
     from hydra.utils import instantiate
 
-    from diffalign.init_lora import build_policy
-    from diffalign.plugins import build_selected_rewards
+    from diffalign.lora.initial import build_policy
+    from diffalign.rewards.reward_set import build_selected_rewards
     from diffalign.world.prompts import load_prompts
 
     torch.manual_seed(cfg.seed)

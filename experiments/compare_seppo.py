@@ -44,9 +44,9 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from diffalign.cli import CONFIG_DIR, _setup
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
 
-    _setup()
+    setup_hydra()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return hydra_compose(config_name="train", overrides=overrides)
@@ -56,8 +56,9 @@ def evaluate(lora_dir: str | None, prompts_per_tag: int | None, seeds: list[int]
     """Held-out verifier accuracy of the tiny SD model (base when `lora_dir` is None)."""
     from hydra.utils import instantiate
 
-    from diffalign.evaluate import EvalConfig, generate, score, select_prompts, summarize
-    from diffalign.plugins import build_reward
+    from diffalign.evaluation.generation import EvalConfig, generate, select_prompts
+    from diffalign.evaluation.scoring import score, summarize
+    from diffalign.rewards.reward_set import build_reward
     from diffalign.world.prompts import load_prompts
 
     cfg = compose(["model=tiny_sd"])  # every compared method trains LoRA on the attention projections

@@ -49,7 +49,7 @@ def runs_table(folder: Path) -> None:
 def pairs_table(folder: Path) -> None:
     import torch
 
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
     from diffalign.data.ddspo_pairs import DDSPOPairs
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
     from diffalign.rewards.geneval_shapes import GenevalShapes

@@ -30,14 +30,14 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from diffalign.cli import CONFIG_DIR, _setup
-    from diffalign.deprecation import migrate_config
-    from diffalign.evaluate import EvalConfig, generate, select_prompts
-    from diffalign.init_lora import build_policy
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
+    from diffalign.config.deprecation import migrate_config
+    from diffalign.evaluation.generation import EvalConfig, generate, select_prompts
+    from diffalign.lora.initial import build_policy
     from diffalign.rewards.geneval_shapes import GenevalShapes
     from diffalign.world.prompts import load_prompts
 
-    _setup()
+    setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/fragility", *args.overrides])
     migrate_config(cfg, args.overrides)

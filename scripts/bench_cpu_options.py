@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch
 
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
 
     policy = StableDiffusionPolicy.from_pretrained(

@@ -27,7 +27,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.rewards import futures
 from diffalign.rewards.brightness import Brightness
 from diffalign.rewards.server import RewardServer
@@ -49,7 +49,7 @@ class SlowJudge:
 
 def run(url: str, out: Path, args: argparse.Namespace) -> tuple[list[float], float]:
     """Epoch seconds and the last epoch's reward mean of one tiny Flow-GRPO run scored by the server at `url`."""
-    _setup()
+    setup_hydra()
     GlobalHydra.instance().clear()
     overrides = [f"output_dir={out}", "model=tiny_random", "method=flow_grpo", "sampler=ddim",
                  f"online.num_epochs={args.epochs}", f"online.groups_per_epoch={args.groups}", "online.group_size=4",

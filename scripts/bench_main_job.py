@@ -111,7 +111,7 @@ def denoiser_floors(batches: list[int], train_batch: int | None, repeats: int, d
     at `train_batch` rows with the main job's LoRA (conv + attention, rank 8) trained."""
     import torch
 
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
 
     policy = StableDiffusionPolicy.from_pretrained(
@@ -154,7 +154,7 @@ def sampling_speed(batch: int, steps: int, repeats: int, device: str, dtype: str
     in one loop so that both see the same machine state; medians over `repeats`."""
     import torch
 
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
     from diffalign.samplers.rollout import family_sampler, rollout
     from diffalign.world.prompts import load_prompts

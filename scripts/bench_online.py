@@ -238,12 +238,12 @@ def asset_path(name: str):
 
 def migrate_config(cfg) -> None:
     """What the loop's `train` does first: old config keys moved to their new names."""
-    _first_import(("diffalign.config.deprecation", "migrate_config"), ("diffalign.deprecation", "migrate_config"))(cfg)
+    _first_import(("diffalign.config.deprecation", "migrate_config"), ("diffalign.config.deprecation", "migrate_config"))(cfg)
 
 
 def warning_counts():
     """A fresh `WarningCounts` (what the loop's `train` hands every run)."""
-    return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.console", "WarningCounts"))()
+    return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.runtime.console", "WarningCounts"))()
 
 
 def compose_config(overrides: list[str]):

@@ -468,11 +468,11 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     import torch
     from hydra import compose, initialize_config_dir
 
-    from diffalign.cli import CONFIG_DIR, _setup
-    from diffalign.console import WarningCounts
-    from diffalign.deprecation import migrate_config
-    from diffalign.faults import StopSignals
-    from diffalign.validation import validate_train_config
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
+    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.validation import validate_train_config
+    from diffalign.runtime.console import WarningCounts
+    from diffalign.runtime.faults import StopSignals
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     peaks = Peaks()
@@ -481,7 +481,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
         in_memory_loading(load_arch(MODELS[model]["arch"]), size if model != "wan21_t2v" else None)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{model}-{method}-", dir=work / "runs"))
     overrides = overrides_for(model, method, dtype, folder, size, work, run_dir)
-    _setup()
+    setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     migrate_config(cfg, overrides)
@@ -517,7 +517,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
 
         loop.group_rollout, loop._updates = timed_rollout, timed_updates
         run = loop._setup(cfg)
-        run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.console)
+        run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.runtime.console)
         row["setup_s"] = time.perf_counter() - t0
         touch(run.policy)
         row["rss_weights"] = _status("VmRSS")
@@ -529,7 +529,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
 
         with StopSignals() as stop:
             run = loop._setup(cfg)
-            run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.console)
+            run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.runtime.console)
             touch(run.policy)
             row["rss_weights"] = _status("VmRSS")
             start = time.perf_counter()
@@ -738,9 +738,9 @@ def estimate(rows: list[dict], work: Path) -> str:
     """The GPU memory each paper recipe needs, from the measured rows (see docs/guides/real_size.md for the method)."""
     from hydra import compose, initialize_config_dir
 
-    from diffalign.cli import CONFIG_DIR, _setup
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
 
-    _setup()
+    setup_hydra()
     head = ("| recipe | trains | resolution, micro-batch (grad rows × positions) | frozen weights GiB | LoRA, grads, "
             "Adam GiB | step memory GiB | total GiB | GPU |")
     lines = [head, "|" + "---|" * 8]

@@ -14,7 +14,7 @@ A linear cost model predicts an epoch as rollouts × steps × t_fwd(rows) + unit
 the CSV gives each point's measured phases next to its floors, so the fit can be made and checked.
 
 The reference pool (``reference=pool``, SePPO's): K ∈ {1, 3, 7} snapshots of the policy's LoRA
-(`diffalign.reference.PoolReference`, ``save_every=1``, ``keep=K``, filled by K updates' ``on_step``), its stored
+(`diffalign.reference.pool.PoolReference`, ``save_every=1``, ``keep=K``, filled by K updates' ``on_step``), its stored
 bytes (``stored_bytes``: K × the adapter's float32 bytes) and the process's resident-set growth while it fills.
 
     python scripts/cost_model.py --out cost/                 # cost/cost_model.csv, cost/pool_memory.csv, cost/cost_model.png

@@ -1,4 +1,4 @@
-"""Reproduces the torch 2.14 CPU bug that `diffalign.train.distributed.CheckpointOptimizer` avoids: FSDP1's full
+"""Reproduces the torch 2.14 CPU bug that `diffalign.runtime.distributed.CheckpointOptimizer` avoids: FSDP1's full
 optimizer-state gather with ``offload_to_cpu=True`` returns Adam's ``exp_avg`` equal to ``exp_avg_sq`` (2 gloo
 processes, a 2-layer model with one frozen weight, 2 AdamW steps). Prints, per parameter and setting, whether the two
 moments are equal. Run: ``OMP_NUM_THREADS=1 python scripts/fsdp_offload_gather_check.py``."""

@@ -179,7 +179,7 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
            "batch": batch, "train_rows": rows, "guidance_scale": spec["cfg"]}
     from bench_online import _first_import
 
-    build_policy = _first_import(("diffalign.lora.initial", "build_policy"), ("diffalign.init_lora", "build_policy"))
+    build_policy = _first_import(("diffalign.lora.initial", "build_policy"), ("diffalign.lora.initial", "build_policy"))
     start = time.perf_counter()
     with in_memory_pipelines(arch, sample_size, device):
         policy = build_policy(cfg, log=lambda *a: None)

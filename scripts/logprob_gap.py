@@ -5,7 +5,7 @@ log π_θ of the same transition in its training forward; before the first updat
 ρ = exp(log π_recompute − log π_rollout) must be 1 and any deviation is float noise that eats into the clip range ε_c
 (Flow-GRPO's default 1e-4). A reported user case (verl-omni#280) saw that gap grow about 20× with CFG on. This
 script measures it: for each tiny model (SD1.x ε, SDXL ε, SD3-format flow, FLUX with the guidance embedding — no CFG
-batch — and Wan 2.1), each guidance scale and each precision it samples one stochastic rollout with stored
+batch — Wan 2.1 and Wan 2.2 with its two experts), each guidance scale and each precision it samples one stochastic rollout with stored
 log-probs (flow models: the Flow-GRPO SDE, a = 0.7; ε-models: DDIM, η = 1), then recomputes every transition as the
 training forward does (`diffalign.samplers.rollout.recompute_log_probs`, unconditional branch detached as Flow-GRPO
 trains), with a LoRA of random non-zero values (a trained policy's, not the no-op fresh one) and prints
@@ -44,16 +44,17 @@ def _builders() -> dict[str, Callable[[], object]]:
     from diffalign.models.tiny_flux import build_tiny_flux_policy
     from diffalign.models.tiny_random import build_tiny_random_policy
     from diffalign.models.tiny_sdxl import build_tiny_sdxl_policy
-    from diffalign.models.tiny_video import build_tiny_wan_policy
+    from diffalign.models.tiny_video import build_tiny_wan22_policy, build_tiny_wan_policy
 
     return {"sd15": lambda: build_tiny_random_policy(seed=0, lora_rank=4),           # model=tiny_random
             "sdxl": lambda: build_tiny_sdxl_policy(seed=0, lora_rank=4),             # model=tiny_sdxl_random
             "sd3": lambda: build_tiny_flow_policy(seed=0, lora_rank=4),              # model=tiny_flow_random
             "flux": lambda: build_tiny_flux_policy(seed=0, lora_rank=4),             # model=tiny_flux_random
-            "wan": lambda: build_tiny_wan_policy(seed=0, num_frames=5, lora_rank=4)}  # model=tiny_wan_random
+            "wan": lambda: build_tiny_wan_policy(seed=0, num_frames=5, lora_rank=4),  # model=tiny_wan_random
+            "wan22": lambda: build_tiny_wan22_policy(seed=0, num_frames=5, lora_rank=4)}  # model=tiny_wan22_random
 
 
-FAMILIES = ("sd15", "sdxl", "sd3", "flux", "wan")
+FAMILIES = ("sd15", "sdxl", "sd3", "flux", "wan", "wan22")
 
 
 @dataclass

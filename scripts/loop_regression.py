@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from safetensors.torch import load_file
 
-from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.config.compose import CONFIG_DIR, setup_hydra
 
 ONLINE = ["online.num_epochs=2", "online.groups_per_epoch=2", "online.group_size=4", "online.rollout_batch_size=8",
           "online.checkpointing_epochs=1", "trainer.batch_size=8", "sampler.num_inference_steps=4"]
@@ -66,7 +66,7 @@ def run_case(name: str, root: Path) -> dict:
     tmp.mkdir(parents=True)
     (tmp / "prompts.txt").write_text("a red circle\na blue square\na green triangle\na yellow circle\n")
     overrides = [o.replace("{tmp}", str(tmp)) for o in overrides] + COMMON + [f"output_dir={tmp / 'run'}"]
-    _setup()
+    setup_hydra()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)

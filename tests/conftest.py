@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from PIL import Image
 
-from diffalign.cli import CONFIG_DIR, _setup
+from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.types import RewardOutput
 
@@ -74,7 +74,7 @@ def perturb_lora_(policy, std: float = 0.2, seed: int = 1) -> None:
 def release_run_locks():
     """``diffalign-train`` run in this process keeps the run lock of a refused run until the process exits (Hydra
     skips its end-of-run callbacks on SystemExit; the CLI exits there): release what a test took."""
-    from diffalign import runlock
+    from diffalign.runtime import runlock
 
     before = set(runlock._HELD)
     yield
@@ -109,7 +109,7 @@ def perturb_lora():
 
 def compose_cfg(overrides: list[str], name: str = "train"):
     """The config `name` (``train`` or ``evaluate``) composed with `overrides`, as ``diffalign-train`` would."""
-    _setup()
+    setup_hydra()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name=name, overrides=overrides, return_hydra_config=False)

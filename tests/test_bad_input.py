@@ -20,12 +20,12 @@ import torch
 from conftest import compose_cfg, png_bytes, smoke_overrides
 from PIL import Image
 
-from diffalign.checkpoint import load_checkpoint, save_checkpoint
+from diffalign.config.validation import validate_train_config
 from diffalign.data.images import load_image
 from diffalign.data.pickapic import PickAPicPairs
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.models.tiny_random import build_tiny_random_policy
-from diffalign.validation import validate_train_config
+from diffalign.runtime.checkpoint import load_checkpoint, save_checkpoint
 from diffalign.world.prompts import load_prompts
 
 

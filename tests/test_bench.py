@@ -1,5 +1,5 @@
-"""The learning benchmark's bookkeeping (`diffalign.bench`): the runs' overrides, the figures read back from a run
-folder, and the statistics over seeds, checked by hand on a fabricated run folder."""
+"""The learning benchmark's bookkeeping (`diffalign.evaluation.bench`): the runs' overrides, the figures read back from
+a run folder, and the statistics over seeds, checked by hand on a fabricated run folder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffalign.bench import METHODS, main, markdown, read_run, run_overrides, summarize
+from diffalign.evaluation.bench import METHODS, main, markdown, read_run, run_overrides, summarize
 
 
 def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():

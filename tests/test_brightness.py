@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffalign.plugins import entry_point_configs
+from diffalign.config.registry import entry_point_configs
 from diffalign.rewards.brightness import Brightness
 
 

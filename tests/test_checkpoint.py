@@ -10,7 +10,7 @@ import torch
 from diffusers.optimization import get_scheduler
 from safetensors.torch import load_file, save_file
 
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from diffalign.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def build(seed: int = 0):

@@ -15,7 +15,7 @@ import pytest
 from conftest import CHILD_ENV, REPO
 from omegaconf import OmegaConf
 
-from diffalign.config_checks import ConfigError
+from diffalign.config.checks import ConfigError
 from diffalign.rewards.brightness import Brightness
 from diffalign.rewards.http import HttpReward
 from diffalign.rewards.server import RewardServer

@@ -14,8 +14,8 @@ from conftest import compose_cfg, smoke_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from diffalign.cli import CONFIG_DIR
-from diffalign.validation import validate_train_config
+from diffalign.config.compose import CONFIG_DIR
+from diffalign.config.validation import validate_train_config
 
 GROUPS = {g: sorted(p.stem for p in (Path(CONFIG_DIR) / g).glob("*.yaml"))
           for g in ("model", "method", "sampler", "trainer", "data", "eval", "reference", "recipe")}
@@ -207,7 +207,7 @@ def test_eval_command_builds_the_adapter_the_checkpoint_was_trained_with(tmp_pat
     from PIL import Image
 
     from diffalign.cli import _eval_main
-    from diffalign.evaluate import _sample, eval_config_from
+    from diffalign.evaluation.generation import eval_config_from, sample_images
     from diffalign.models.base import saved_lora_settings
     from diffalign.models.tiny_random import build_tiny_random_policy
     from diffalign.train.preference import train
@@ -225,8 +225,8 @@ def test_eval_command_builds_the_adapter_the_checkpoint_was_trained_with(tmp_pat
     policy.load_lora_weights(tmp_path / "run" / "final")
     sample = json.loads((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()[0])
     p = sample["prompt_index"]
-    rows = [{"prompt": sample["prompt"]}] * (p + 1)  # _sample reads rows[p] only
-    expected = _sample(policy, [(p, 0)], rows, eval_config_from(cfg.eval), use_reference=False)[0]
+    rows = [{"prompt": sample["prompt"]}] * (p + 1)  # sample_images reads rows[p] only
+    expected = sample_images(policy, [(p, 0)], rows, eval_config_from(cfg.eval), use_reference=False)[0]
     written = np.asarray(Image.open(tmp_path / "ev" / sample["image"]).convert("RGB"))
     assert np.abs(written.astype(int) - (expected.permute(1, 2, 0).numpy() * 255).round().astype(int)).max() <= 1
 

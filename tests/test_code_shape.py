@@ -1,22 +1,29 @@
-"""The shape the method contract promises (issue 18, "Done when"): the two training loops name no method, and no
-function in the package exceeds 120 lines."""
+"""The shape of the package (issues 18 and 30): the two training loops name no method, no function exceeds 120 lines,
+at most 12 modules sit directly under diffalign/ (the rest in sub-packages by role), and the import layers stated in
+pyproject.toml ([tool.importlinter]) hold."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 
-PACKAGE = Path(__file__).resolve().parents[1] / "diffalign"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "diffalign"
 MAX_FUNCTION_LINES = 120
+MAX_TOP_LEVEL_MODULES = 12
 LOOPS = ("train/online.py", "train/preference.py")
 
 
 def method_names() -> set[str]:
     """Every method's names as words, lower-cased: the method options (``configs/method/*.yaml``, split at ``_``; the
-    generic words diffusion, flow, tiny and guard only joined: the loops use ``diffalign.rewards.guard``), their
+    generic words diffusion, flow, tiny and guard only joined: the loops use a `NonFiniteGuard`), their
     objective classes and the families they belong to."""
     names = {"grpo", "dancegrpo", "dpo"}
     for option in (PACKAGE / "configs" / "method").glob("*.yaml"):
@@ -64,11 +71,44 @@ def test_the_walk_finds_a_long_method_in_a_class():
     assert long_functions(source.replace("        x0 = 0\n", "")) == []  # 120 lines is allowed
 
 
+def test_at_most_12_modules_sit_directly_under_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    assert {"__init__.py", "methods.py", "types.py", "advantages.py", "cli.py"} <= set(top)  # the contract, the CLI
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the contracts of ``root/pyproject.toml``, analysing ``root/diffalign`` (not an installed
+    copy)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [str(Path(sys.executable).with_name("lint-imports")), "--no-cache", "--no-logo"]
+    return subprocess.run(command, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contracts_hold():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path):
+    """A copy of the package where the method contract imports the CLI breaks both contracts: an import from the bottom
+    layer to the top one, and a cycle between sub-packages (the CLI imports the contract)."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(PACKAGE, tmp_path / "diffalign", ignore=shutil.ignore_patterns("assets", "configs", "__pycache__"))
+    types = tmp_path / "diffalign" / "types.py"
+    types.write_text(types.read_text() + "\nimport diffalign.cli  # noqa: E402,F401\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "0 kept, 2 broken" in result.stdout, result.stdout
+    assert "diffalign.types -> diffalign.cli" in result.stdout, result.stdout
+
+
 def test_safetensors_files_are_written_only_through_save_safetensors():
-    """safetensors writes 0600 whatever the umask; `diffalign.models.base.save_safetensors` restores the umask's mode
+    """safetensors writes 0600 whatever the umask; `diffalign.runtime.files.save_safetensors` restores the umask's mode
     (tests/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
     direct = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
-              if path.name != "base.py" or path.parent.name != "models"
+              if path.name != "files.py" or path.parent.name != "runtime"
               for number, line in enumerate(path.read_text().splitlines(), 1)
               if re.search(r"\bsave_file\(", line) and not line.lstrip().startswith(("#", '"', "f\""))]
     assert not direct, direct

@@ -1,6 +1,7 @@
 """Quiet, informative consoles (issue 20 item 5): warnings that repeat at every step are counted and reported once per
 logging interval (``trainer.warnings_every`` steps, an epoch online, a variant of an evaluation), with the totals in
-``results.json`` and the trackers, and nothing is written through an open progress bar (`diffalign.console`)."""
+``results.json`` and the trackers, and nothing is written through an open progress bar
+(`diffalign.runtime.console`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 from conftest import CHILD_ENV, REPO, compose_cfg, smoke_overrides
 
-from diffalign.console import console_summary, literal, warn_repeated
+from diffalign.runtime.console import console_summary, literal, warn_repeated
 
 log = logging.getLogger("test_console")
 
@@ -89,7 +90,8 @@ def test_saturation_in_the_preference_loop_is_one_line_per_interval_with_the_cou
 def test_a_long_prompt_in_an_evaluation_is_one_line_per_variant(tmp_path, caplog):
     """Three prompts longer than the tiny text encoder's 12 tokens: one line for the base variant (each prompt is
     reported the first time the encoder sees it), none for the second variant (the same prompts)."""
-    from diffalign.evaluate import EvalConfig, evaluate_policy
+    from diffalign.evaluation.evaluate import evaluate_policy
+    from diffalign.evaluation.generation import EvalConfig
     from diffalign.models.tiny_random import build_tiny_random_policy
     from diffalign.rewards.brightness import Brightness
 

@@ -170,8 +170,8 @@ def test_shapes_winners_are_the_shapes_pairs_winners():
 
 def test_diffusion_dpo_trains_on_pickapic_rows(tmp_path):
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     path = write_table(tmp_path, [1, 0, 0.5, 1])  # 8x8 images, resized to the tiny model's 32 px
     overrides = [f"output_dir={tmp_path / 'run'}", "model=tiny_random", "data=pickapic", f"data.path={path}",

@@ -240,8 +240,8 @@ def test_command_writes_a_folder(tmp_path):
 def test_tiny_ddspo_recipe_runs_and_dpo_trains_on_the_same_pairs(tmp_path):
     from conftest import compose_cfg
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a red circle", "two blue squares",

@@ -1,6 +1,6 @@
 """Renamed config keys (issue 18 item 7): the field's standard names, with the old keys still working until 0.3 through
-one helper (`diffalign.deprecation.migrate_config`): a FutureWarning naming the old key, the new key and the value
-carried over; an old key and its new key set together is an error naming both."""
+one helper (`diffalign.config.deprecation.migrate_config`): a FutureWarning naming the old key, the new key and the
+value carried over; an old key and its new key set together is an error naming both."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from conftest import compose_cfg, online_overrides
 from safetensors.torch import load_file
 
-from diffalign.deprecation import migrate_config
+from diffalign.config.deprecation import migrate_config
 
 
 def migrated(overrides: list[str]):

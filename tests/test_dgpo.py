@@ -8,8 +8,8 @@ import torch
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.common import per_sample_mse
 from diffalign.objectives.dgpo import DGPO, boxed_group_loss, group_noise, select_train_timesteps
-from diffalign.old_policy import EmaRolloutPolicy
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.reference.old_policy import EmaRolloutPolicy
 from diffalign.samplers.flow_sde import FlowSDESampler
 from diffalign.samplers.groups import group_initial_noise, group_rollout
 from diffalign.samplers.ode import DPMSolverSampler
@@ -137,7 +137,7 @@ def test_rollout_policy_is_theta_until_the_switch_then_an_ema():
 
 
 def test_kl_term_is_taken_against_the_base_while_the_dpo_term_uses_an_ema_reference():
-    from diffalign.reference import EmaReference
+    from diffalign.reference.ema import EmaReference
 
     # released scripts/train_sd3_dgpo.py: ref_old_v under `transformer.module.disable_adapter()`, the KL is
     # mean((model_v − ref_old_v)²) and, with use_ema_ref, only the DPO term's reference becomes the EMA's prediction

@@ -13,6 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from safetensors.torch import load_file
 
 from diffalign.advantages import group_advantages
+from diffalign.config.validation import validate_train_config
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, OnlineEpoch, check_method
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.diffusion_nft import (
@@ -25,9 +26,8 @@ from diffalign.objectives.diffusion_nft import (
     optimality_probability,
     training_schedule,
 )
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.types import PromptEmbeds, Trajectory
-from diffalign.validation import validate_train_config
 
 # ------------------------------------------------------------------------------------------------ hand-built values
 

@@ -12,11 +12,15 @@ import torch
 from conftest import perturb_lora_
 from PIL import Image
 
-import diffalign.evaluate as evaluate_module
-from diffalign.evaluate import EvalConfig, evaluate_policy, resolve_checkpoints, summarize
-from diffalign.media import save_video
+import diffalign.evaluation.evaluate as evaluate_module
+import diffalign.evaluation.generation as generation_module
+from diffalign.evaluation.evaluate import evaluate_policy
+from diffalign.evaluation.files import checkpoint_step, resolve_checkpoints
+from diffalign.evaluation.generation import EvalConfig
+from diffalign.evaluation.scoring import compare, summarize
+from diffalign.evaluation.stats import bootstrap_ci, paired_wins
 from diffalign.models.tiny_random import build_tiny_random_policy
-from diffalign.stats import bootstrap_ci, paired_wins
+from diffalign.runtime.media import save_video
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 
@@ -80,7 +84,7 @@ def test_two_identical_checkpoints_give_identical_images_and_a_win_rate_of_one_h
     scores_b = [by["b", p, s]["mean"] for s in (0, 1) for p in range(3)]
     wins = paired_wins(scores_b, scores_a)
     assert wins.mean() == 0.5 and set(wins) == {0.5}
-    same = evaluate_module.compare({"mean": {"scores": scores_a}}, {"mean": {"scores": scores_b}}, "a", "b",
+    same = compare({"mean": {"scores": scores_a}}, {"mean": {"scores": scores_b}}, "a", "b",
                                    groups=[0, 1, 2, 0, 1, 2])
     assert same["mean/win_rate"]["win_rate"] == 0.5 and same["mean/win_rate"]["ties"] == 6
     assert same["mean/win_rate"]["ci"] == [0.5, 0.5]
@@ -180,7 +184,7 @@ def test_checkpoint_lists_expand_run_folders_in_step_order(tmp_path):
     variants = resolve_checkpoints(["base", str(run / "final"), str(run)])
     assert list(variants) == ["base", "my-run/final", "my-run/checkpoint-2", "my-run/checkpoint-10"]
     assert variants["base"] is True and variants["my-run/checkpoint-10"] == run / "checkpoint-10"
-    assert evaluate_module.checkpoint_step("my-run/checkpoint-10") == 10
+    assert checkpoint_step("my-run/checkpoint-10") == 10
     with pytest.raises(ValueError, match="listed twice"):
         resolve_checkpoints(["base", str(run / "final"), str(run / "final")])
     with pytest.raises(FileNotFoundError, match="neither 'base'"):
@@ -204,8 +208,8 @@ def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(
     lines = (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == (4 + 2) * 2
     sampled = []
-    original = evaluate_module.rollout
-    monkeypatch.setattr(evaluate_module, "rollout", lambda policy, prompts, sampler, **kw: (
+    original = generation_module.rollout
+    monkeypatch.setattr(generation_module, "rollout", lambda policy, prompts, sampler, **kw: (
         sampled.extend(prompts), original(policy, prompts, sampler, **kw))[1])
     resumed = run("ev", KnownOutcomes())
     assert sampled == [rows[2]["prompt"]] * 2 + [rows[3]["prompt"]] * 2  # only ft's unfinished prompts
@@ -221,8 +225,8 @@ def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(
 
 
 def test_video_samples_are_written_as_gif_and_shown_by_their_first_frame(tmp_path, monkeypatch):
-    original = evaluate_module._sample
-    monkeypatch.setattr(evaluate_module, "_sample", lambda *a, **kw: original(*a, **kw).unsqueeze(1).repeat(
+    original = evaluate_module.sample_images
+    monkeypatch.setattr(evaluate_module, "sample_images", lambda *a, **kw: original(*a, **kw).unsqueeze(1).repeat(
         1, 3, 1, 1, 1) * torch.linspace(0.2, 1.0, 3).view(1, 3, 1, 1, 1))  # (N, F=3, C, H, W)
     metrics = evaluate_policy(build_tiny_random_policy(seed=0), _rows(2), {"v": KnownOutcomes()},
                               EvalConfig(seeds=[0], num_inference_steps=1), tmp_path, {"base": True}, progress=False)
@@ -230,7 +234,7 @@ def test_video_samples_are_written_as_gif_and_shown_by_their_first_frame(tmp_pat
     gif = Image.open(tmp_path / sample["video"])
     assert sample["video"].endswith(".gif") and gif.n_frames == 3
     assert (tmp_path / sample["image"]).is_file() and metrics["variants"]["base"]["num_images"] == 2
-    from diffalign.report import write_report
+    from diffalign.evaluation.report import write_report
 
     assert sample["video"] in write_report(tmp_path).read_text()
 
@@ -256,7 +260,7 @@ def test_save_video_writes_gif_and_mp4(tmp_path):
 
 def test_comparison_lines_give_each_gain_with_its_se_and_ratio():
     """diffalign-eval's console summary (it printed metrics.json's variants and comparisons as indented JSON)."""
-    from diffalign.evaluate import comparison_lines
+    from diffalign.evaluation.metrics import comparison_lines
 
     metrics = {"labels": ["base", "ft", "ft2"],
                "ft_vs_base": {"r/mean": {"gain": 0.071, "se": 0.0178}, "r/accuracy": {"gain": -0.02, "se": 0.0},

@@ -43,7 +43,8 @@ def run_python(site: Path, code: str) -> subprocess.CompletedProcess:
 def test_installed_plugin_is_found_by_name_and_scores(installed_plugin):
     result = run_python(installed_plugin,
         "import torch\n"
-        "from diffalign.plugins import build_reward, build_rewards, entry_point_configs\n"
+        "from diffalign.config.registry import entry_point_configs\n"
+        "from diffalign.rewards.reward_set import build_reward, build_rewards\n"
         "configs = entry_point_configs()\n"
         "assert configs['example_saturation'].__module__ == 'diffalign_example_reward', configs\n"
         "reward = build_reward('example_saturation', scale=2.0)\n"
@@ -73,7 +74,7 @@ def test_installed_plugin_is_selectable_on_the_command_line(installed_plugin):
 
 def test_a_name_that_exists_nowhere_lists_the_available_rewards(installed_plugin):
     result = run_python(installed_plugin,
-        "from diffalign.plugins import build_reward\n"
+        "from diffalign.rewards.reward_set import build_reward\n"
         "try:\n"
         "    build_reward('nowhere_reward')\n"
         "except ValueError as err:\n"

@@ -127,7 +127,7 @@ def test_the_training_loop_refuses_fewer_pairs_than_one_batch(tmp_path):
 def test_training_samples_never_start_from_an_evaluated_images_noise():
     """Evaluation seeds image (s, p) with s * 1_000_003 + p; on-policy data seeds are 63-bit stream seeds, so none of
     the default data's 594 × 4 samples (data seeds 0-2) shares its initial noise with an evaluated image of 16 seeds."""
-    from diffalign.evaluate import image_seed
+    from diffalign.evaluation.generation import image_seed
 
     data_seeds = {sample_seed(d, i, j) for d in range(3) for i in range(594) for j in range(4)}
     assert len(data_seeds) == 3 * 594 * 4
@@ -138,7 +138,7 @@ def test_training_samples_never_start_from_an_evaluated_images_noise():
 def test_a_data_reward_that_is_not_selected_is_refused_before_any_model_loads(tmp_path):
     from conftest import compose_cfg
 
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "reward=[jpeg_compressibility]"])  # the default data judges with
     with pytest.raises(ValueError, match=r"data.reward='geneval_shapes'.*reward=\[geneval_shapes\]"):  # the verifier

@@ -17,10 +17,10 @@ from conftest import ONLINE_CASES as CASES
 from conftest import REPO, compose_cfg, online_overrides, smoke_overrides
 from safetensors.torch import load_file
 
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint
-from diffalign.faults import NonFiniteError, StopSignals
 from diffalign.objectives.dgpo import DGPO
 from diffalign.objectives.diffusion_dpo import DiffusionDPO
+from diffalign.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from diffalign.runtime.faults import NonFiniteError, StopSignals
 
 LORA = "pytorch_lora_weights.safetensors"
 
@@ -68,12 +68,12 @@ def test_nonfinite_update_is_skipped_counted_and_the_run_goes_on(kind, tmp_path,
     from diffalign.train.preference import train
 
     inject(monkeypatch, DiffusionDPO, "forward", {1}, kind)  # the 2nd update
-    with caplog.at_level(logging.WARNING, logger="diffalign.faults"):
+    with caplog.at_level(logging.WARNING, logger="diffalign.runtime.faults"):
         results = train(compose_cfg(smoke_overrides(tmp_path, steps=3)))
     assert results["global_step"] == 3
     assert [h["nonfinite_skips"] for h in results["history_tail"]] == [0, 1, 1]
-    # said once, in the interval's summary (diffalign.console; the interval is the whole 3-step run)
-    said = [r.getMessage() for r in caplog.records if r.name == "diffalign.faults"]
+    # said once, in the interval's summary (diffalign.runtime.console; the interval is the whole 3-step run)
+    said = [r.getMessage() for r in caplog.records if r.name == "diffalign.runtime.faults"]
     assert said == [("steps 1-3: 1 of 3 optimizer updates skipped: a non-finite loss or gradient (the step still "
                      "counts); 5 in a row stop the run (trainer.max_consecutive_nonfinite)")]
     assert results["warnings"]["nonfinite_skips"]["count"] == 1
@@ -90,12 +90,12 @@ def test_consecutive_nonfinite_updates_stop_with_a_checkpoint(tmp_path, monkeypa
     inject(monkeypatch, DiffusionDPO, "forward", set(range(1, 99)))  # every update after the 1st
     cfg = compose_cfg(smoke_overrides(tmp_path, steps=6) + ["trainer.max_consecutive_nonfinite=2",
                                                             "trainer.checkpointing_steps=100"])
-    with caplog.at_level(logging.WARNING, logger="diffalign.faults"), \
+    with caplog.at_level(logging.WARNING, logger="diffalign.runtime.faults"), \
             pytest.raises(NonFiniteError, match=r"2 updates in a row.*step 3.*max_consecutive_nonfinite=2.*"
                                                 r"checkpoint saved to .*checkpoint-3") as info:
         train(cfg)
     # the interval cut short by the stop is reported on the way out
-    assert [r.getMessage() for r in caplog.records if r.name == "diffalign.faults"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "diffalign.runtime.faults"] == [
         ("at the end: 2 of 3 optimizer updates skipped: a non-finite loss or gradient (the step still counts); 2 in "
          "a row stop the run (trainer.max_consecutive_nonfinite)")]
     assert info.value.checkpoint == tmp_path / "checkpoint-3"
@@ -211,7 +211,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 def test_max_consecutive_nonfinite_is_checked_up_front():
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     with pytest.raises(ValueError, match="trainer.max_consecutive_nonfinite must be an integer >= 1"):
         validate_train_config(compose_cfg(["trainer.max_consecutive_nonfinite=0"]))

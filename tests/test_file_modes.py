@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import CHILD_ENV
 
-from diffalign.models.base import save_safetensors
+from diffalign.runtime.files import save_safetensors
 
 UMASK = 0o027
 

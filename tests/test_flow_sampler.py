@@ -151,8 +151,8 @@ def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
 def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
     from conftest import compose_cfg
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.models.tiny_random import build_tiny_random_policy
-    from diffalign.validation import validate_train_config
 
     with pytest.raises(ValueError, match="sampler=dance_sde steps rectified-flow models, but the policy is an eps"):
         rollout(build_tiny_random_policy(seed=0), ["a red circle"],

@@ -2,7 +2,7 @@
 one process on the same global batch; checkpoints in the one-process layout, resumed across process counts.
 
 Launch: ``accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2 <script> ...
-trainer.cpu=true`` (accelerate 1.15 turns FSDP off on CPU; `diffalign.train.distributed` switches it back on)."""
+trainer.cpu=true`` (accelerate 1.15 turns FSDP off on CPU; `diffalign.runtime.distributed` switches it back on)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def moments(run: Path, step: int) -> dict[str, torch.Tensor]:
     """The Adam moments of a checkpoint, keyed ``<param id>.<exp_avg|exp_avg_sq>`` (the one-process layout)."""
-    from diffalign.checkpoint import read_state
+    from diffalign.runtime.checkpoint import read_state
 
     state = read_state(run / f"checkpoint-{step}", "optimizer")["state"]
     return {f"{i}.{k}": v for i, s in state.items() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
@@ -160,8 +160,8 @@ def test_fsdp_flow_grpo_matches_one_process(runs):
 def test_fsdp_refuses_what_it_does_not_shard(tmp_path):
     """A reference strategy that snapshots the LoRA is refused during validation (before the model loads), naming
     the setting and the fix; so is a method that keeps its own copies of the weights."""
-    from diffalign.deprecation import migrate_config
-    from diffalign.train.distributed import check_launch
+    from diffalign.config.deprecation import migrate_config
+    from diffalign.runtime.distributed import check_launch
 
     def cfg(*overrides):
         composed = compose_cfg(["model=tiny_random", *overrides])

@@ -192,7 +192,7 @@ def test_the_tiny_recipe_trains_and_its_first_update_has_ratio_exactly_one(tmp_p
 @pytest.mark.parametrize("sampler, match", [("dance_sde", "sampler.name='dance_sde'"),
                                             ("dpm_ode", "it needs a stochastic sampler")])
 def test_a_sampler_other_than_the_flow_grpo_sde_is_refused_before_any_model_loads(tmp_path, sampler, match):
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     cfg = compose_cfg(["recipe=tiny_grpo_guard", *online_overrides(tmp_path), f"sampler={sampler}"])
     with pytest.raises(ValueError, match=match):

@@ -26,15 +26,13 @@ from conftest import CHILD_ENV, compose_cfg, online_overrides
 from PIL import Image
 from test_plugins import add_entry_points, fake_distribution, isolated_config_groups  # noqa: F401 - autouse
 
-from diffalign import plugins
+from diffalign.config import registry
 from diffalign.data.onpolicy import sample_and_judge
+from diffalign.rewards import reward_set
 from diffalign.rewards.base import RewardError
 from diffalign.rewards.brightness import Brightness
-from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.compressibility import JpegCompressibility
-from diffalign.rewards.futures import ChunkScorer
 from diffalign.rewards.geneval_shapes import GenevalShapes
-from diffalign.rewards.guard import CheckedReward
 from diffalign.rewards.http import (
     PROTOCOL,
     HttpReward,
@@ -44,6 +42,7 @@ from diffalign.rewards.http import (
     encode_images,
     encode_output,
 )
+from diffalign.rewards.reward_set import CheckedReward, ChunkScorer, WeightedSum
 from diffalign.rewards.server import RewardServer, ServerLimits, main, parse_overrides
 from diffalign.samplers.base import build_sampler
 from diffalign.types import RewardOutput
@@ -368,7 +367,7 @@ def test_on_policy_data_judged_by_a_server_equal_the_in_process_data(serve, tiny
 
 
 def test_http_is_a_registered_reward_with_a_config():
-    plugins.register_configs()
+    registry.register_configs()
     cfg = compose_cfg(["reward=[http]", "reward.http.url=http://127.0.0.1:9", "reward.http.max_batch_size=4"])
     assert cfg.reward.http._target_ == "diffalign.rewards.http.HttpReward"
     assert cfg.reward.http.max_batch_size == 4 and cfg.reward.http.image_format == "png"
@@ -385,7 +384,7 @@ def test_two_servers_in_one_run_through_two_entry_point_names(serve, tmp_path, m
     bright, jpeg = serve(Brightness(), name="brightness"), serve(JpegCompressibility(), name="jpeg")
     cfg = compose_cfg(["reward=[ocr,judge]", f"reward.ocr.url={bright.url}", f"reward.judge.url={jpeg.url}",
                        "reward.judge.weight=0.5", "reward.ocr.image_format=float32"])
-    out = plugins.build_rewards(cfg.reward)(IMAGES, PROMPTS)
+    out = reward_set.build_rewards(cfg.reward)(IMAGES, PROMPTS)
     expected = Brightness()(IMAGES, PROMPTS).scores + 0.5 * JpegCompressibility()(quantized(IMAGES), PROMPTS).scores
     assert torch.equal(out.scores, expected)
 

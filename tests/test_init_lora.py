@@ -1,4 +1,4 @@
-"""Starting a run from a saved LoRA (``model.init_lora``, diffalign/init_lora.py; docs/guides/lora.md) on the shipped
+"""Starting a run from a saved LoRA (``model.init_lora``, diffalign/lora/initial.py; docs/guides/lora.md) on the shipped
 tiny SD and SD3 models: each reference strategy with it, the settings taken from the file, resume winning over it, and
 the errors raised before any model loads."""
 
@@ -16,12 +16,14 @@ import torch
 from conftest import CHILD_ENV, compose_cfg, online_overrides, perturb_lora_
 from diffusers import StableDiffusionPipeline
 
-from diffalign.cli import asset_path
-from diffalign.init_lora import adopt_init_lora, build_policy
-from diffalign.lora_io import policy_lora, read_lora, write_kohya
+from diffalign.config.compose import asset_path
+from diffalign.lora.initial import adopt_init_lora, build_policy
+from diffalign.lora.io import policy_lora, read_lora, write_kohya
 from diffalign.models.sd3 import StableDiffusion3Policy
 from diffalign.models.stable_diffusion import StableDiffusionPolicy
-from diffalign.reference import EmaReference, FrozenBaseReference, PoolReference
+from diffalign.reference.ema import EmaReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.reference.pool import PoolReference
 
 LN2 = float(torch.tensor(math.log(2.0)))  # ln 2 in float32, the loss's dtype
 
@@ -141,7 +143,7 @@ def test_video_models_start_from_their_saved_lora(tmp_path, model):
     (and must be the file's)."""
     from hydra.utils import instantiate
 
-    from diffalign.init_lora import model_config
+    from diffalign.lora.initial import model_config
 
     saved = instantiate(model_config(compose_cfg([f"output_dir={tmp_path}", f"model={model}"]).model))
     perturb_lora_(saved)
@@ -155,7 +157,7 @@ def test_video_models_start_from_their_saved_lora(tmp_path, model):
 def test_reference_path_of_another_alpha_is_refused(loras):
     """The reference adapter copies the policy's config: a LoRA of the same rank but another alpha would run at the
     policy's scale, so it is refused naming both."""
-    from diffalign.reference import CheckpointReference
+    from diffalign.reference.checkpoint import CheckpointReference
 
     policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), lora_rank=4, lora_alpha=4,
                                                    lora_target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv1"])

@@ -16,16 +16,16 @@ import pytest
 from conftest import CHILD_ENV as ENV
 from conftest import REPO, compose_cfg
 
-from diffalign.faults import StopSignals, stop_received
+from diffalign.runtime.faults import StopSignals, stop_received
 
 SLOW_EVAL = """
 import time
-import diffalign.evaluate as evaluate
-_sample = evaluate._sample
+import diffalign.evaluation.evaluate as evaluate
+sample_images = evaluate.sample_images
 def slow(*args, **kwargs):
     time.sleep(0.4)  # room for a signal between two batches
-    return _sample(*args, **kwargs)
-evaluate._sample = slow
+    return sample_images(*args, **kwargs)
+evaluate.sample_images = slow
 """
 EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
         "eval.batch_size=1", "report=false"]

@@ -13,9 +13,9 @@ import safetensors.torch
 import torch
 from conftest import compose_cfg
 
-from diffalign.export import main as export_main
-from diffalign.init_lora import adopt_init_lora, meta_denoiser
-from diffalign.lora_io import read_lora
+from diffalign.lora.export import main as export_main
+from diffalign.lora.initial import adopt_init_lora, meta_denoiser
+from diffalign.lora.io import read_lora
 
 KOHYA = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
 DOWN, UP, ALPHA = f"{KOHYA}.lora_down.weight", f"{KOHYA}.lora_up.weight", f"{KOHYA}.alpha"
@@ -147,7 +147,7 @@ def test_a_model_without_a_local_folder_names_the_missing_module_at_load(tmp_pat
     is loaded into it: the message says the LoRA is for another model. Before: peft's NoMatchingPeftModuleError inside
     Hydra's "Error in call to target" when no module matched, and when some did, "adapts other modules than the
     policy's adapter" with the advice to set model.lora_target_modules, which the user never set."""
-    from diffalign.init_lora import build_policy
+    from diffalign.lora.initial import build_policy
 
     lora = tiny_sd_lora(tmp_path / "renamed", rename=("down_blocks.", "down_blocks.7"))
     cfg = compose_cfg([f"output_dir={tmp_path / 'run'}", "model=tiny_random", "method=diffusion_dpo_tiny",

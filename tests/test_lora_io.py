@@ -1,4 +1,4 @@
-"""LoRA interchange (diffalign/lora_io.py, diffalign-export; docs/guides/lora.md): diffalign's files ↔ kohya format ↔
+"""LoRA interchange (diffalign/lora/io.py, diffalign-export; docs/guides/lora.md): diffalign's files ↔ kohya format ↔
 diffusers format, proved against diffusers' own kohya writer and reader, diffusers' `load_lora_weights` on the shipped
 tiny SD model, an SDXL-layout UNet and the tiny SD3 model; and the errors of files diffalign does not read."""
 
@@ -17,9 +17,9 @@ from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, UNet2DC
 from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
 from diffusers.utils import convert_state_dict_to_kohya, convert_unet_state_dict_to_peft
 
-from diffalign.cli import asset_path
-from diffalign.export import export, main
-from diffalign.lora_io import (
+from diffalign.config.compose import asset_path
+from diffalign.lora.export import export, main
+from diffalign.lora.io import (
     LAYOUTS,
     kohya_state_dict,
     layout_of_denoiser,

@@ -119,7 +119,7 @@ def test_moved_model_names_still_load_with_a_deprecation_warning(module, old, ne
 def test_an_old_model_target_still_validates_and_names_its_class(tmp_path):
     """A saved run config with the 0.x target (`diffalign.models.sd3.FlowMatchingPolicy.from_pretrained`) still
     resolves: validation reads the class's `flow_matching` through it."""
-    from diffalign.validation import target_attribute
+    from diffalign.config.checks import target_attribute
 
     with pytest.warns(FutureWarning):
         assert target_attribute("diffalign.models.sd3.FlowMatchingPolicy.from_pretrained", "flow_matching") is True

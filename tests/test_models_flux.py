@@ -215,8 +215,8 @@ def test_saved_lora_loads_in_flux_pipeline_and_reproduces_the_policy(tmp_path):
 def test_online_methods_run_an_epoch_on_flux_and_update_the_lora(case, tmp_path):
     from safetensors.torch import load_file
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     extra = {"flow_grpo": ["method=flow_grpo", "sampler=flow_sde", "sampler.guidance_scale=3.5"],
              "vipo": ["method=vipo", "sampler=dance_sde", "online.shared_initial_noise=true",
@@ -241,8 +241,8 @@ def test_diffusion_dpo_trains_on_flux_with_the_embedded_guidance_fixed(tmp_path)
     (``model.guidance``); the first loss is ln 2 exactly (policy = reference before any update)."""
     from conftest import smoke_overrides
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     cfg = compose_cfg(smoke_overrides(tmp_path, steps=2) + ["model=tiny_flux_random", "+model.guidance=3.5"])
     validate_train_config(cfg)
@@ -278,7 +278,7 @@ def test_kohya_export_has_comfyuis_flux_names_and_diffusers_converter_gives_back
     to the same tensors, r and α."""
     from pathlib import Path
 
-    from diffalign.lora_io import LAYOUTS, LoraWeights, read_lora, write_kohya
+    from diffalign.lora.io import LAYOUTS, LoraWeights, read_lora, write_kohya
 
     state = _real_shaped_lora(rank=2)
     modules = sorted(k.removesuffix(".lora_A.weight") for k in state if k.endswith("lora_A.weight"))
@@ -321,8 +321,8 @@ def test_kohya_export_has_comfyuis_flux_names_and_diffusers_converter_gives_back
 
 
 def test_tiny_flux_kohya_export_loads_back_into_a_policy_with_the_same_outputs(tmp_path):
-    from diffalign.export import export
-    from diffalign.lora_io import load_into_policy, read_lora
+    from diffalign.lora.export import export
+    from diffalign.lora.io import load_into_policy, read_lora
 
     policy = build_tiny_flux_policy(seed=1, lora_alpha=8)
     _perturb(policy, 0.2)
@@ -360,8 +360,8 @@ def test_real_size_flux_recipes_compose_and_validate(recipe, tmp_path):
     """The FLUX recipes compose on model=flux1_dev at 512 px and pass validation (with training prompts given, and
     ViPO's DINOv2 folder replaced by the bundled backbone); their FLUX settings: Flow-GRPO's guidance 3.5 and 6 SDE
     steps, ViPO's fixed shift 3 with DanceGRPO's SDE, DiffusionNFT CFG-free with the embedded guidance fixed."""
+    from diffalign.config.validation import validate_train_config
     from diffalign.samplers.base import build_sampler
-    from diffalign.validation import validate_train_config
 
     def noise_scale(node):
         return build_sampler(node).noise

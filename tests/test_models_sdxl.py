@@ -251,8 +251,8 @@ PREFERENCE = {
 
 @pytest.mark.parametrize("method", sorted(PREFERENCE))
 def test_preference_methods_train_on_tiny_sdxl(method, tmp_path):
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     overrides = smoke_overrides(tmp_path / "run", steps=1) + ["model=tiny_sdxl_random", "data.num_pairs=4"]
     if method != "diffusion_dpo":
@@ -294,8 +294,8 @@ ONLINE = {
 
 @pytest.mark.parametrize("method", sorted(ONLINE))
 def test_online_methods_train_on_tiny_sdxl(method, tmp_path):
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     cfg = compose_cfg(online_overrides(tmp_path, epochs=1) + ONLINE[method] + [
         "model=tiny_sdxl_random", "reward=[brightness]", "online.groups_per_epoch=1", "online.group_size=4",
@@ -342,7 +342,7 @@ def test_sdxl_recipes_carry_the_released_hyper_parameters(tmp_path):
     scaled by the effective batch 2048, 200 warm-up steps, 2000 steps, 1024 px, the fp16-fixed VAE); DDSPO
     KU-MIIL/DDSPO scripts/train_ddspo.sh with MODEL_TYPE=sdxl (beta 16000, lr 2.5e-9 x 2048, linear loss weighting,
     500 steps, 100 warm-up steps; pairs with 25 Euler steps at CFG 7.5)."""
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     prompts = _prompts_file(tmp_path)
     pairs = tmp_path / "pairs.jsonl"

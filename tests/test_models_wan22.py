@@ -129,7 +129,7 @@ def test_wan22_settings_are_refused_on_one_expert_and_checked():
     pipe.register_to_config(expand_timesteps=True)  # Wan2.2 TI2V-5B's per-token timesteps
     with pytest.raises(ValueError, match="expand_timesteps"):
         WanPolicy(pipe, max_sequence_length=16)
-    from diffalign.reference import ReferenceAdapter
+    from diffalign.reference.adapter import ReferenceAdapter
 
     with pytest.raises(ValueError, match="reference=frozen_base"):  # (what reference=ema/checkpoint/pool build)
         ReferenceAdapter(build_tiny_wan22_policy())
@@ -138,8 +138,8 @@ def test_wan22_settings_are_refused_on_one_expert_and_checked():
 def test_flow_grpo_runs_an_epoch_on_two_experts(tmp_path):
     from safetensors.torch import load_file
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     # 6 steps: the trained transitions (the first 5) reach t < 500, the low-noise expert's; per-frame brightness
     # varies between a random model's videos, so the advantages are not all zero

@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel, UNetMotionModel
 
-from diffalign.cli import asset_path
+from diffalign.config.compose import asset_path
 from diffalign.models.text_to_video import TextToVideoPolicy
 from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
 from diffalign.world.tokenizer import build_tokenizer

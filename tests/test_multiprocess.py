@@ -18,7 +18,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.utils import DistributedType
 from conftest import REPO
 
-from diffalign.cli import CONFIG_DIR
+from diffalign.config.compose import CONFIG_DIR
 
 pytestmark = pytest.mark.slow  # each test launches two processes (≈ 8 s)
 
@@ -78,7 +78,7 @@ def test_launch_time_is_the_launchers_on_every_process():
     multi-node launch or an unreadable launcher asks for output_dir."""
     from datetime import datetime
 
-    from diffalign.launch import launch_time
+    from diffalign.runtime.launch import launch_time
 
     env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     started = datetime(2026, 1, 1, 11, 59, 58).timestamp()
@@ -98,7 +98,7 @@ def test_launch_time_is_the_launchers_on_every_process():
 def test_process_start_time_reads_proc():
     import time
 
-    from diffalign.launch import process_start_time
+    from diffalign.runtime.launch import process_start_time
 
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
@@ -141,7 +141,7 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
 def test_repeating_warnings_are_summed_over_the_processes_and_said_once(tmp_path):
     """Every pair counts as saturated (|z| > -1): each process counts its own slice (batch 2), the summary sums them,
     2 processes × 2 pairs × 2 steps = 8 of 8 pairs, in one line (the main process's) and in results.json
-    (diffalign.console)."""
+    (diffalign.runtime.console)."""
     prelude = "import diffalign.objectives.diffusion_dpo as dpo\ndpo.SATURATION_THRESHOLD = -1.0"
     res = launch_two_processes([f"output_dir={tmp_path / 'run'}", "model=tiny_random", "trainer.max_steps=2",
                                 "trainer.batch_size=2", "trainer.warnings_every=2", "data=shapes_pairs",

@@ -1,6 +1,6 @@
 """A new method is one objective file and one config, with no central edit: this module is the objective file (its
-config registers itself with `diffalign.schemas.config_schema`), a YAML option written into a folder on Hydra's search
-path is the config, and the preference loop trains it through the method contract alone."""
+config registers itself with `diffalign.config.schemas.config_schema`), a YAML option written into a folder on Hydra's
+search path is the config, and the preference loop trains it through the method contract alone."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from conftest import compose_cfg, smoke_overrides
 from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
+from diffalign.config.schemas import config_schema, discover
 from diffalign.objectives.common import per_sample_mse
-from diffalign.schemas import config_schema, discover
 from diffalign.types import WinnerBatch
 
 
@@ -81,8 +81,8 @@ def test_the_yaml_option_extends_the_self_registered_schema(search_path):
 
 
 def test_the_preference_loop_trains_the_new_method(search_path, tmp_path):
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     run = tmp_path / "run"
     overrides = [o for o in smoke_overrides(run, steps=2) if not o.startswith("data.")]

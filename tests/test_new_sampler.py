@@ -14,10 +14,10 @@ from conftest import compose_cfg, online_overrides
 from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
-from diffalign.config_checks import number
+from diffalign.config.checks import number
+from diffalign.config.schemas import discover
 from diffalign.samplers.base import FlowSampler, build_sampler, register_sampler, sampler_names
 from diffalign.samplers.flow_sde import sample_and_score
-from diffalign.schemas import discover
 
 CALLS: list[tuple[int, bool]] = []  # (step index, scored a given x_{k+1}) of every step taken
 
@@ -77,8 +77,8 @@ def test_the_sampler_registers_itself_from_its_own_file(search_path):
 
 
 def test_the_online_loop_trains_with_the_new_sampler(search_path, tmp_path):
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     run = tmp_path / "run"
     cfg = compose_cfg([search_path, *online_overrides(run, epochs=2), "model=tiny_flow_random", "method=flow_grpo",

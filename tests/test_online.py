@@ -10,8 +10,8 @@ from conftest import ONLINE_CASES as CASES
 from conftest import compose_cfg, online_overrides
 from safetensors.torch import load_file
 
+from diffalign.config.validation import validate_train_config
 from diffalign.train.online import train
-from diffalign.validation import validate_train_config
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

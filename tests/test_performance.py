@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import perturb_lora_, step_sampler
 
-import diffalign.evaluate as evaluate_module
-from diffalign.evaluate import EvalConfig, evaluate_policy
+import diffalign.evaluation.evaluate as evaluate_module
+from diffalign.evaluation.evaluate import evaluate_policy
+from diffalign.evaluation.generation import EvalConfig
 from diffalign.models.base import inference_lora
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.samplers.rollout import rollout
@@ -176,13 +177,13 @@ ROWS = [{"prompt": "a red circle", "tag": "colors"}, {"prompt": "two squares", "
 
 def _count_samples(monkeypatch) -> list[int]:
     calls = []
-    real = evaluate_module._sample
+    real = evaluate_module.sample_images
 
     def counting(policy, jobs, rows, cfg, use_reference):
         calls.append((use_reference, len(jobs)))
         return real(policy, jobs, rows, cfg, use_reference)
 
-    monkeypatch.setattr(evaluate_module, "_sample", counting)
+    monkeypatch.setattr(evaluate_module, "sample_images", counting)
     return calls
 
 

@@ -15,11 +15,11 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from diffalign import plugins
+from diffalign.config import registry
+from diffalign.rewards import reward_set
 from diffalign.rewards.base import Reward
-from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
-from diffalign.rewards.guard import CheckedReward
+from diffalign.rewards.reward_set import CheckedReward, WeightedSum
 
 REAL_ENTRY_POINTS = importlib.metadata.entry_points
 # built-in rewards whose defaults need downloaded weights, and what their error says
@@ -69,7 +69,7 @@ def isolated_config_groups():
     Only these groups are restored: Hydra registers its own nodes (``hydra/...``) lazily on first use.
     """
     store = ConfigStore.instance()
-    groups = [*plugins.GROUPS.values(), *plugins.REWARD_GROUPS]
+    groups = [*registry.GROUPS.values(), *registry.REWARD_GROUPS]
     saved = {group: copy.deepcopy(store.repo[group]) for group in groups if group in store.repo}
     yield
     for group in groups:
@@ -105,14 +105,14 @@ def config_dir(tmp_path):
 
 
 def test_builtin_rewards_are_discovered():
-    configs = plugins.entry_point_configs("diffalign.rewards")
+    configs = registry.entry_point_configs("diffalign.rewards")
     assert configs["jpeg_compressibility"] is JpegCompressibilityConfig
     assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(configs)
 
 
 @pytest.mark.parametrize("name", sorted(ep.name for ep in REAL_ENTRY_POINTS(group="diffalign.rewards")))
 def test_config_fields_match_init_signature(name):
-    config_class = plugins.entry_point_configs("diffalign.rewards")[name]
+    config_class = registry.entry_point_configs("diffalign.rewards")[name]
     fields = {f.name: f for f in dataclasses.fields(config_class) if f.name != "_target_"}
     reward_class = get_class(config_class._target_)
     params = {n: p for n, p in inspect.signature(reward_class.__init__).parameters.items() if n != "self"}
@@ -122,13 +122,13 @@ def test_config_fields_match_init_signature(name):
         assert default == params[field_name].default, field_name
     if name in NEEDS_WEIGHTS:  # defaults name real weights that are absent here (HF_HUB_OFFLINE=1, no cache)
         with pytest.raises(InstantiationException, match=NEEDS_WEIGHTS[name]):
-            plugins.build_reward(name)
+            reward_set.build_reward(name)
     else:
-        assert isinstance(plugins.build_reward(name), Reward)
+        assert isinstance(reward_set.build_reward(name), Reward)
 
 
 def test_multiselect_rewards_nest_under_their_names(config_dir):
-    plugins.register_configs()
+    registry.register_configs()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         default = compose("config")
         both = compose(
@@ -144,7 +144,8 @@ def test_multiselect_rewards_nest_under_their_names(config_dir):
     assert both.reward.jpeg_incompressibility.quality == 80 and both.reward.jpeg_compressibility.quality == 95
     assert "quality" not in both.reward  # options did not merge into one node
 
-    combined = plugins.build_rewards(both.reward, weights={"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5})
+    combined = reward_set.build_rewards(both.reward,
+                                        weights={"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5})
     assert isinstance(combined, WeightedSum)
     guarded = combined.rewards["jpeg_incompressibility"]  # build -> guard -> combine
     assert isinstance(guarded, CheckedReward) and isinstance(guarded.reward, JpegIncompressibility)
@@ -156,7 +157,7 @@ def test_multiselect_rewards_nest_under_their_names(config_dir):
 
 
 def test_register_configs_stores_groups_with_packages():
-    stored = plugins.register_configs()
+    stored = registry.register_configs()
     assert "jpeg_compressibility" in stored["reward"] and set(stored) == {"reward", "eval_reward", "model", "method"}
     assert stored["eval_reward"] == stored["reward"]
     for group in ("reward", "eval_reward"):
@@ -174,19 +175,19 @@ def test_third_party_reward_end_to_end(tmp_path, monkeypatch, config_dir):
     )
     add_entry_points(monkeypatch, dist)
 
-    assert plugins.register_configs()["reward"].count("pixel_mean") == 1
+    assert registry.register_configs()["reward"].count("pixel_mean") == 1
     assert ConfigStore.instance().load("reward/pixel_mean.yaml").provider == "diffalign-test-plugin"
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose("config", overrides=["reward=[pixel_mean,jpeg_compressibility]", "reward.pixel_mean.scale=3.0"])
     assert cfg.reward.pixel_mean.scale == 3.0
 
-    combined = plugins.build_rewards(cfg.reward)
+    combined = reward_set.build_rewards(cfg.reward)
     out = combined(IMAGES, ["a", "b"])
     brightness = 3.0 * IMAGES.flatten(1).mean(1)
     torch.testing.assert_close(out.info["scores/pixel_mean"], brightness)
     torch.testing.assert_close(out.scores, brightness + JpegCompressibility()(IMAGES, ["a", "b"]).scores)
-    assert plugins.build_reward("pixel_mean", scale=2.0).scale == 2.0
-    assert plugins.build_rewards({"pixel_mean": None}).rewards["pixel_mean"].scale == 1.0
+    assert reward_set.build_reward("pixel_mean", scale=2.0).scale == 2.0
+    assert reward_set.build_rewards({"pixel_mean": None}).rewards["pixel_mean"].scale == 1.0
 
 
 def test_duplicate_entry_point_names_raise_naming_both(tmp_path, monkeypatch):
@@ -194,43 +195,43 @@ def test_duplicate_entry_point_names_raise_naming_both(tmp_path, monkeypatch):
     second = fake_distribution(tmp_path, "second-dist", "[diffalign.rewards]\nclip = b.mod:OtherClipConfig\n")
     add_entry_points(monkeypatch, first, second)
     with pytest.raises(ValueError, match="'clip'.*first-dist.*second-dist"):
-        plugins.register_configs()
+        registry.register_configs()
     with pytest.raises(ValueError, match="first-dist.*second-dist"):
-        plugins.entry_point_configs()
+        registry.entry_point_configs()
 
 
 def test_unknown_reward_lists_available():
     with pytest.raises(ValueError, match=r"unknown reward 'nope'.*jpeg_compressibility"):
-        plugins.build_reward("nope")
+        reward_set.build_reward("nope")
     with pytest.raises(ValueError, match=r"unknown reward 'nope'.*jpeg_incompressibility"):
-        plugins.build_rewards({"nope": {}})
+        reward_set.build_rewards({"nope": {}})
 
 
 def test_build_rewards_validates_fields_and_weights():
     with pytest.raises(ConfigKeyError, match="qualty"):
-        plugins.build_rewards({"jpeg_compressibility": {"qualty": 3}})
+        reward_set.build_rewards({"jpeg_compressibility": {"qualty": 3}})
     with pytest.raises(ValueError, match="one weight per selected reward"):
-        plugins.build_rewards({"jpeg_compressibility": {}}, weights={"jpeg_incompressibility": 1.0})
+        reward_set.build_rewards({"jpeg_compressibility": {}}, weights={"jpeg_incompressibility": 1.0})
     with pytest.raises(ValueError, match="no reward selected"):
-        plugins.build_rewards({})
+        reward_set.build_rewards({})
     with pytest.raises(InstantiationException, match="reward.jpeg_compressibility.quality"):
-        plugins.build_reward("jpeg_compressibility", quality=0)
+        reward_set.build_reward("jpeg_compressibility", quality=0)
 
 
 def test_unloadable_entry_point_names_it(tmp_path, monkeypatch):
     dist = fake_distribution(tmp_path, "broken-dist", "[diffalign.rewards]\nbroken = not_a_module_xyz:Config\n")
     add_entry_points(monkeypatch, dist)
     with pytest.raises(ImportError, match="'broken'.*not_a_module_xyz"):
-        plugins.build_reward("broken")
-    assert isinstance(plugins.build_reward("jpeg_compressibility"), JpegCompressibility)  # others still load
+        reward_set.build_reward("broken")
+    assert isinstance(reward_set.build_reward("jpeg_compressibility"), JpegCompressibility)  # others still load
 
 
 def test_a_broken_third_party_plugin_is_skipped_with_a_warning(monkeypatch):
     import importlib.metadata
 
-    from diffalign import plugins
+    from diffalign.config import registry
 
-    real = plugins._entry_points
+    real = registry.entry_points
 
     class Dist:
         name = "someone-elses-rewards"
@@ -243,7 +244,7 @@ def test_a_broken_third_party_plugin_is_skipped_with_a_warning(monkeypatch):
             eps["broken_reward"] = ep
         return eps
 
-    monkeypatch.setattr(plugins, "_entry_points", with_broken)
+    monkeypatch.setattr(registry, "entry_points", with_broken)
     with pytest.warns(UserWarning, match="broken_reward.*someone-elses-rewards"):
-        stored = plugins.register_configs()
+        stored = registry.register_configs()
     assert "broken_reward" not in stored["reward"] and "geneval_shapes" in stored["reward"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffalign.plugins import entry_point_configs
+from diffalign.config.registry import entry_point_configs
 from diffalign.rewards.random_control import RandomControl
 
 

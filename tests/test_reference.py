@@ -1,4 +1,4 @@
-"""Reference strategies (diffalign/reference.py): storage, memory, selection, EMA, named checkpoints, state round trip,
+"""Reference strategies (diffalign/reference/): storage, memory, selection, EMA, named checkpoints, state round trip,
 and the reference never aliasing the policy
 (docs/guides/field_cases.md#reference-aliasing-the-policy)."""
 
@@ -12,12 +12,16 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from diffalign import reference as ref_mod
-from diffalign.checkpoint import read_state, write_state
 from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.objectives.diffusion_dpo import DiffusionDPO
 from diffalign.objectives.seppo import SePPO
-from diffalign.reference import CheckpointReference, EmaReference, FrozenBaseReference, PoolReference
+from diffalign.reference import checkpoint as checkpoint_strategy
+from diffalign.reference import ema, frozen_base, pool
+from diffalign.reference.checkpoint import CheckpointReference
+from diffalign.reference.ema import EmaReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.reference.pool import PoolReference
+from diffalign.runtime.checkpoint import read_state, write_state
 from diffalign.types import PreferenceBatch, WinnerBatch
 
 LN2 = math.log(2.0)
@@ -37,18 +41,20 @@ def predict(policy, seed: int = 0) -> torch.Tensor:
 
 
 def test_configs_match_init_and_yaml_options_instantiate():
-    for name in ("FrozenBaseReference", "CheckpointReference", "EmaReference", "PoolReference"):
-        cls, config = getattr(ref_mod, name), getattr(ref_mod, f"{name}Config")
+    modules = {"FrozenBaseReference": frozen_base, "CheckpointReference": checkpoint_strategy, "EmaReference": ema,
+               "PoolReference": pool}
+    for name, module in modules.items():
+        cls, config = getattr(module, name), getattr(module, f"{name}Config")
         fields = [f for f in config.__dataclass_fields__ if f != "_target_"]
         params = inspect.signature(cls.__init__).parameters
         assert fields == [p for p in params if p != "self"], name
-        assert config._target_ == f"diffalign.reference.{name}"
+        assert config._target_ == f"{module.__name__}.{name}"
         for f in fields:
             if params[f].default is not inspect.Parameter.empty:
                 assert getattr(config(), f) == params[f].default, (name, f)
     from conftest import compose_cfg
 
-    options = sorted(p.stem for p in (Path(ref_mod.__file__).parent / "configs" / "reference").glob("*.yaml"))
+    options = sorted(p.stem for p in (Path(pool.__file__).parents[1] / "configs" / "reference").glob("*.yaml"))
     assert options == ["checkpoint", "ema", "frozen_base", "pool"]
     assert compose_cfg([]).reference._target_.endswith("FrozenBaseReference")  # the default
     for option in ("frozen_base", "ema", "pool"):
@@ -214,7 +220,7 @@ def test_named_checkpoint_reference(tmp_path, perturb_lora):
         CheckpointReference(str(tmp_path / "missing")).setup(build_tiny_random_policy(seed=0))
     from conftest import compose_cfg
 
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     with pytest.raises(ValueError, match="reference.path is required"):  # before any model is loaded
         validate_train_config(compose_cfg(["reference=checkpoint"]))

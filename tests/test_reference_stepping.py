@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import compose_cfg, online_overrides, smoke_overrides
 
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
 
 RECORDING = f"{__name__}.RecordingReference"
 

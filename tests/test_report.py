@@ -13,13 +13,14 @@ import pytest
 from conftest import compose_cfg, perturb_lora_, smoke_overrides
 from PIL import Image
 
-from diffalign.evaluate import EvalConfig, evaluate_policy
+from diffalign.evaluation.evaluate import evaluate_policy
+from diffalign.evaluation.generation import EvalConfig
+from diffalign.evaluation.report import read_scalars, write_report
 from diffalign.models.tiny_random import build_tiny_random_policy
-from diffalign.report import read_scalars, write_report
 from diffalign.rewards.geneval_shapes import GenevalShapes
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-HEADER_RGB = (0xD9, 0xE4, 0xF0)  # `th` background in diffalign.report.STYLE
+HEADER_RGB = (0xD9, 0xE4, 0xF0)  # `th` background in diffalign.evaluation.report.STYLE
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:

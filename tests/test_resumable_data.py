@@ -156,7 +156,7 @@ def test_training_run_killed_during_the_preparation_resumes_it_exactly(tmp_path,
     from conftest import compose_cfg
     from safetensors.torch import load_file
 
-    from diffalign.checkpoint import latest_checkpoint
+    from diffalign.runtime.checkpoint import latest_checkpoint
     from diffalign.train.preference import train
 
     run, ref = tmp_path / "runs" / "run", tmp_path / "elsewhere" / "ref"  # (not siblings: ref must sample its own)

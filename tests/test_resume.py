@@ -74,8 +74,8 @@ def test_resume_from_an_earlier_checkpoint_of_the_folder_is_refused_and_branchin
     first save before): refused before any model loads, by validation and by the loop, naming the later checkpoints
     and the fix, with every checkpoint kept. The fix, a new output_dir with the same resume, continues step 1 exactly
     (its checkpoint-3 equals the first run's) and carries the lineage on."""
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.preference import train
-    from diffalign.validation import validate_train_config
 
     train(compose_cfg(smoke_overrides(tmp_path / "a", steps=3)))
     before = sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*"))

@@ -7,15 +7,22 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from diffalign import plugins
-from diffalign.checkpoint import latest_checkpoint, load_checkpoint
-from diffalign.monitors import HackingMonitor, build_monitor, pairwise_diversity
+from diffalign.config import registry
+from diffalign.config.validation import validate_train_config
+from diffalign.evaluation.monitors import HackingMonitor, build_monitor, pairwise_diversity
+from diffalign.rewards import python_function, reward_set
 from diffalign.rewards.base import RewardError
-from diffalign.rewards.combine import WeightedSum, reward_metrics, zscore
 from diffalign.rewards.compressibility import JpegCompressibility
-from diffalign.rewards.guard import CheckedReward, score_or_raise, stop_on_reward_error
+from diffalign.rewards.reward_set import (
+    CheckedReward,
+    WeightedSum,
+    reward_metrics,
+    score_or_raise,
+    stop_on_reward_error,
+    zscore,
+)
+from diffalign.runtime.checkpoint import latest_checkpoint, load_checkpoint
 from diffalign.types import RewardOutput
-from diffalign.validation import validate_train_config
 
 CALLS = {"n": 0}
 
@@ -56,7 +63,7 @@ def assert_loadable(cfg, ckpt, step: int):
     """The checkpoint loads like ``resume=latest`` does: optimizer, LR scheduler, trainer state, LoRA."""
     from hydra.utils import instantiate
 
-    from diffalign.init_lora import model_config
+    from diffalign.lora.initial import model_config
     from diffalign.train.preference import build_lr_scheduler
 
     policy = instantiate(model_config(cfg.model))
@@ -69,8 +76,8 @@ def assert_loadable(cfg, ckpt, step: int):
 def test_nan_reward_stops_a_two_step_run_with_a_loadable_checkpoint(tmp_path):
     """data=ranked_pairs calls the reward while preparing the run's data: the NaN stops it with checkpoint-0."""
     spec = "python:test_reward_failures:nan_on_second_row"
-    plugins.register_configs()
-    assert plugins.register_python_reward(spec) == "nan_on_second_row"
+    registry.register_configs()
+    assert python_function.register_python_reward(spec) == "nan_on_second_row"
     cfg = compose_cfg(base_overrides(tmp_path) + [
         f"reward=[{spec}]", "data=ranked_pairs", "data.num_prompts=2", "data.samples_per_prompt=2",
         "data.sampler.num_inference_steps=2", "data.batch_size=4", "data.reward=nan_on_second_row"])
@@ -92,8 +99,8 @@ def test_nan_gold_reward_stops_mid_run_after_saving_that_step(tmp_path):
     """The hacking monitor's gold reward turns NaN at step 2 of 2: checkpoint-2 is written, then the run stops."""
     CALLS["n"] = 0
     spec = "python:test_reward_failures:nan_from_third_call"
-    plugins.register_configs()
-    plugins.register_python_reward(spec)
+    registry.register_configs()
+    python_function.register_python_reward(spec)
     cfg = compose_cfg(base_overrides(tmp_path) + [
         f"eval_reward=[{spec}]", "data=shapes_pairs", "data.num_pairs=8", "monitor.every=1", "monitor.num_prompts=2",
         "monitor.seeds=[0,1]", "monitor.num_inference_steps=2"])
@@ -115,8 +122,8 @@ def test_online_loop_guards_its_training_and_evaluation_rewards(which, tmp_path)
     from diffalign.train.online import train
 
     spec = "python:test_reward_failures:nan_on_second_row"
-    plugins.register_configs()
-    plugins.register_python_reward(spec)
+    registry.register_configs()
+    python_function.register_python_reward(spec)
     evaluation = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0,1]", "eval.num_inference_steps=2"]
     cfg = compose_cfg(online_overrides(tmp_path, epochs=1) + ["model=tiny_random", "method=flow_grpo",
                                                               "sampler=ddim", f"{which}=[{spec}]", *evaluation])
@@ -130,11 +137,11 @@ def test_online_loop_guards_its_training_and_evaluation_rewards(which, tmp_path)
 def test_the_weighted_sum_guards_its_components_with_the_step_set_by_the_loop():
     """Build → guard → combine: every component of `build_rewards` is a `CheckedReward`; an unguarded component
     given to `WeightedSum` is wrapped; the failure names the step the loop set (`set_reward_step`)."""
-    from diffalign.rewards.guard import set_reward_step
+    from diffalign.rewards.reward_set import set_reward_step
 
     combined = WeightedSum({"ok": JpegCompressibility(), "nan": NanReward()}, {"ok": 1.0, "nan": 2.0})
     assert all(isinstance(r, CheckedReward) for r in combined.rewards.values())
-    assert isinstance(plugins.build_rewards({"jpeg_compressibility": {}}).rewards["jpeg_compressibility"],
+    assert isinstance(reward_set.build_rewards({"jpeg_compressibility": {}}).rewards["jpeg_compressibility"],
                       CheckedReward)
     set_reward_step(combined, 4)
     with pytest.raises(RewardError, match=r"reward 'nan'.*step 4; batch 0; prompt 'b'"):
@@ -183,7 +190,7 @@ def test_weights_and_normalisation_from_the_command_line():
                          "eval_reward=[geneval_shapes]"])
     assert cfg.reward.jpeg_compressibility.weight == 0.5 and cfg.reward.jpeg_incompressibility.weight == 1.0
     assert list(cfg.eval_reward) == ["geneval_shapes"] and compose_cfg([]).get("eval_reward") is None
-    combined = plugins.build_rewards(cfg.reward)
+    combined = reward_set.build_rewards(cfg.reward)
     images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     out = combined(images, ["a"] * 4)
     comp, incomp = JpegCompressibility()(images, ["a"] * 4).scores, out.info["scores/jpeg_incompressibility"]
@@ -194,7 +201,7 @@ def test_weights_and_normalisation_from_the_command_line():
                             "reward/jpeg_compressibility/std", "reward/jpeg_incompressibility/mean",
                             "reward/jpeg_incompressibility/std"}
     with pytest.raises(ValueError, match="normalize='rank'"):
-        plugins.build_rewards({"jpeg_compressibility": {"normalize": "rank"}})
+        reward_set.build_rewards({"jpeg_compressibility": {"normalize": "rank"}})
 
 
 def test_zscore_of_a_constant_or_single_batch_is_zero():

@@ -10,13 +10,13 @@ import torch
 from PIL import Image
 
 from diffalign.rewards.base import Reward, RewardError
-from diffalign.rewards.combine import WeightedSum
 from diffalign.rewards.compressibility import (
     JpegCompressibility,
     JpegCompressibilityConfig,
     JpegIncompressibility,
     JpegIncompressibilityConfig,
 )
+from diffalign.rewards.reward_set import WeightedSum
 from diffalign.types import RewardOutput
 
 PROMPTS = ["a red circle", "two blue squares", "a " + "very " * 68 + "yellow triangle", "x"]
@@ -162,7 +162,7 @@ def test_weighted_sum_failure_names_the_reward(mode, match, caplog):
         {"jpeg": JpegCompressibility(), "flaky": ConstantPerImage(mode)}, {"jpeg": 1.0, "flaky": 1.0}
     )
     with (
-        caplog.at_level(logging.ERROR, logger="diffalign.rewards.combine"),
+        caplog.at_level(logging.ERROR, logger="diffalign.rewards.reward_set"),
         pytest.raises(RewardError, match=f"reward 'flaky'.*{match}") as info,
     ):
         combined(to_tensor(uint8_images()), PROMPTS)

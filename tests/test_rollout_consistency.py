@@ -17,8 +17,8 @@ import torch
 from conftest import ONLINE_CASES, compose_cfg, online_overrides
 from safetensors.torch import load_file
 
-from diffalign.faults import RolloutMismatchError
 from diffalign.objectives.policy_gradient import CAUSES, LOGPROB_TOLERANCE
+from diffalign.runtime.faults import RolloutMismatchError
 from diffalign.train import online
 
 CASES = {"flow_grpo_flow": ONLINE_CASES["flow_grpo_flow"], "ddpo_sd": ONLINE_CASES["ddpo_sd"],
@@ -81,7 +81,7 @@ def test_the_normal_run_stays_far_below_the_tolerance(case, tmp_path, monkeypatc
 
 
 def test_warn_mode_trains_on_and_says_so_once_per_epoch(tmp_path, monkeypatch, caplog):
-    """One warning per epoch, in the epoch's summary of repeating warnings (diffalign.console)."""
+    """One warning per epoch, in the epoch's summary of repeating warnings (diffalign.runtime.console)."""
     _shift_stored_guidance(monkeypatch, 0.5)
     cfg = compose_cfg(CASES["flow_grpo_flow"] + online_overrides(tmp_path) + ["method.logprob_check=warn"])
     with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
@@ -108,7 +108,7 @@ def test_the_cli_prints_the_alarm_without_a_traceback(tmp_path, monkeypatch):
 
 
 def test_the_alarm_settings_are_checked_before_any_model_loads(tmp_path):
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     for bad, match in (("method.logprob_check=maybe", "method.logprob_check='maybe' must be one of"),
                        ("method.logprob_tolerance=0", "method.logprob_tolerance=0.0 must be > 0")):

@@ -16,10 +16,10 @@ import torch
 from conftest import CHILD_ENV as ENV
 from conftest import REPO, compose_cfg, smoke_overrides
 
-from diffalign import runlock
-from diffalign.checkpoint import checkpoint_lineage, save_checkpoint
-from diffalign.launch import process_start_time
-from diffalign.runlock import LOCK_NAME, RunLockedError, acquire, release
+from diffalign.runtime import runlock
+from diffalign.runtime.checkpoint import checkpoint_lineage, save_checkpoint
+from diffalign.runtime.launch import process_start_time
+from diffalign.runtime.runlock import LOCK_NAME, RunLockedError, acquire, release
 
 HOST = socket.gethostname()
 
@@ -60,7 +60,7 @@ def test_lock_records_the_holder_is_reentrant_and_released(tmp_path):
 
 HOLD = """
 import sys, time
-from diffalign.runlock import acquire
+from diffalign.runtime.runlock import acquire
 acquire(sys.argv[1], "diffalign-eval")
 print("locked", flush=True)
 time.sleep(120)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import compose_cfg, online_overrides
 
-from diffalign.config_checks import ConfigError
+from diffalign.config.checks import ConfigError
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.samplers.base import SAMPLERS, build_sampler
 from diffalign.samplers.cps import CPSSampler, cps_step
@@ -157,7 +157,7 @@ def test_bad_sampler_settings_are_one_line_naming_the_field(overrides, match):
 
 @pytest.mark.parametrize("name", ["cps_sde", "window_sde"])
 def test_the_new_samplers_are_selected_from_the_command_line(name, tmp_path):
-    from diffalign.validation import validate_train_config
+    from diffalign.config.validation import validate_train_config
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "recipe=tiny_flow_grpo", f"sampler={name}"])
     sampler = build_sampler(cfg.sampler)

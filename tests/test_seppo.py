@@ -21,7 +21,7 @@ from diffalign.models.tiny_random import build_tiny_random_policy
 from diffalign.objectives.diffusion_dpo import DiffusionDPO
 from diffalign.objectives.seppo import SePPO, SePPOConfig, anchor_flip, seppo_loss
 from diffalign.objectives.sft import WinnerSFT, WinnerSFTConfig
-from diffalign.reference import PoolReference
+from diffalign.reference.pool import PoolReference
 from diffalign.samplers.rollout import rollout
 from diffalign.types import PreferenceBatch, WinnerBatch
 

@@ -1,6 +1,6 @@
-"""The structured configs (`diffalign.schemas`, registered by each component's file) are the source of truth of their
-groups' types and defaults: each mirrors its component's `__init__`, each YAML option extends its schema and sets only
-what differs from it, and Hydra type-checks overrides against it."""
+"""The structured configs (`diffalign.config.schemas`, registered by each component's file) are the source of truth of
+their groups' types and defaults: each mirrors its component's `__init__`, each YAML option extends its schema and sets
+only what differs from it, and Hydra type-checks overrides against it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class
 
-from diffalign.cli import CONFIG_DIR
-from diffalign.schemas import discover
+from diffalign.config.compose import CONFIG_DIR
+from diffalign.config.schemas import discover
 
 SCHEMAS = {group: {name: cls for name, cls in options.items() if cls.__module__.startswith("diffalign.")}
            for group, options in discover().items()}  # (diffalign's own; test modules register others)

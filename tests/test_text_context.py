@@ -1,6 +1,6 @@
 """Rewards say when they truncate (issue 19 item 7): every text-conditioned reward warns once per prompt that is
 longer than its text encoder's context, as the diffusion model's own text encoder does
-(`diffalign.text_context.TruncationWarner`, shared with `StableDiffusionPolicy`)."""
+(`diffalign.runtime.text_context.TruncationWarner`, shared with `StableDiffusionPolicy`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from diffalign.text_context import TruncationWarner, token_count
+from diffalign.runtime.text_context import TruncationWarner, token_count
 from diffalign.world.tokenizer import build_tokenizer
 
 LONG = "a red circle left of a green square and a blue triangle above a yellow circle"  # 16 words

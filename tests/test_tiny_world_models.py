@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import step_sampler
 
-from diffalign.cli import asset_path
+from diffalign.config.compose import asset_path
 
 ASSETS = Path(asset_path("tiny_sd")).parent
 
@@ -73,7 +73,8 @@ def test_vae_reconstructions_pass_the_verifier():
 def test_heldout_accuracy_is_in_the_documented_range(tmp_path):
     """docs/results/tiny_world.md documents 0.40 ± 0.02 (468 images); one seed on all 117 held-out prompts must land
     in [0.25, 0.55]."""
-    from diffalign.evaluate import EvalConfig, evaluate_policy
+    from diffalign.evaluation.evaluate import evaluate_policy
+    from diffalign.evaluation.generation import EvalConfig
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
     from diffalign.rewards.geneval_shapes import GenevalShapes
     from diffalign.world.prompts import load_prompts

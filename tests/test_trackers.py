@@ -1,6 +1,6 @@
 """Experiment trackers (issue 20 item 6): ``trainer.log_with=wandb`` offline and the default TensorBoard get the
 scalars, the monitors' samples (images; videos for a video model) and the evaluation's grids and videos
-(`diffalign.trackers`). The wandb run is read back with wandb's own reader of its offline run files
+(`diffalign.runtime.trackers`). The wandb run is read back with wandb's own reader of its offline run files
 (``wandb leet inspect --json``), the TensorBoard logs with TensorBoard's ``EventAccumulator``."""
 
 from __future__ import annotations

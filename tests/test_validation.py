@@ -14,7 +14,7 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf
 
 from diffalign import cli
-from diffalign.validation import validate_train_config
+from diffalign.config.validation import validate_train_config
 
 
 @pytest.fixture(autouse=True)
@@ -228,7 +228,7 @@ def _online_base(stochastic: bool, video: bool):
 
 
 def _check_pair(sampler: str, model: str, tmp_path) -> None:
-    from diffalign.cli import CONFIG_DIR
+    from diffalign.config.compose import CONFIG_DIR
 
     cfg = _online_base(sampler in ("ddim", "flow_sde", "dance_sde"), model in VIDEO).copy()
     cfg.output_dir = str(tmp_path)

@@ -12,10 +12,10 @@ import torch
 from conftest import step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from diffalign.media import save_video
 from diffalign.models.tiny_video import build_tiny_t2v_policy, build_tiny_wan_pipeline, build_tiny_wan_policy
 from diffalign.models.wan import WanPolicy
 from diffalign.objectives.vipo import ViPO
+from diffalign.runtime.media import save_video
 from diffalign.samplers.rollout import recompute_step, rollout
 
 PROMPTS = ["a red circle moving left", "a blue square staying still", "a green triangle moving up"]
@@ -119,8 +119,8 @@ CASES = {
 def test_online_methods_run_on_video_models(case, tmp_path):
     from conftest import compose_cfg, online_overrides
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     cfg = compose_cfg(CASES[case] + online_overrides(tmp_path) + [
         "online.prompts=video_train", "reward=[video_motion]", "online.groups_per_epoch=2"])
@@ -137,7 +137,7 @@ def test_seppo_accepts_video_latents(family):
     import math
 
     from diffalign.objectives.seppo import SePPO
-    from diffalign.reference import PoolReference
+    from diffalign.reference.pool import PoolReference
     from diffalign.types import WinnerBatch
 
     policy, _ = build(family)
@@ -160,7 +160,8 @@ def test_seppo_accepts_video_latents(family):
 
 @pytest.mark.parametrize("fmt", ["gif", "mp4"])
 def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, tmp_path):
-    from diffalign.evaluate import EvalConfig, evaluate_policy
+    from diffalign.evaluation.evaluate import evaluate_policy
+    from diffalign.evaluation.generation import EvalConfig
     from diffalign.rewards.video import VideoMotion
     from diffalign.world.prompts import load_prompts
 
@@ -237,7 +238,7 @@ def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode
     The policy switches the dropout off, so the ratio π_θ / π_old is 1 there (the check of `method.logprob_check`)."""
     from diffusers import UNet3DConditionModel
 
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
     from diffalign.models.text_to_video import TextToVideoPolicy
 
     raw = UNet3DConditionModel.from_pretrained(asset_path("tiny_t2v"), subfolder="unet")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffalign.plugins import build_reward
+from diffalign.rewards.reward_set import build_reward
 from diffalign.rewards.video import PerFrame, TemporalConsistency, VideoMotion
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts

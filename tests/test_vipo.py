@@ -259,8 +259,8 @@ def test_bad_vipo_options_raise():
 def test_vipo_runs_in_the_online_loop(case, tmp_path):
     from conftest import compose_cfg, online_overrides
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     model = ["model=tiny_flow_random", "sampler=flow_sde"] if case == "flow" else ["model=tiny_random",
                                                                                   "sampler=ddim"]
@@ -284,7 +284,7 @@ def test_vipo_recipes_compose(recipe, tmp_path):
     assert cfg.online.shared_initial_noise and cfg.method.clip_range == 1e-4 and cfg.method.timestep_fraction == 0.6
     assert cfg.method.smoothing_padding == "reflect" and cfg.method.smoothing_truncate == 4.0  # scipy's defaults
     if recipe == "tiny_vipo_image":
-        from diffalign.validation import validate_train_config
+        from diffalign.config.validation import validate_train_config
 
         validate_train_config(cfg)
 
@@ -337,8 +337,8 @@ def test_vipo_wan_options_run_in_the_online_loop(tmp_path):
     trains on half of each group, and logs both rewards."""
     from conftest import compose_cfg, online_overrides
 
+    from diffalign.config.validation import validate_train_config
     from diffalign.train.online import train
-    from diffalign.validation import validate_train_config
 
     cfg = compose_cfg(["model=tiny_flow_random", "sampler=dance_sde", "sampler.num_inference_steps=4",
                        "method=vipo", "method.advantage_per_reward=true", "online.shared_initial_noise=true",

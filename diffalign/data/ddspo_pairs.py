@@ -43,10 +43,10 @@ from omegaconf import MISSING, OmegaConf
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from diffalign.console import quiet_on_broken_pipe
+from diffalign.config.schemas import config_schema
 from diffalign.data.degrade import DEGRADATIONS, degrade_prompt, load_rewriter
-from diffalign.models.base import save_safetensors
-from diffalign.schemas import config_schema
+from diffalign.runtime.console import quiet_on_broken_pipe
+from diffalign.runtime.files import save_safetensors
 from diffalign.world.prompts import load_prompts
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def remove_stale_temporaries(out: Path) -> None:
     process's are kept; files of other hosts are left alone)."""
     import re
 
-    from diffalign.runlock import process_alive
+    from diffalign.runtime.runlock import process_alive
 
     mine = re.compile(rf"^\.tmp-.+-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]{{8}}$")
     for leftover in out.glob(".tmp-*"):
@@ -313,13 +313,13 @@ class DDSPOPairs:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a pairs folder
-        that is given and holds pairs unless ``data.generate`` makes them.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file, and a pairs
+        folder that is given and holds pairs unless ``data.generate`` makes them.
 
         Raises:
             ValueError, FileNotFoundError: naming ``data.prompts`` or ``data.pairs_dir`` and the fix.
         """
-        from diffalign.config_checks import choice, integer, number, seed
+        from diffalign.config.checks import choice, integer, number, seed
 
         d = cfg.data
         for key in ("num_variants", "samples_per_prompt", "num_inference_steps", "shard_size", "batch_size"):
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         diffalign-ddspo-pairs --model CompVis/stable-diffusion-v1-4 --prompts diffusiondb_prompts.txt \\
             --out data/ddspo_sd14 --torch-dtype float16
     """
-    from diffalign.cli import asset_path
+    from diffalign.config.compose import asset_path
 
     parser = argparse.ArgumentParser(prog="diffalign-ddspo-pairs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="diffusers folder or hub id (default: the tiny world's tiny_sd)")

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
 from diffalign.samplers.base import build_sampler
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 

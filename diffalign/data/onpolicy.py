@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from diffalign.rewards.futures import submit
+from diffalign.methods import stream_seed
+from diffalign.rewards.reward_set import submit
 from diffalign.samplers.base import Sampler, build_sampler
-from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import rollout
 from diffalign.world.prompts import load_prompts
 
@@ -51,7 +51,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     stop signal ends the preparation after the current chunk.
 
     A reward with a ``submit`` (a reward server, `diffalign.rewards.http`) judges batch k while batch k + 1 is sampled
-    (`diffalign.rewards.futures.submit`); the data are the same.
+    (`diffalign.rewards.reward_set.submit`); the data are the same.
 
     Raises:
         ValueError: with the message `require_correct`, when it is given and a batch's reward output reports no
@@ -131,13 +131,13 @@ class PreparedPairs:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a judging
-        reward (``data.reward``) that is among the selected training rewards.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file, and a
+        judging reward (``data.reward``) that is among the selected training rewards.
 
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
-        from diffalign.config_checks import choice, integer, seed
+        from diffalign.config.checks import choice, integer, seed
 
         d = cfg.data
         integer(d, "num_prompts", "data", ge=1, nullable=True)  # (null: every prompt, failure_pairs)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.images import load_image, require_path
 from diffalign.data.preference import PreferencePairs
-from diffalign.schemas import config_schema
 
 
 @config_schema("data", "pickapic")
@@ -93,12 +93,13 @@ class PickAPicPairs:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): ``data.path`` is given and exists.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): ``data.path`` is given and
+        exists.
 
         Raises:
             ValueError, FileNotFoundError: naming ``data.path``.
         """
-        from diffalign.config_checks import boolean, integer
+        from diffalign.config.checks import boolean, integer
 
         integer(cfg.data, "resolution", "data", ge=8, nullable=True, hint="null: the model's pixel size")
         integer(cfg.data, "max_rows", "data", ge=1, nullable=True)

@@ -29,8 +29,8 @@ class PreferenceData(Protocol):
     here; static data does nothing), then ``stats`` (a dict, empty for static data) is logged and ``len`` fixes the
     sampler; ``collate(indices)`` returns ``{"ids" (B,), "prompts", "images_w" (B, 3, H, W) in [0, 1] or "latents_w"
     (B, C, h, w)}`` plus the losers' ``images_l`` / ``latents_l`` for pairs and optionally ``degraded_prompts``. A data
-    class may also define the classmethod ``check_config(cfg)``, which `diffalign.validation` runs before any model
-    loads.
+    class may also define the classmethod ``check_config(cfg)``, which `diffalign.config.validation` runs before any
+    model loads.
     """
 
     stats: dict

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
 from diffalign.samplers.base import build_sampler
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts
 
 

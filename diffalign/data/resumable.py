@@ -10,7 +10,7 @@ A data set made by the policy before training (``prepare(policy, rewards)``: `Fa
 
 ``<key>`` is a hash of everything that decides the data: the data set's own settings (prompts, samples per prompt,
 sampler, batch size, seed), the judging reward's config, the model config without its LoRA fields, and the weights
-the samples come from (the frozen base, `diffalign.evaluate.base_weights_hash`, and the policy's trainable
+the samples come from (the frozen base, `diffalign.evaluation.files.base_weights_hash`, and the policy's trainable
 parameters as they are at preparation time). A chunk on disk is read back instead of sampled again, so
 
 - a run killed during the preparation (even with SIGKILL) continues where it stopped when it is started again
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffalign.console import write as console_write
-from diffalign.models.base import save_safetensors
+from diffalign.runtime.console import write as console_write
+from diffalign.runtime.files import save_safetensors
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -202,7 +202,7 @@ def run_context(cfg, policy) -> dict:
     parameters."""
     from omegaconf import OmegaConf
 
-    from diffalign.evaluate import base_reuse_key, base_weights_hash
+    from diffalign.evaluation.files import base_reuse_key, base_weights_hash
 
     judge = cfg.data.get("reward") if "reward" in cfg.data else None
     reward = (cfg.get("reward") or {}).get(judge) if isinstance(judge, str) else None
@@ -219,7 +219,7 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
     Raises:
         TrainingInterrupted: a SIGTERM / SIGINT arrived during the preparation (after the current chunk).
     """
-    from diffalign.faults import TrainingInterrupted
+    from diffalign.runtime.faults import TrainingInterrupted
 
     if "preparation" not in inspect.signature(dataset.prepare).parameters:
         dataset.prepare(policy, rewards)
@@ -235,7 +235,7 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
         return TrainingInterrupted(f"stopped by {stop.name} during the data preparation after {done} of {total} "
                                    f"chunks (kept in {folder}); continue with resume=latest", stop.signum)
 
-    from diffalign.train.distributed import full_weights
+    from diffalign.runtime.distributed import full_weights
 
     with full_weights(policy):  # (FSDP: every process hashes the full weights, as one process does)
         context = run_context(cfg, policy)

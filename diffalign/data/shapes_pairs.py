@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffalign.schemas import config_schema
+from diffalign.config.schemas import config_schema
 from diffalign.world.prompts import load_prompts, sample_train_specs
 from diffalign.world.render import corrupt_spec, render_spec, to_tensor
 
@@ -41,13 +41,13 @@ class ShapesPairs:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file, and a batch no
-        larger than the data.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file, and a batch
+        no larger than the data.
 
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
-        from diffalign.config_checks import integer, seed
+        from diffalign.config.checks import integer, seed
 
         integer(cfg.data, "num_pairs", "data", ge=1)
         seed(cfg.data, "seed", "data")

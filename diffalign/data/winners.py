@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.images import load_image, require_path
-from diffalign.schemas import config_schema
 from diffalign.world.prompts import load_prompts, sample_train_specs
 from diffalign.world.render import render_spec, to_tensor
 
@@ -51,13 +51,13 @@ class WinnerFolder:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): ``data.captions`` is given and
-        exists.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): ``data.captions`` is given
+        and exists.
 
         Raises:
             ValueError, FileNotFoundError: naming ``data.captions``.
         """
-        from diffalign.config_checks import integer
+        from diffalign.config.checks import integer
 
         integer(cfg.data, "resolution", "data", ge=8, nullable=True, hint="null: the model's pixel size")
         require_path(cfg.data, "captions")
@@ -148,12 +148,12 @@ class ShapesWinners:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Checks of a run config before any model loads (`diffalign.validation`): the prompt file.
+        """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file.
 
         Raises:
             ValueError, FileNotFoundError: naming ``data.prompts``.
         """
-        from diffalign.config_checks import integer, seed
+        from diffalign.config.checks import integer, seed
 
         integer(cfg.data, "num_samples", "data", ge=1)
         seed(cfg.data, "seed", "data")

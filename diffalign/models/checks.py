@@ -1,4 +1,4 @@
-"""The ``model`` node's checks, run before any model loads (`diffalign.validation`): every key is a setting the
+"""The ``model`` node's checks, run before any model loads (`diffalign.config.validation`): every key is a setting the
 model's builder takes, and the settings the shipped model configs use have the right type and range (LoRA rank and
 alpha, dtype, frames, text length, the pretrained folder). A policy class may add its own checks as a classmethod
 ``check_config(cfg)``; it runs after these.
@@ -10,7 +10,17 @@ import inspect
 
 from omegaconf import OmegaConf
 
-from diffalign.config_checks import ConfigError, boolean, choice, integer, number, seed, text
+from diffalign.config.checks import (
+    ConfigError,
+    boolean,
+    choice,
+    integer,
+    node_check,
+    number,
+    seed,
+    target_attribute,
+    text,
+)
 
 TORCH_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
@@ -37,6 +47,7 @@ def _builder_parameters(target: str) -> set[str] | None:
     return names
 
 
+@node_check("model")
 def check_model_config(cfg) -> None:
     """Checks ``cfg.model`` (see the module docstring), then the policy class's own ``check_config`` if it has one.
 
@@ -44,15 +55,13 @@ def check_model_config(cfg) -> None:
         ConfigError: naming the field and the fix (``model.lora_rank=0``, an unknown key, ``torch_dtype=float64``, a
             local ``pretrained_model_name_or_path`` that is not a diffusers folder, ...).
     """
-    from diffalign.validation import target_attribute
-
     m, p = cfg.get("model"), "model"
     if not m or "_target_" not in m:
         return
     accepted = _builder_parameters(m._target_)
     if accepted is not None:
         unknown = sorted(k for k in m if k not in ("_target_", "init_lora") and k not in accepted)  # (init_lora:
-        # diffalign.init_lora reads it and takes it out before the model is built)
+        # diffalign.lora.initial reads it and takes it out before the model is built)
         if unknown:
             raise ConfigError(f"model.{unknown[0]} is not a setting of model={m._target_}; it takes "
                               f"{sorted(accepted)}")

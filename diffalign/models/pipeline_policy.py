@@ -28,7 +28,8 @@ from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from diffalign.models.base import ForwardModuleMixin, add_trainable_lora, readable_by_umask
+from diffalign.models.base import ForwardModuleMixin, add_trainable_lora
+from diffalign.runtime.files import readable_by_umask
 from diffalign.types import PromptEmbeds
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"

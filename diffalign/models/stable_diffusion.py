@@ -30,7 +30,7 @@ from diffalign.models.pipeline_policy import (  # noqa: F401 (LORA_WEIGHT_NAME, 
     check_pipeline_folder,
     load_pipeline,
 )
-from diffalign.text_context import TruncationWarner
+from diffalign.runtime.text_context import TruncationWarner
 from diffalign.types import PromptEmbeds
 
 logger = logging.getLogger(__name__)

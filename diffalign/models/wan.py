@@ -34,13 +34,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from diffalign.models.base import (
-    add_trainable_lora,
-    check_prompts,
-    disable_dropout,
-    expand_negative_prompts,
-    readable_by_umask,
-)
+from diffalign.models.base import add_trainable_lora, check_prompts, disable_dropout, expand_negative_prompts
 from diffalign.models.pipeline_policy import (
     LORA_WEIGHT_NAME,
     PipelinePolicy,
@@ -49,6 +43,7 @@ from diffalign.models.pipeline_policy import (
     check_lora_arguments,
     load_pipeline,
 )
+from diffalign.runtime.files import readable_by_umask
 from diffalign.types import PromptEmbeds
 
 DEFAULT_WAN_LORA_TARGET_MODULES = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffalign.config.schemas import config_schema
 from diffalign.data.degrade import random_word_removal
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, rand, randint
 from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
-from diffalign.schemas import config_schema
 from diffalign.types import PreferenceBatch, PromptEmbeds
 
 if TYPE_CHECKING:

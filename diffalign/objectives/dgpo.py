@@ -40,13 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates
+from diffalign.config.schemas import config_schema, deprecated
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates, stream_seed
 from diffalign.objectives.common import per_sample_mse
-from diffalign.old_policy import EmaRolloutPolicy
-from diffalign.reference import FrozenBaseReference
+from diffalign.reference.frozen_base import FrozenBaseReference
+from diffalign.reference.old_policy import EmaRolloutPolicy
 from diffalign.samplers.base import build_sampler
-from diffalign.samplers.groups import stream_seed
-from diffalign.schemas import config_schema, deprecated
 from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")

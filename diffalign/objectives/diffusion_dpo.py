@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.console import warn_repeated
+from diffalign.config.schemas import config_schema
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
-from diffalign.schemas import config_schema
+from diffalign.runtime.console import warn_repeated
 from diffalign.types import PreferenceBatch
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def diffusion_dpo_loss(
         - ``model_loss/chosen``, ``model_loss/rejected``, ``ref_loss/chosen``, ``ref_loss/rejected``: mean losses.
         - ``saturated``: number of pairs with ``|z| > 30``. Such pairs give ~0 gradient, and a batch of them can log
             a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
-            logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            logging interval inside a training loop: `diffalign.runtime.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0 or the four inputs are not 1-D tensors of one shape.

@@ -36,12 +36,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, split_updates
+from diffalign.config.schemas import config_schema
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, split_updates, stream_seed
 from diffalign.objectives.policy_gradient import trajectory_minibatches
-from diffalign.old_policy import OLD_ADAPTER
-from diffalign.reference import ReferenceAdapter
-from diffalign.samplers.groups import stream_seed
-from diffalign.schemas import config_schema
+from diffalign.reference.adapter import ReferenceAdapter
+from diffalign.reference.old_policy import OLD_ADAPTER
 
 LOSS_WEIGHTINGS = ("adaptive", "uniform")
 WEIGHT_FLOOR = 1e-5  # the released code's clip(min=0.00001) of the adaptive weight
@@ -256,7 +255,7 @@ class DiffusionNFT:
             ValueError: naming the field and the fix; also for a model that is not a rectified-flow one (its class's
                 ``flow_matching`` attribute), before it loads.
         """
-        from diffalign.validation import target_attribute
+        from diffalign.config.checks import target_attribute
 
         on, sp, m = cfg.online, cfg.sampler, cfg.method
         if target_attribute(cfg.model.get("_target_"), "flow_matching") is False:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffalign.config.schemas import config_schema
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
-from diffalign.schemas import config_schema
 
 
 @config_schema("method", "flow_grpo")

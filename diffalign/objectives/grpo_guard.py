@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient, TransitionUnit
 from diffalign.samplers.rollout import recompute_step
-from diffalign.schemas import config_schema
 from diffalign.types import Trajectory
 
 GRAD_REWEIGHTS = ("inverse_dt", "none")

@@ -26,10 +26,17 @@ from typing import NamedTuple
 
 import torch
 
-from diffalign.console import literal, warn_repeated
-from diffalign.methods import SHUFFLE, TIMESTEPS, CurrentPolicy, OnlineEpoch, epoch_generator, split_updates
+from diffalign.methods import (
+    SHUFFLE,
+    TIMESTEPS,
+    CurrentPolicy,
+    OnlineEpoch,
+    epoch_generator,
+    split_updates,
+    stream_seed,
+)
+from diffalign.runtime.console import literal, warn_repeated
 from diffalign.samplers.base import build_sampler
-from diffalign.samplers.groups import stream_seed
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
 
@@ -268,9 +275,9 @@ class StoredTransitionMethod:
     The alarm: before the first optimizer update of every epoch the policy is the one that made the epoch's rollouts,
     so the log-prob each unit recomputes for training must equal the stored one up to float noise (ratio 1). During
     that update `check_logprobs` compares them (max |Δ| over the unit's rows, agreed over processes); beyond
-    ``logprob_tolerance`` the run stops (`diffalign.faults.RolloutMismatchError`, ``logprob_check="stop"``) naming
-    the likely causes, or warns once per epoch (``"warn"``); ``"off"`` skips it. A subclass sets ``logprob_check``,
-    ``logprob_tolerance`` (`init_logprob_check`) and wraps its updates with `checked_updates`.
+    ``logprob_tolerance`` the run stops (`diffalign.runtime.faults.RolloutMismatchError`, ``logprob_check="stop"``)
+    naming the likely causes, or warns once per epoch (``"warn"``); ``"off"`` skips it. A subclass sets
+    ``logprob_check``, ``logprob_tolerance`` (`init_logprob_check`) and wraps its updates with `checked_updates`.
     """
 
     logprob_check: str = "stop"
@@ -294,7 +301,7 @@ class StoredTransitionMethod:
 
     def checked_updates(self, epoch: OnlineEpoch, updates: Iterator[list]) -> Iterator[list]:
         """Yields `updates`, comparing log-probs (`check_logprobs`) while the first one is trained; in "warn" mode
-        warns once for the epoch when they differ beyond the tolerance (`diffalign.console.warn_repeated`, kind
+        warns once for the epoch when they differ beyond the tolerance (`diffalign.runtime.console.warn_repeated`, kind
         ``logprob_mismatch``: one summary line for the epoch in the online loop)."""
         self._checking, self._epoch, self._worst = self.logprob_check != "off", epoch.epoch, 0.0
         for n, update in enumerate(updates):
@@ -302,7 +309,7 @@ class StoredTransitionMethod:
             if n == 0 and self._checking:
                 self._checking = False
                 if self._worst > self.logprob_tolerance:  # ("warn"; "stop" raised already)
-                    # (once per epoch; reported with the epoch's other repeating warnings, diffalign.console)
+                    # (once per epoch; reported with the epoch's other repeating warnings, diffalign.runtime.console)
                     warn_repeated(logger, "logprob_mismatch", "{count} epoch(s) trained on anyway (method.logprob_"
                                   "check=warn): " + literal(self._mismatch_text(self._worst, f"epoch {epoch.epoch}")),
                                   count=1, shared=True)
@@ -333,11 +340,11 @@ class StoredTransitionMethod:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         worst = float(worst)
-        if math.isnan(worst):  # a non-finite log-prob: the non-finite guard skips the update (diffalign.faults)
+        if math.isnan(worst):  # a non-finite log-prob: the non-finite guard (diffalign.runtime.faults) skips the update
             return
         self._worst = max(self._worst, worst)
         if self._worst > self.logprob_tolerance and self.logprob_check == "stop":
-            from diffalign.faults import RolloutMismatchError
+            from diffalign.runtime.faults import RolloutMismatchError
 
             self._checking = False
             raise RolloutMismatchError(

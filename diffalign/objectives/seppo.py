@@ -1,7 +1,7 @@
 """SePPO: Semi-Policy Preference Optimization (Zhang et al., [arXiv:2410.05255](https://arxiv.org/abs/2410.05255)).
 
 docs/methods/algorithms.md#seppo. SePPO trains on winning images only. A previous checkpoint θ_r of the policy, drawn
-from a pool (`diffalign.reference.PoolReference`), is both the DPO reference and the generator of an on-policy
+from a pool (`diffalign.reference.pool.PoolReference`), is both the DPO reference and the generator of an on-policy
 *reference sample* x^r that takes the loser's place; the anchor-based adaptive flipper (AAF) decides per sample whether
 x^r is treated as a loser (s = +1) or as a likely winner (s = −1, or 0 in the "switch to SFT" form of the paper's v2).
 
@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffalign.console import warn_repeated
+from diffalign.config.schemas import config_schema
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
+from diffalign.runtime.console import warn_repeated
 from diffalign.samplers.base import build_sampler
 from diffalign.samplers.rollout import rollout
-from diffalign.schemas import config_schema
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def seppo_loss(
         - ``anchor_gap``: mean ℓ_θr(x^w) − ℓ_θ(x^w), the AAF statistic (> 0: the policy fits winners better);
         - ``model_loss/chosen``, ``model_loss/reference_sample``, ``ref_loss/chosen``, ``ref_loss/reference_sample``;
         - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero; counted and
-            reported once per logging interval inside a training loop: `diffalign.console.warn_repeated`).
+            reported once per logging interval inside a training loop: `diffalign.runtime.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0, the inputs are not four `(B,)` tensors, or `aaf_mode`/`aaf_tie` is unknown.
@@ -342,7 +342,7 @@ class SePPO(nn.Module):
             generator (`torch.Generator` or a list of `B`, *optional*): source of t, ε (and, with
                 ``sample_cache="off"``, the x^r seeds), drawn in float32 on the generator's device and moved to the
                 latents' device; a list gives each winner its own (`diffalign.objectives.common.randn`).
-            reference: the reference strategy holding θ_r (`diffalign.reference.PoolReference` for SePPO; any
+            reference: the reference strategy holding θ_r (`diffalign.reference.pool.PoolReference` for SePPO; any
                 strategy works, e.g. `FrozenBaseReference` gives a DITTO-like fixed reference).
 
         Returns:

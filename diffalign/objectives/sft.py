@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from diffalign.config.schemas import config_schema
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
-from diffalign.schemas import config_schema
 from diffalign.types import WinnerBatch
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.methods import CurrentPolicy, OnlineEpoch
 from diffalign.objectives.policy_gradient import (
     LOGPROB_TOLERANCE,
@@ -37,7 +38,6 @@ from diffalign.objectives.policy_gradient import (
     transition_plan,
 )
 from diffalign.samplers.rollout import recompute_step
-from diffalign.schemas import config_schema
 from diffalign.types import Trajectory
 from diffalign.vipo.backbones import check_backbone_spec
 from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, check_psm_options

@@ -27,9 +27,9 @@ class RewardError(RuntimeError):
     """A reward failed or returned unusable scores; the message names the reward, and where known the training step,
     the batch and the prompts involved.
 
-    Raised by `WeightedSum` and `diffalign.rewards.guard.score_or_raise`, so a training loop stops (after saving a
-    checkpoint, `diffalign.rewards.guard.stop_on_reward_error`) instead of training on NaN or missing scores. Nothing
-    is ever replaced by zero.
+    Raised by `WeightedSum` and `diffalign.rewards.reward_set.score_or_raise`, so a training loop stops (after saving a
+    checkpoint, `diffalign.rewards.reward_set.stop_on_reward_error`) instead of training on NaN or missing scores.
+    Nothing is ever replaced by zero.
 
     Args:
         reward_name (`str`): the name of the failing reward (its key in the reward config).

@@ -5,7 +5,7 @@ headroom in the tiny world, whose images are mostly black (mean about 0.1), ever
 model, so a method that works raises it within a few epochs on a CPU, and a method that does not shows it at once.
 It says nothing about prompt alignment: use it to test a loop, then the verifier (``geneval_shapes``) to align.
 A rise bought by collapse (every image one bright texture) shows in the hacking monitors (held-out verifier, diversity),
-which the learning benchmark reports beside it (`diffalign.bench`).
+which the learning benchmark reports beside it (`diffalign.evaluation.bench`).
 """
 
 from __future__ import annotations

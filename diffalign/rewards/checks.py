@@ -1,5 +1,5 @@
-"""A selected reward's settings, checked before any model loads (`diffalign.validation`): the combine fields every
-reward option carries (``weight``, ``normalize``) and the fields the shipped rewards share (``value_range``,
+"""A selected reward's settings, checked before any model loads (`diffalign.config.validation`): the combine fields
+every reward option carries (``weight``, ``normalize``) and the fields the shipped rewards share (``value_range``,
 ``device``, ``dtype``, ``scale``, ``quality``). A reward class may add its own checks as a classmethod
 ``check_config(node, prefix)``; it runs after these. Types are checked by Hydra already (the reward configs are
 dataclasses); these are the ranges and names.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from diffalign.config_checks import ConfigError, choice, integer, number
-from diffalign.rewards.combine import NORMALIZE
+from diffalign.config.checks import ConfigError, choice, integer, node_check, number, target_attribute
+from diffalign.rewards.reward_set import NORMALIZE
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -30,6 +30,7 @@ def _check_device(node, prefix: str) -> None:
                               f"here; pass {prefix}.device=cpu")
 
 
+@node_check("reward")
 def check_reward_config(node, prefix: str) -> None:
     """Checks one selected reward's node ``cfg.<reward|eval_reward>.<name>`` (`prefix`), then the reward class's own
     ``check_config(node, prefix)``.
@@ -37,8 +38,6 @@ def check_reward_config(node, prefix: str) -> None:
     Raises:
         ConfigError: naming the field and the fix.
     """
-    from diffalign.validation import target_attribute
-
     if not node:
         return
     number(node, "weight", prefix, hint="the reward's weight in the weighted sum (negative: minimise it)")

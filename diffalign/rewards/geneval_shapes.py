@@ -50,8 +50,8 @@ class GenevalShapes:
 
     @classmethod
     def check_prompts(cls, rows: list[dict], where: str) -> None:
-        """Refuses prompt rows it cannot score (before any model loads; `diffalign.validation`): a row needs GenEval
-        ``include`` metadata or a shapes-world caption.
+        """Refuses prompt rows it cannot score (before any model loads; `diffalign.config.validation`): a row needs
+        GenEval ``include`` metadata or a shapes-world caption.
 
         Args:
             rows (`list[dict]`): prompt rows (``prompt`` and optional metadata).

@@ -18,9 +18,9 @@ reference server (``diffalign-reward-server``), serving any installed reward plu
 The client sends at most ``max_batch_size`` images per request and keeps up to ``max_concurrency`` requests in
 flight; a request that times out, cannot connect or gets HTTP 408/429/5xx is retried after ``backoff · 2^k`` seconds
 (k = 0, 1, ...; at most ``max_backoff``), ``max_retries`` times; then the call fails with `HttpRewardError` naming the
-server, which the training loops turn into a stop with a checkpoint (`diffalign.rewards.guard`). `HttpReward.submit`
-returns a future, so the online loop and the on-policy data preparation score batch k while sampling batch k + 1
-(`diffalign.rewards.futures`).
+server, which the training loops turn into a stop with a checkpoint (`diffalign.rewards.reward_set`).
+`HttpReward.submit` returns a future, so the online loop and the on-policy data preparation score batch k while
+sampling batch k + 1 (`diffalign.rewards.reward_set`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import requests
 import torch
 from PIL import Image
 
-from diffalign.console import literal, warn_repeated
-from diffalign.rewards.futures import concat_outputs, gather
+from diffalign.rewards.reward_set import concat_outputs, gather
+from diffalign.runtime.console import literal, warn_repeated
 from diffalign.types import RewardOutput
 
 logger = logging.getLogger(__name__)
@@ -370,7 +370,7 @@ class HttpReward:
 
     @classmethod
     def check_config(cls, node, prefix: str) -> None:
-        """Checks of the reward's node before any model loads (`diffalign.validation`): ``url`` is an http(s)
+        """Checks of the reward's node before any model loads (`diffalign.config.validation`): ``url`` is an http(s)
         address and, unless ``check_health`` is false, the server answers ``GET <url>/health``: one request, connect
         timeout `HEALTH_CONNECT_TIMEOUT` (3 s), answer within `HEALTH_READ_TIMEOUT` (30 s), no retries. HTTP 200 is
         accepted (the protocol is checked when the reward is built); HTTP 404 (a server without a health route, e.g.
@@ -380,7 +380,7 @@ class HttpReward:
         Raises:
             ConfigError: naming ``<prefix>.url``, the address asked and the fix.
         """
-        from diffalign.config_checks import ConfigError
+        from diffalign.config.checks import ConfigError
 
         url = str(node.get("url") or "")
         parts = urlsplit(url)

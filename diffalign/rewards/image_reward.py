@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from diffalign.rewards.preprocess import ImageInput, to_pixels
-from diffalign.text_context import TruncationWarner
+from diffalign.runtime.text_context import TruncationWarner
 from diffalign.types import RewardOutput
 
 logger = logging.getLogger(__name__)

@@ -163,8 +163,8 @@ def load_open_clip(model_name: str, pretrained: str | None, field: str, where: s
 
 def _warning_tokenize(tokenize, tokenizer, context: int, field: str):
     """`tokenize` that first warns once per prompt longer than the text encoder's `context` tokens
-    (`diffalign.text_context.TruncationWarner`; the encoder reads the truncated prompt)."""
-    from diffalign.text_context import TruncationWarner
+    (`diffalign.runtime.text_context.TruncationWarner`; the encoder reads the truncated prompt)."""
+    from diffalign.runtime.text_context import TruncationWarner
 
     warner = TruncationWarner(f"{field}'s text encoder", logger,
                               "the rest is ignored (the score judges the truncated prompt)",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from diffalign.rewards.loading import looks_local, missing_weights_error
 from diffalign.rewards.preprocess import ImageInput, center_crop, resize_shorter_side, to_pixels
-from diffalign.text_context import TruncationWarner
+from diffalign.runtime.text_context import TruncationWarner
 from diffalign.types import RewardOutput
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,16 @@ appears as ``cfg.reward.sharpness`` (so ``reward.sharpness.weight=0.5`` works). 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 
+from diffalign.config.registry import REWARD_GROUPS, entry_points, reward_node
 from diffalign.types import RewardOutput
 
 PREFIX = "python:"
@@ -81,3 +84,28 @@ class PythonFunction:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         out = self.function(images, prompts, metadata)
         return out if isinstance(out, RewardOutput) else RewardOutput(scores=torch.as_tensor(out).float())
+
+
+def python_config(spec: str) -> type:
+    """`PythonFunctionConfig` with ``function`` defaulting to `spec`'s ``<module>:<function>``."""
+    module, function = parse_spec(spec)
+    return dataclasses.make_dataclass(f"PythonFunction_{function}", [("function", str, f"{module}:{function}")],
+                                      bases=(PythonFunctionConfig,))
+
+
+def register_python_reward(spec: str) -> str:
+    """Stores the one-off reward ``python:<module>:<function>`` as an option of the ``reward`` and ``eval_reward``
+    groups (option name: `spec`; config key: the function's name, so ``reward=[python:pkg.mod:sharpness]`` gives
+    ``cfg.reward.sharpness`` with ``function: pkg.mod:sharpness``); returns that key.
+
+    Raises:
+        ValueError: `spec` is malformed, or the function's name is already a registered reward.
+    """
+    function = parse_spec(spec)[1]
+    if function in entry_points("diffalign.rewards"):
+        raise ValueError(f"reward {spec!r} would be stored as '{function}', which is already an installed reward; "
+                         "rename the function")
+    node = reward_node(python_config(spec), spec)
+    for reward_group in REWARD_GROUPS:
+        ConfigStore.instance().store(group=reward_group, name=spec, node=node, package=f"{reward_group}.{function}")
+    return function

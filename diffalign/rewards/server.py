@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from diffalign.console import quiet_on_broken_pipe
 from diffalign.rewards.http import (
     IMAGE_FORMATS,
     PROTOCOL,
@@ -47,6 +46,7 @@ from diffalign.rewards.http import (
     decode_images,
     encode_output,
 )
+from diffalign.runtime.console import quiet_on_broken_pipe
 
 logger = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("name the reward to serve (e.g. diffalign-reward-server brightness), or pass --template")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from diffalign.plugins import build_reward
+    from diffalign.rewards.reward_set import build_reward
 
     try:
         limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_batch_size=args.max_batch_size,

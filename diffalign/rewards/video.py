@@ -81,7 +81,7 @@ class PerFrame:
         if layout not in LAYOUTS:
             raise ValueError(f"reward.per_frame.layout={layout!r} must be one of {LAYOUTS}")
         if isinstance(image_reward, str):
-            from diffalign.plugins import build_reward
+            from diffalign.rewards.reward_set import build_reward
 
             image_reward = build_reward(image_reward, **dict(image_reward_kwargs or {}))
         self.image_reward, self.aggregate, self.layout = image_reward, aggregate, layout

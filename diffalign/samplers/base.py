@@ -50,9 +50,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffalign.config_checks import ConfigError, choice, integer, number
+from diffalign.config.checks import ConfigError, choice, integer, number
+from diffalign.config.schemas import config_schema
 from diffalign.models.base import inference_lora
-from diffalign.schemas import config_schema
 from diffalign.types import PromptEmbeds, Trajectory
 
 MODEL_FAMILIES = ("eps", "flow", "any")

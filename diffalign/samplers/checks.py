@@ -1,4 +1,4 @@
-"""The ``sampler`` node's checks, run before any model loads (`diffalign.validation`): building the `Sampler`
+"""The ``sampler`` node's checks, run before any model loads (`diffalign.config.validation`): building the `Sampler`
 (`diffalign.samplers.base.build_sampler`) checks a registered option, integer steps, a guidance scale of at least 1
 and the sampler's own noise parameter; then an online method's sampler must be of the model's family.
 
@@ -22,7 +22,7 @@ fail only once the model has loaded.
 
 from __future__ import annotations
 
-from diffalign.config_checks import ConfigError
+from diffalign.config.checks import ConfigError, node_check
 from diffalign.samplers.base import SAMPLERS, build_sampler, sampler_names
 
 FAMILY_SAMPLERS = {"eps": "sampler=ddim (DDIM-eta) or sampler=dpm_ode",
@@ -36,6 +36,7 @@ def samplers_of_family(family: str) -> list[str]:
     return [name for name, cls in SAMPLERS.items() if cls.model_family in (family, "any")]
 
 
+@node_check("sampler")
 def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> None:
     """Checks ``cfg.sampler``.
 

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from diffalign.config_checks import number
+from diffalign.config.checks import number
 from diffalign.samplers.base import FlowSampler, register_sampler
 from diffalign.samplers.flow_sde import FlowStepOutput, float32_step_inputs, sample_and_score
 

@@ -24,7 +24,7 @@ import torch
 from diffusers import DDIMScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffalign.config_checks import number
+from diffalign.config.checks import number
 from diffalign.samplers.base import Sampler, Schedule, register_sampler
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffalign.config_checks import number
+from diffalign.config.checks import number
 from diffalign.samplers.base import FlowSampler, register_sampler
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)

@@ -12,20 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from diffalign.methods import stream_seed
 from diffalign.models.base import DiffusionPolicy
 from diffalign.samplers.base import Sampler
 from diffalign.types import PromptEmbeds, Trajectory
 
 # stream tags keep the initial-noise and per-step-noise streams of one sample apart
 _INIT, _STEP = 0, 1
-
-
-def stream_seed(seed: int, epoch: int, group: int, member: int, stream: int) -> int:
-    """A 63-bit seed for one random stream, from ``SeedSequence([seed, epoch, group, member, stream])``."""
-    return int(np.random.SeedSequence([seed, epoch, group, member, stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def group_initial_noise(shape: tuple[int, ...], group_indices: list[int], group_size: int, *, seed: int, epoch: int,
@@ -108,7 +103,7 @@ def group_rollout(
             processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
         on_chunk (*optional*): called as ``on_chunk(part, start, stop)`` after each forward batch with its
             `Trajectory` (rows ``start:stop`` of the result), e.g. to send it to a reward server while the next one is
-            sampled (`diffalign.rewards.futures.ChunkScorer`).
+            sampled (`diffalign.rewards.reward_set.ChunkScorer`).
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64

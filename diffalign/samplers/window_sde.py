@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from diffalign.config_checks import ConfigError, integer, number
+from diffalign.config.checks import ConfigError, integer, number
 from diffalign.samplers.base import FlowSampler, register_sampler
 from diffalign.samplers.flow_sde import flow_sde_step
 

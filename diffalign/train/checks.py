@@ -1,13 +1,13 @@
 """The training loops' own settings, checked before any work: the ``trainer`` node (both loops) and the ``online`` node
 (the online loop), with the options a loop would ignore refused rather than dropped.
 
-`diffalign.validation.validate_train_config` calls `check_trainer_config` and, for online methods,
-`check_online_config`; every error names the field and the fix (`diffalign.config_checks.ConfigError`).
+`diffalign.config.validation.validate_train_config` calls `check_trainer_config` and, for online methods,
+`check_online_config`; every error names the field and the fix (`diffalign.config.checks.ConfigError`).
 """
 
 from __future__ import annotations
 
-from diffalign.config_checks import ConfigError, boolean, choice, integer, number, text
+from diffalign.config.checks import ConfigError, boolean, choice, integer, node_check, number, text
 from diffalign.world.prompts import load_prompts
 
 LR_SCHEDULERS = ("constant_with_warmup", "cosine")
@@ -32,6 +32,7 @@ def _trackers() -> list[str]:
     return [str(t) for t in get_available_trackers()]
 
 
+@node_check("trainer")
 def check_trainer_config(cfg, *, online: bool) -> None:
     """Checks the ``trainer`` node: sizes and steps are integers in range, the optimizer's numbers, the LR schedule
     and mixed precision are known names, ``max_grad_norm`` is positive or null, ``keep_last`` is -1 or >= 1, the
@@ -86,6 +87,7 @@ def check_trainer_config(cfg, *, online: bool) -> None:
                           "trainer.gradient_accumulation_steps=1")
 
 
+@node_check("overrides")
 def check_ignored_overrides(overrides: list[str], *, online: bool) -> None:
     """Refuses command-line overrides of settings the chosen loop does not read (they would be dropped silently):
     ``trainer.max_steps`` / ``checkpointing_steps`` / ``cache_latents`` / ``warnings_every`` for an online method, ``online.*`` for a
@@ -108,6 +110,7 @@ def check_ignored_overrides(overrides: list[str], *, online: bool) -> None:
                               "trainer.max_steps optimizer steps over data=...). Drop the override")
 
 
+@node_check("online")
 def check_online_config(cfg) -> None:
     """Checks the ``online`` node of an online run: integer sizes in range, the advantage options, the split, the
     prompt file.

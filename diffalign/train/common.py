@@ -20,7 +20,19 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from diffalign.checkpoint import (
+from diffalign.evaluation.evaluate import evaluate_policy
+from diffalign.evaluation.files import base_reuse_key
+from diffalign.evaluation.generation import eval_config_from, select_prompts
+from diffalign.models.base import bare_forward
+from diffalign.rewards.reward_set import (
+    CheckedReward,
+    WeightedSum,
+    build_checked_rewards,
+    build_rewards,
+    set_reward_step,
+    stop_on_reward_error,
+)
+from diffalign.runtime.checkpoint import (
     check_resume_target,
     latest_checkpoint,
     load_checkpoint,
@@ -30,15 +42,8 @@ from diffalign.checkpoint import (
     save_checkpoint,
     write_state,
 )
-from diffalign.console import write
-from diffalign.evaluate import base_reuse_key, eval_config_from, evaluate_policy, select_prompts
-from diffalign.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
-from diffalign.models.base import bare_forward
-from diffalign.plugins import build_checked_rewards, build_rewards
-from diffalign.rewards.combine import WeightedSum
-from diffalign.rewards.guard import CheckedReward, set_reward_step, stop_on_reward_error
-from diffalign.trackers import tracker_init_kwargs
-from diffalign.train.distributed import (
+from diffalign.runtime.console import write
+from diffalign.runtime.distributed import (
     CheckpointOptimizer,
     fsdp_plugin_for,
     fsdp_root,
@@ -47,6 +52,8 @@ from diffalign.train.distributed import (
     switch_fsdp_on,
     wrap_on_cpu,
 )
+from diffalign.runtime.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.runtime.trackers import tracker_init_kwargs
 from diffalign.world.prompts import load_prompts
 
 
@@ -72,7 +79,8 @@ def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> A
     ``<output_dir>/logs``), one LR step per optimizer step on any number of processes; then seeds every RNG with
     ``cfg.seed``."""
     tr, output_dir = cfg.trainer, Path(cfg.output_dir)
-    fsdp_plugin = fsdp_plugin_for(tr.cpu)  # an FSDP launch on CPU (accelerate drops FSDP there; diffalign.train.distributed)
+    # an FSDP launch on CPU (accelerate drops FSDP there; diffalign.runtime.distributed)
+    fsdp_plugin = fsdp_plugin_for(tr.cpu)
     accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=tr.mixed_precision,
@@ -128,7 +136,7 @@ def prepare_training(accelerator: Accelerator, policy, tr: DictConfig, total_upd
     optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
                                   weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
-    # (FSDP on CPU: wrapped here, without the device_id accelerate would pass; diffalign.train.distributed)
+    # (FSDP on CPU: wrapped here, without the device_id accelerate would pass; diffalign.runtime.distributed)
     wrapped, optimizer, lr_scheduler = accelerator.prepare(wrap_on_cpu(accelerator, policy.denoiser), optimizer,
                                                            lr_scheduler)
     if wrapped is not policy.denoiser:  # DDP/FSDP: forward through the wrapper, switch adapters on the bare module
@@ -214,8 +222,8 @@ class Updates:
 
 
 class Checkpoints:
-    """A run's checkpoints: ``checkpoint-<step>`` folders (`diffalign.checkpoint.save_checkpoint`) holding the LoRA,
-    the optimizer and LR scheduler, every object of `states` as ``<name>.{json,safetensors}`` and the loop's own
+    """A run's checkpoints: ``checkpoint-<step>`` folders (`diffalign.runtime.checkpoint.save_checkpoint`) holding the
+    LoRA, the optimizer and LR scheduler, every object of `states` as ``<name>.{json,safetensors}`` and the loop's own
     trainer state with the run's lineage (``keep_last`` prunes only this lineage's checkpoints; a resume carries the
     checkpoint's lineage on).
 
@@ -244,7 +252,7 @@ class Checkpoints:
 
     def write(self, step: int, trainer_state: dict) -> Path:
         """Writes ``checkpoint-<step>`` with `trainer_state` as its ``trainer_state.json``. Call it on every process:
-        under FSDP the LoRA and the optimizer state are gathered first (collectives, `diffalign.train.distributed`),
+        under FSDP the LoRA and the optimizer state are gathered first (collectives, `diffalign.runtime.distributed`),
         in the one-process layout; only the main process writes files."""
         optimizer = self.optimizer
         if is_fsdp(self.accelerator):
@@ -320,7 +328,7 @@ class _Gathered:
 
 
 def build_reward_sets(cfg: DictConfig) -> tuple[WeightedSum, dict[str, CheckedReward]]:
-    """The run's rewards, built the one way (build → guard → combine, `diffalign.plugins.build_rewards`).
+    """The run's rewards, built the one way (build → guard → combine, `diffalign.rewards.reward_set.build_rewards`).
 
     Returns:
         (the training set ``reward=[...]`` as a `WeightedSum` of guarded components, the evaluation set
@@ -366,7 +374,7 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     """
     if not (cfg.eval.enabled and accelerator.is_main_process):
         return {}
-    from diffalign.report import write_report
+    from diffalign.evaluation.report import write_report
 
     output_dir = Path(cfg.output_dir)
     t_eval = time.time()
@@ -394,7 +402,7 @@ def log_evaluation(accelerator: Accelerator, metrics: dict, eval_dir: Path, step
     """Logs an evaluation's results to the run's trackers at `step`: every variant's scalar statistics as
     ``eval/<variant>/<statistic>`` (all trackers), its overview grid as the image ``eval/<variant>/grid``, and for a
     video model the videos of the first seed of its first `EVAL_VIDEOS` prompts as ``eval/<variant>/videos``
-    (TensorBoard and wandb, `diffalign.trackers`).
+    (TensorBoard and wandb, `diffalign.runtime.trackers`).
 
     Args:
         metrics (`dict`): what `evaluate_policy` returned (``metrics.json``).
@@ -402,7 +410,7 @@ def log_evaluation(accelerator: Accelerator, metrics: dict, eval_dir: Path, step
     """
     import json
 
-    from diffalign.trackers import log_images, log_videos
+    from diffalign.runtime.trackers import log_images, log_videos
 
     if not accelerator.is_main_process or not accelerator.trackers:
         return

@@ -1,12 +1,12 @@
 """The structured configs of the training loops' own config groups, ``trainer`` (both loops) and ``online`` (the online
-loop), registered as ``schema/trainer/default`` and ``schema/online/default`` (`diffalign.schemas`); the YAML options
-``configs/trainer/default.yaml`` and ``configs/online/default.yaml`` only extend them."""
+loop), registered as ``schema/trainer/default`` and ``schema/online/default`` (`diffalign.config.schemas`); the YAML
+options ``configs/trainer/default.yaml`` and ``configs/online/default.yaml`` only extend them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffalign.schemas import config_schema
+from diffalign.config.schemas import config_schema
 
 
 @config_schema("trainer", "default")

@@ -26,12 +26,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from diffalign.cli import CONFIG_DIR, _setup
-from diffalign.console import quiet_on_broken_pipe
+from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.data.preference import ResumableSampler
-from diffalign.init_lora import model_config
+from diffalign.lora.initial import model_config
 from diffalign.objectives.sft import WinnerSFT
-from diffalign.plugins import build_selected_rewards
+from diffalign.rewards.reward_set import build_selected_rewards
+from diffalign.runtime.console import quiet_on_broken_pipe
 from diffalign.train.preference import data_latents
 from diffalign.types import WinnerBatch
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    _setup()
+    setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     torch.manual_seed(args.seed)

@@ -12,7 +12,7 @@ Each epoch:
 3. scores them with the selected rewards (`diffalign.train.common.build_reward_sets`; a failing or non-finite reward
    stops the run after a checkpoint, naming the reward, step and prompts); a reward served over HTTP
    (``reward=[http]``) scores each rollout batch of ``online.rollout_batch_size`` while the next one is sampled
-   (`diffalign.rewards.futures`);
+   (`diffalign.rewards.reward_set`);
 4. computes the advantages the method asks for (its ``advantage``: per group with group or global std, per reward,
    or running per-prompt statistics; `diffalign.advantages.EpochAdvantages`) from the whole epoch's rewards, gathered
    from every process; with ``online.best_of_n`` keeps the n/2 best and n/2 worst of each group;
@@ -24,8 +24,8 @@ Every random stream is seeded from ``(seed, epoch, …)``, so ``resume=latest`` 
 exactly; checkpoints hold the LoRA, optimizer, LR scheduler, reference, the method's ``checkpoint_states`` (e.g. θ⁻),
 the per-prompt tracker and the non-finite counters. A non-finite loss or gradient skips that update
 (``nonfinite_skips``; ``trainer.max_consecutive_nonfinite`` in a row stop the run with a checkpoint); SIGTERM / SIGINT
-stop it at the next epoch boundary with a checkpoint (`diffalign.faults`). After training the base and fine-tuned
-models are evaluated on ``eval.prompts`` as in the preference loop.
+stop it at the next epoch boundary with a checkpoint (`diffalign.runtime.faults`). After training the base and
+fine-tuned models are evaluated on ``eval.prompts`` as in the preference loop.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
-from diffalign.console import WarningCounts, console_summary, write
-from diffalign.deprecation import migrate_config
-from diffalign.faults import NonFiniteGuard, StopSignals
-from diffalign.init_lora import build_policy
+from diffalign.config.deprecation import migrate_config
+from diffalign.evaluation.monitors import build_monitor
+from diffalign.lora.initial import build_policy
 from diffalign.methods import (
     ONLINE_FLOWS,
     ONLINE_MEMBERS,
@@ -58,11 +57,17 @@ from diffalign.methods import (
     epoch_generator,
 )
 from diffalign.models.base import bare_forward
-from diffalign.monitors import build_monitor
-from diffalign.rewards.combine import WeightedSum, reward_metrics
-from diffalign.rewards.futures import ChunkScorer
-from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
-from diffalign.runlock import run_lock
+from diffalign.rewards.reward_set import (
+    ChunkScorer,
+    WeightedSum,
+    reward_metrics,
+    set_reward_step,
+    stop_on_reward_error,
+)
+from diffalign.runtime.console import WarningCounts, console_summary, write
+from diffalign.runtime.distributed import check_fsdp_run, main_process_work
+from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.runlock import run_lock
 from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
@@ -75,7 +80,6 @@ from diffalign.train.common import (
     start_trackers,
     stop_if_requested,
 )
-from diffalign.train.distributed import check_fsdp_run, main_process_work
 from diffalign.world.prompts import load_prompts
 
 
@@ -91,8 +95,9 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
-    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
-    # repeating warnings counted, one summary line per epoch; log lines around the progress bars (diffalign.console)
+    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
+    # repeating warnings counted, one summary line per epoch; log lines around the progress bars
+    # (diffalign.runtime.console)
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
         run = _setup(cfg)
@@ -127,7 +132,7 @@ class _Run:
     epoch: int = 0
     global_step: int = 0
     said: set = field(default_factory=set)
-    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.console)
+    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.runtime.console)
 
     def trainer_state(self, at_epoch: int) -> dict:
         return {"epoch": at_epoch, "global_step": self.global_step, "tracker": self.advantages.state_dict(),
@@ -178,12 +183,12 @@ def _setup(cfg: DictConfig) -> _Run:
     check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     _check_split(on, num_proc)
     objective.check_config(cfg, num_proc)
-    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/lora/initial.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)
     objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
-    check_fsdp_run(accelerator, reference, objective)  # what an FSDP launch does not run (diffalign.train.distributed)
+    check_fsdp_run(accelerator, reference, objective)  # what FSDP does not run (diffalign.runtime.distributed)
     rewards, eval_rewards = build_reward_sets(cfg)
     monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
     rows = load_prompts(on.prompts, field="online.prompts")

@@ -25,9 +25,9 @@ method's ``checkpoint_states``.
 
 Rewards: ``reward=[...]`` is the training set (used by on-policy data such as ``data=ranked_pairs``), ``eval_reward=[...]``
 the evaluation set (evaluation and the hacking monitors; the training set when unset). Every reward call is checked
-(`diffalign.rewards.guard`): a reward that raises or returns NaN/inf stops the run after a checkpoint is saved, with a
-`RewardError` naming the reward, the step, the batch and the prompt. ``monitor.every > 0`` logs a gold reward on fixed
-prompts and seeds and the group diversity every that many steps (`diffalign.monitors`).
+(`diffalign.rewards.reward_set`): a reward that raises or returns NaN/inf stops the run after a checkpoint is saved,
+with a `RewardError` naming the reward, the step, the batch and the prompt. ``monitor.every > 0`` logs a gold reward on
+fixed prompts and seeds and the group diversity every that many steps (`diffalign.evaluation.monitors`).
 """
 
 from __future__ import annotations
@@ -44,19 +44,25 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from diffalign.console import WarningCounts, console_summary, write
+from diffalign.config.deprecation import migrate_config
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
-from diffalign.deprecation import migrate_config
-from diffalign.faults import NonFiniteGuard, StopSignals
-from diffalign.init_lora import build_policy
-from diffalign.methods import BATCH_TYPES, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, PreferenceMethod, check_method
+from diffalign.evaluation.monitors import build_monitor
+from diffalign.lora.initial import build_policy
+from diffalign.methods import (
+    BATCH_TYPES,
+    PREFERENCE_FLOWS,
+    PREFERENCE_MEMBERS,
+    PreferenceMethod,
+    check_method,
+    stream_seed,
+)
 from diffalign.models.base import bare_forward
-from diffalign.monitors import build_monitor
-from diffalign.rewards.combine import WeightedSum
-from diffalign.rewards.guard import set_reward_step, stop_on_reward_error
-from diffalign.runlock import run_lock
-from diffalign.samplers.groups import stream_seed
+from diffalign.rewards.reward_set import WeightedSum, set_reward_step, stop_on_reward_error
+from diffalign.runtime.console import WarningCounts, console_summary, write
+from diffalign.runtime.distributed import check_fsdp_run, main_process_work
+from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.runlock import run_lock
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
     Updates,
@@ -68,7 +74,6 @@ from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-expor
     start_trackers,
     stop_if_requested,
 )
-from diffalign.train.distributed import check_fsdp_run, main_process_work
 
 _NOISE_TAG = 20  # stream tag of the training draws (diffalign.samplers.groups.stream_seed)
 
@@ -130,9 +135,9 @@ def train(cfg: DictConfig) -> dict:
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
-    migrate_config(cfg)  # old config keys (diffalign.deprecation), a no-op after the CLI's
+    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
     # repeating warnings (saturation, skipped updates, ...) counted, one summary line per trainer.warnings_every
-    # steps; every log line written around the progress bars (diffalign.console)
+    # steps; every log line written around the progress bars (diffalign.runtime.console)
     with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
         run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
@@ -167,7 +172,7 @@ class _Run:
     pixel_size: tuple[int, int]
     sampler: ResumableSampler | None = None  # made once the data is prepared
     latent_cache: LatentCache | None = None
-    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.console)
+    warnings: WarningCounts | None = None  # the run's repeating warnings (diffalign.runtime.console)
     global_step: int = 0
     data_seconds: float = 0.0
 
@@ -188,12 +193,12 @@ def _setup(cfg: DictConfig) -> _Run:
     objective = instantiate(cfg.method)
     check_method(objective, cfg.method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
     objective.check_config(cfg, accelerator.num_processes)
-    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/init_lora.py)
+    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/lora/initial.py)
     policy.to(accelerator.device)
     reference = instantiate(cfg.reference)
     reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
     objective.setup(policy)  # e.g. a method's own adapters, for the same reason
-    check_fsdp_run(accelerator, reference, objective)  # what an FSDP launch does not run (diffalign.train.distributed)
+    check_fsdp_run(accelerator, reference, objective)  # what FSDP does not run (diffalign.runtime.distributed)
     latent_h, latent_w = policy.latent_shape[1:]
     pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
     data_kwargs = {}

@@ -2,8 +2,8 @@
 
 - `NonFiniteGuard` decides, once per optimizer update, whether the update may be applied: a non-finite loss on any
   micro-batch or a non-finite gradient norm (after clipping; all-reduced over processes) skips it. Skips are counted
-  (``nonfinite_skips``, logged; a warning reported once per logging interval, `diffalign.console`); after ``trainer.max_consecutive_nonfinite`` skips in a row the loop saves a
-  checkpoint and raises `NonFiniteError`.
+  (``nonfinite_skips``, logged; a warning reported once per logging interval, `diffalign.runtime.console`); after
+  ``trainer.max_consecutive_nonfinite`` skips in a row the loop saves a checkpoint and raises `NonFiniteError`.
 - `StopSignals` turns SIGTERM / SIGINT into a flag that the loops read between updates (agreed over processes); the
   loop then writes a checkpoint and raises `TrainingInterrupted`, which the CLI turns into exit code 128 + signal
   (143 for SIGTERM, 130 for SIGINT). A second SIGINT interrupts at once (KeyboardInterrupt). The data preparation
@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from diffalign.console import warn_repeated
+from diffalign.runtime.console import warn_repeated
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class NonFiniteGuard:
         Under fp16 mixed precision a non-finite gradient with finite losses is a loss-scale overflow: it is left to
         the GradScaler (which skips the step and lowers the scale), so it returns True and is not counted here.
         """
-        from diffalign.train.distributed import clip_grad_norm  # (under FSDP: the norm over all shards)
+        from diffalign.runtime.distributed import clip_grad_norm  # (under FSDP: the norm over all shards)
 
         norm = clip_grad_norm(accelerator, params, max_grad_norm if max_grad_norm is not None else float("inf"))
         grads_finite = norm is None or bool(torch.isfinite(torch.as_tensor(norm)).all())
@@ -112,8 +112,8 @@ class StopSignals:
 
     Handlers are installed only in the main thread (elsewhere this does nothing) and restored on exit. After the first
     SIGINT the default SIGINT handler is back, so a second Ctrl-C interrupts at once. Code that runs inside (the
-    evaluation, `diffalign.evaluate.evaluate_policy`) asks `stop_received` at its own safe points; a signal received by
-    a nested instance is handed to the enclosing one on exit.
+    evaluation, `diffalign.evaluation.evaluate.evaluate_policy`) asks `stop_received` at its own safe points; a signal
+    received by a nested instance is handed to the enclosing one on exit.
 
     Args:
         hint (`str`, defaults to "continue with resume=latest"): how to continue, ending the stop messages.

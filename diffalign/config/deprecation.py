@@ -1,8 +1,8 @@
 """Old config keys kept working for one release, in one place: `migrate_config`.
 
-A structured config (`diffalign.schemas`) declares its deprecated keys itself: a field made with
-`diffalign.schemas.deprecated` is an alias of a renamed key (or a dropped one), a field made with
-`diffalign.schemas.deprecated_values` has old values that map to new ones. `migrate_config`, run on the composed
+A structured config (`diffalign.config.schemas`) declares its deprecated keys itself: a field made with
+`diffalign.config.schemas.deprecated` is an alias of a renamed key (or a dropped one), a field made with
+`diffalign.config.schemas.deprecated_values` has old values that map to new ones. `migrate_config`, run on the composed
 config by the commands (`diffalign.cli`) and by the training loops, moves every alias that is set to its new key with
 a `FutureWarning` naming the old key, the new key and the value carried over, and drops the aliases, so the rest of
 the package reads only the new names. Setting an old key and its new key together is an error naming both.
@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.config.checks import check_structured_keys
+
 
 def override_keys(overrides: Iterable[str]) -> set[str]:
     """The config keys set by command-line overrides (``a.b=1``, ``+a.b=1``, ``++a.b=1``, ``~a.b``)."""
@@ -45,10 +47,8 @@ def migrate_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> DictConfig
 
     Raises:
         ValueError: when an old key and its new key are both set on the command line (both named), or a structured
-            node holds a key its schema does not have (`diffalign.validation.check_structured_keys`).
+            node holds a key its schema does not have (`diffalign.config.checks.check_structured_keys`).
     """
-    from diffalign.validation import check_structured_keys
-
     check_structured_keys(cfg)  # a key added with + that no schema has (it would break the re-typing below)
     given = override_keys(overrides)
     for group in list(cfg.keys()):

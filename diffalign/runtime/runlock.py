@@ -41,7 +41,7 @@ try:
 except ImportError:  # (Windows: the pid check alone)
     fcntl = None
 
-from diffalign.launch import process_start_time
+from diffalign.runtime.launch import process_start_time
 
 LOCK_NAME = ".diffalign.lock"
 RUN_SUBFOLDERS = ("eval", "logs", "prepared", "final")

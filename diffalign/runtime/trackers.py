@@ -92,7 +92,7 @@ def gif_bytes(path: str | Path, fps: float = 8.0) -> bytes:
 
 def log_videos(accelerator, videos: dict[str, Sequence[str | Path]], step: int, fps: float = 8.0,
                captions: dict[str, Sequence[str]] | None = None) -> None:
-    """Logs video files (``.gif`` or ``.mp4``, as `diffalign.media.save_video` writes them) to the run's media
+    """Logs video files (``.gif`` or ``.mp4``, as `diffalign.runtime.media.save_video` writes them) to the run's media
     trackers (main process).
 
     TensorBoard gets each as an animated GIF image summary ``<key>/<i>`` (the Images tab plays it), wandb the list

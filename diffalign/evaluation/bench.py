@@ -9,7 +9,8 @@ short continues with ``resume=latest``), then reads back:
 - the run's own evaluation, base vs fine-tuned on held-out prompts with fixed seeds: the benchmark reward's mean
   (start → end and the paired gain), the verifier's held-out accuracy (``geneval_shapes``, a hacking monitor for the
   easy reward), and sample diversity (mean pairwise distance of the tiny CLIP's embeddings of one prompt's images
-  across seeds, `diffalign.monitors.pairwise_diversity`): a rise bought by collapse shows as a diversity drop;
+  across seeds, `diffalign.evaluation.monitors.pairwise_diversity`): a rise bought by collapse shows as a diversity
+  drop;
 - wall seconds and rollouts.
 
 Over the seeds, each figure is a mean ± its standard error (std over seeds / √n), and the gain is also given in units
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffalign.console import quiet_on_broken_pipe
+from diffalign.runtime.console import quiet_on_broken_pipe
 
 
 @dataclass
@@ -125,7 +126,7 @@ def diversity(eval_dir: Path, variant: str, embedder) -> float:
     import torch
     from PIL import Image
 
-    from diffalign.monitors import pairwise_diversity
+    from diffalign.evaluation.monitors import pairwise_diversity
 
     by_prompt: dict[int, list[str]] = {}
     for line in (eval_dir / "samples.jsonl").read_text().splitlines():

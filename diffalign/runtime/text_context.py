@@ -6,14 +6,14 @@ text-conditioned reward (CLIP score, HPSv2, PickScore, ImageReward) read at most
 CLIP, 35 for ImageReward's BLIP, 12 in the tiny world) and drop the rest. A `TruncationWarner` per encoder warns
 the first time it sees each such prompt, naming the prompt, its length, the context and who truncates; inside a
 training loop or an evaluation these warnings are counted and reported once per logging interval
-(`diffalign.console.warn_repeated`, kind ``truncated_prompts``), with the last such prompt as the example.
+(`diffalign.runtime.console.warn_repeated`, kind ``truncated_prompts``), with the last such prompt as the example.
 """
 
 from __future__ import annotations
 
 import logging
 
-from diffalign.console import literal, warn_repeated
+from diffalign.runtime.console import literal, warn_repeated
 
 
 def token_count(tokenizer, text: str) -> int | None:
@@ -41,7 +41,7 @@ class TruncationWarner:
             "reward.clip_score's text encoder".
         logger (`logging.Logger`): where the warning goes (the caller's module logger).
         consequence (`str`): what the truncation means, appended to the message (e.g. "the rest is ignored").
-        key (`str`): the kind of warning counted by `diffalign.console.warn_repeated` (e.g.
+        key (`str`): the kind of warning counted by `diffalign.runtime.console.warn_repeated` (e.g.
             ``"truncated_prompts/pickscore"`` for a reward's encoder).
     """
 

@@ -15,7 +15,7 @@ rewards that report GenEval correctness), ``monitor/diversity``. With ``save_sam
 every monitor prompt is also written at each measurement, so the logs show what the numbers measure:
 ``<output_dir>/logs/samples/step-<N>/<prompt index>.png`` for images, one ``.gif`` / ``.mp4`` of all F frames per
 video (``video_format``). For videos the diversity embeds every frame and averages the embeddings over frames. Rewards are called through
-`diffalign.rewards.guard.score_or_raise`, so a NaN gold score stops the run like any other reward failure.
+`diffalign.rewards.reward_set.score_or_raise`, so a NaN gold score stops the run like any other reward failure.
 
 Config (``monitor:`` in ``configs/train.yaml``)::
 
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from diffalign.rewards.base import Reward
-from diffalign.rewards.guard import score_or_raise
+from diffalign.rewards.reward_set import score_or_raise
 
 
 @dataclass
@@ -172,7 +172,7 @@ class HackingMonitor:
     def log_samples(self, accelerator, folder: Path, step: int) -> None:
         """Logs the samples `save_samples` wrote into `folder` to the run's TensorBoard / wandb tracker at `step`:
         ``monitor/samples``, one image or video per monitor prompt, captioned with its prompt."""
-        from diffalign.trackers import log_images, log_videos
+        from diffalign.runtime.trackers import log_images, log_videos
 
         files = sorted(folder.glob(f"*.{self.video_format}")) or sorted(folder.glob("*.png"))
         captions = {"monitor/samples": [self.rows[int(f.stem)]["prompt"] for f in files]}
@@ -185,7 +185,7 @@ class HackingMonitor:
         """Writes the first seed's sample of each prompt to ``<samples_dir>/step-<step>/<prompt index>.png`` (images
         `(N, C, H, W)`) or ``.gif`` / ``.mp4`` (videos `(N, F, C, H, W)`, all F frames), plus ``prompts.txt``;
         returns the folder. `images` are grouped by prompt, ``len(seeds)`` per prompt, in [0, 1]."""
-        from diffalign.media import save_png, save_video
+        from diffalign.runtime.media import save_png, save_video
 
         out = self.samples_dir / f"step-{step}"
         out.mkdir(parents=True, exist_ok=True)
@@ -209,7 +209,7 @@ class HackingMonitor:
             policy: the policy being trained.
             accelerator (`accelerate.Accelerator`, *optional*): metrics go to ``accelerator.log(metrics, step=...)``,
                 and the saved samples (``monitor.save_samples``) to its TensorBoard / wandb tracker as
-                ``monitor/samples`` (images, or videos for a video model; `diffalign.trackers`).
+                ``monitor/samples`` (images, or videos for a video model; `diffalign.runtime.trackers`).
             log (`Callable[[str], None]`, *optional*): also prints a one-line summary.
             tracker_step (`int`, *optional*): the trackers' step when it is not `step` (the online loop logs per
                 epoch).

@@ -1,6 +1,6 @@
 """A static HTML report of an evaluation (and of the training run behind it), readable in a browser without a server.
 
-`write_report(eval_dir, run_dir)` reads what `diffalign.evaluate.evaluate_policy` wrote into `eval_dir`
+`write_report(eval_dir, run_dir)` reads what `diffalign.evaluation.evaluate.evaluate_policy` wrote into `eval_dir`
 (``metrics.json``, ``samples.jsonl``, ``grids/``, videos), draws plots with matplotlib into ``eval_dir/plots/`` —
 every scalar of the run's TensorBoard logs (``<run_dir>/logs``, written by accelerate's tensorboard tracker) against
 the step, and each reward against the checkpoint step when several checkpoints of a run were evaluated — and writes
@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
-from diffalign.evaluate import _tags
+from diffalign.evaluation.scoring import ordered_tags
 
 MAX_EAGER_GRIDS = 24  # grids after these load lazily, when scrolled to
 
@@ -155,7 +155,7 @@ def _metrics_table(metrics: dict) -> str:
 def _tag_table(metrics: dict, samples: list[dict]) -> str:
     base = metrics["labels"][0]
     first = metrics["variants"][base]
-    tags = _tags([s for s in samples if s["variant"] == base])
+    tags = ordered_tags([s for s in samples if s["variant"] == base])
     if not tags:
         return ""
     parts = []
@@ -197,7 +197,8 @@ def write_report(eval_dir: str | Path, run_dir: str | Path | None = None, title:
     """Writes ``<eval_dir>/report.html`` (and its plots under ``<eval_dir>/plots/``) and returns its path.
 
     Args:
-        eval_dir: a folder written by `diffalign.evaluate.evaluate_policy` (``metrics.json``, ``samples.jsonl``,
+        eval_dir: a folder written by `diffalign.evaluation.evaluate.evaluate_policy` (``metrics.json``,
+        ``samples.jsonl``,
             ``grids/``).
         run_dir: the training run behind it; its ``logs/`` TensorBoard scalars become training-curve plots (none
             when None or when it has no event files).

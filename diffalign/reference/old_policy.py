@@ -5,8 +5,8 @@ PPO-style clip, compares the policy's denoising loss with θ⁻'s. θ⁻ is θ f
 afterwards θ⁻ ← d·θ⁻ + (1 − d)·θ after every optimizer step, with the decay ramped as d = min(decay, ramp·step) (decay
 0.3, ramp 0.001 in the released code). The EMA is tracked from the first update, so it is ready at the switch.
 
-θ⁻ lives in a second LoRA adapter (``"old"``) on the denoiser (`diffalign.reference.ReferenceAdapter`), so it costs one
-adapter's memory, and its state is saved with every checkpoint.
+θ⁻ lives in a second LoRA adapter (``"old"``) on the denoiser (`diffalign.reference.adapter.ReferenceAdapter`), so it
+costs one adapter's memory, and its state is saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from diffalign.reference import ReferenceAdapter
+from diffalign.reference.adapter import ReferenceAdapter
 
 OLD_ADAPTER = "old"
 

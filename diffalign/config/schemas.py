@@ -16,10 +16,10 @@ differs from it, so the dataclass holds every field's type and default and Hydra
 Discovery: `register_schemas` imports every module of `SCHEMA_PACKAGES` (so a new file there registers its own schema:
 a new method is its objective file and its YAML option, with no list to edit) and stores every schema registered so
 far, also those of modules imported some other way (a plugin, a test module). Plugins outside the package use the
-entry points of `diffalign.plugins` instead.
+entry points of `diffalign.config.registry` instead.
 
 A field may be a deprecated alias (`deprecated`), kept for one release so that old config keys keep working
-(`diffalign.deprecation.migrate_config`).
+(`diffalign.config.deprecation.migrate_config`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 SCHEMA_PACKAGES = ("diffalign.objectives", "diffalign.data", "diffalign.reference", "diffalign.samplers",
-                   "diffalign.train", "diffalign.evaluate")
-"""Packages (every module in them) and modules imported to find the `config_schema` registrations."""
+                   "diffalign.train", "diffalign.evaluation", "diffalign.models.checks", "diffalign.rewards.checks")
+"""Packages (every module in them) and modules imported to find the `config_schema` registrations and the components'
+config checks (`diffalign.config.checks.node_check`)."""
 
 _REGISTRY: dict[str, dict[str, type]] = {}
 
@@ -84,7 +85,7 @@ def register_schemas() -> dict[str, dict[str, type]]:
 def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, dict, Any], Any] | None = None,
                note: str = "", remove_in: str = "0.3") -> Any:
     """A schema field that only keeps an old config key working (default None: not set), for
-    `diffalign.deprecation.migrate_config`.
+    `diffalign.config.deprecation.migrate_config`.
 
     Args:
         renamed_to (`str`, *optional*): the field the value moves to; None for a key that is dropped (`note` says
@@ -100,5 +101,5 @@ def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, dict, A
 
 def deprecated_values(mapping: Callable[[Any, dict, Any], Any | None], default: Any) -> Any:
     """A schema field some of whose old values are deprecated: ``mapping(value, node, cfg)`` returns the new value for
-    an old one, None for a current one (`diffalign.deprecation.migrate_config`)."""
+    an old one, None for a current one (`diffalign.config.deprecation.migrate_config`)."""
     return dataclasses.field(default=default, metadata={"deprecated_values": mapping})

@@ -36,7 +36,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from diffalign.models.base import readable_by_umask, save_safetensors
+from diffalign.runtime.files import readable_by_umask, save_safetensors
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """The file a diffalign (or diffusers) LoRA folder holds."""
@@ -222,7 +222,7 @@ def read_lora(path: str | os.PathLike, *, field_name: str = "path", unet_config=
             kohya ``.alpha`` that is not one finite number > 0, down and up matrices of different ranks, ranks or
             alphas that differ between modules, metadata that is not JSON or has fields of the wrong type (an ``r``
             that is not an integer >= 1, a ``lora_alpha`` that is not a finite number > 0...), or kohya SD3 names
-            diffalign cannot map. Checked before any model loads (`diffalign.init_lora.adopt_init_lora`).
+            diffalign cannot map. Checked before any model loads (`diffalign.lora.initial.adopt_init_lora`).
     """
     file = resolve_lora_file(path, field_name)
     state, metadata = _read_file(file, field_name)

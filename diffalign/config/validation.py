@@ -1,6 +1,7 @@
 """Checks of a composed run config, done before any model is loaded (errors name the field and the fix).
 
-`validate_train_config` orchestrates; each component checks its own fields in one place:
+`validate_train_config` orchestrates; each component checks its own fields in one place, beside them, and registers
+that check by node (`diffalign.config.checks.node_check`), so this module runs it without importing the component:
 
 ==========================  ================================================================================
 node                        where it is checked
@@ -16,14 +17,12 @@ node                        where it is checked
 ``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
 ==========================  ================================================================================
 
-Every error is a `ValueError` (`diffalign.config_checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
+Every error is a `ValueError` (`diffalign.config.checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
 prints it as ``diffalign: error: <message>`` and exits with 1 before anything else runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import os
 import tempfile
 from pathlib import Path
@@ -31,7 +30,19 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from diffalign.config_checks import ConfigError, boolean, choice, int_list, integer, number, seed, text
+from diffalign.config.checks import (
+    ConfigError,
+    boolean,
+    choice,
+    int_list,
+    integer,
+    number,
+    registered_check,
+    seed,
+    target_attribute,
+    target_modality,
+    text,
+)
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 
@@ -48,26 +59,23 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
             override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
 
-    The config's deprecated keys are moved to their new names first (`diffalign.deprecation.migrate_config`, in
+    The config's deprecated keys are moved to their new names first (`diffalign.config.deprecation.migrate_config`, in
     place), so the checks read only the current names.
     """
-    from diffalign.deprecation import migrate_config
-    from diffalign.models.checks import check_model_config
-    from diffalign.samplers.checks import check_sampler_config
-    from diffalign.train.checks import check_ignored_overrides, check_online_config, check_trainer_config
+    from diffalign.config.deprecation import migrate_config
 
     migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
     check_run_settings(cfg)  # (unknown keys of structured nodes: refused by migrate_config, above)
-    check_trainer_config(cfg, online=online)
+    registered_check("trainer")(cfg, online=online)
     if overrides:
-        check_ignored_overrides(overrides, online=online)
+        registered_check("overrides")(overrides, online=online)
     if online:
-        check_online_config(cfg)
-    check_sampler_config(cfg, flow_matching=target_attribute((cfg.get("model") or {}).get("_target_"),
-                                                             "flow_matching"), online=online)
+        registered_check("online")(cfg)
+    flow_matching = target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching")
+    registered_check("sampler")(cfg, flow_matching=flow_matching, online=online)
     check_method_config(cfg)
-    check_model_config(cfg)
+    registered_check("model")(cfg)
     if not cfg.get("reward"):
         raise ConfigError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
     check_reward_nodes(cfg)
@@ -82,34 +90,6 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
     else:
         boolean(cfg.eval, "enabled", "eval")
     check_resume(cfg)
-
-
-def check_structured_keys(cfg: DictConfig) -> None:
-    """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
-    ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
-    its message suggests ``+trainer.max_step=2``, which adds the key and would otherwise run with it ignored.
-
-    Raises:
-        ConfigError: naming the key, the closest real keys and the fix.
-    """
-    for group, node in cfg.items():
-        nodes = [(str(group), node)]
-        if isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            nodes = [(f"{group}.{k}", v) for k, v in node.items()]  # reward.<name>: one schema per entry
-        for name, sub in nodes:
-            if not isinstance(sub, DictConfig):
-                continue
-            schema = OmegaConf.get_type(sub)
-            if not dataclasses.is_dataclass(schema):
-                continue
-            fields = {f.name for f in dataclasses.fields(schema)}
-            for key in sub:
-                if key not in fields:
-                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
-                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
-                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
-                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
-                                      f"{', '.join(sorted(fields))}")
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -157,7 +137,7 @@ def check_resume(cfg: DictConfig) -> None:
         FileNotFoundError: ``resume=<folder>`` is not a checkpoint folder.
         ConfigError: the output folder holds checkpoints the run would collide with (the message names the fix).
     """
-    from diffalign.checkpoint import check_resume_target, latest_checkpoint
+    from diffalign.runtime.checkpoint import check_resume_target, latest_checkpoint
 
     resume = cfg.get("resume")
     output_dir = Path(str(cfg.output_dir))
@@ -217,8 +197,7 @@ def check_method_config(cfg: DictConfig) -> None:
 def check_reward_nodes(cfg: DictConfig) -> None:
     """Every selected reward's node, training (``reward.<name>``) and evaluation (``eval_reward.<name>``)
     (`diffalign.rewards.checks.check_reward_config`)."""
-    from diffalign.rewards.checks import check_reward_config
-
+    check_reward_config = registered_check("reward")
     for field in ("reward", "eval_reward"):
         for name, node in (cfg.get(field) or {}).items():
             check_reward_config(node, f"{field}.{name}")
@@ -253,39 +232,11 @@ def check_monitor_config(cfg: DictConfig) -> None:
 
 def check_component(cfg: DictConfig, group: str) -> None:
     """Runs the ``check_config(cfg)`` classmethod of what ``cfg.<group>._target_`` builds, when it has one: a
-    component checks its own fields (e.g. a data set's files, `diffalign.reference.CheckpointReference`'s folder)."""
+    component checks its own fields (e.g. a data set's files, `diffalign.reference.checkpoint.CheckpointReference`'s
+    folder)."""
     check = target_attribute((cfg.get(group) or {}).get("_target_"), "check_config")
     if check is not None:
         check(cfg)
-
-
-def target_modality(target: str | None) -> str | None:
-    """``"image"`` / ``"video"``: the ``modality`` class attribute of what a config's ``_target_`` builds (a class, a
-    classmethod such as ``StableDiffusionPolicy.from_pretrained``, or a builder function annotated with the class it
-    returns); None when it does not say (e.g. a plugin without the attribute) or cannot be imported."""
-    return target_attribute(target, "modality")
-
-
-def target_attribute(target: str | None, name: str):
-    """Class attribute `name` of what a config's ``_target_`` builds (see `target_modality`); None when unknown."""
-    if not target:
-        return None
-    import inspect
-    import typing
-
-    from hydra.utils import get_object
-
-    try:
-        obj = get_object(target)
-    except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
-        return None
-    owner = obj.__self__ if inspect.ismethod(obj) and inspect.isclass(obj.__self__) else obj
-    if not inspect.isclass(owner):
-        try:
-            owner = typing.get_type_hints(obj).get("return")
-        except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
-            return None
-    return getattr(owner, name, None) if inspect.isclass(owner) else None
 
 
 def _method_flow(cfg: DictConfig) -> str | None:

@@ -3,15 +3,21 @@ a list of names, booleans, prompt files, seeds.
 
 Every check reads ``node[key]`` of a composed config, does nothing when the key is absent (a component's own YAML may
 not have it), and raises `ConfigError` (a `ValueError`) naming the field as ``<prefix>.<key>``, the value it got and
-the fix; `diffalign.validation.validate_train_config` runs them before any model loads and the CLI prints the message
-as ``diffalign: error: …``. A type that Hydra checks already (fields of the structured configs beside the methods,
-data sets and reference strategies) fails earlier, at composition, with Hydra's own message naming ``full_key``.
+the fix; `diffalign.config.validation.validate_train_config` runs them before any model loads and the CLI prints the
+message as ``diffalign: error: …``. A type that Hydra checks already (fields of the structured configs beside the
+methods, data sets and reference strategies) fails earlier, at composition, with Hydra's own message naming
+``full_key``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import numbers
+from collections.abc import Callable
+
+from omegaconf import DictConfig, OmegaConf
 
 SEED_MAX = 2**32 - 1
 """The largest seed: `accelerate.utils.set_seed` seeds numpy, whose legacy seed is an unsigned 32-bit integer."""
@@ -173,3 +179,114 @@ def int_list(node, key: str, prefix: str, *, ge: int | None = None, min_length: 
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (ge is not None and value < ge):
             raise ConfigError(f"{name}={values}: every entry must be an integer{f' >= {ge}' if ge is not None else ''}"
                               f", got {_say(value)}{tail}")
+
+_NODE_CHECKS: dict[str, Callable] = {}
+
+
+def node_check(node: str) -> Callable[[Callable], Callable]:
+    """Function decorator: registers the check of the run config's `node`, run by
+    `diffalign.config.validation.validate_train_config` before any model loads.
+
+    A component's checks sit beside its fields (``diffalign/<component>/checks.py``) and register themselves here, so
+    validation runs them without importing the component (the component imports `diffalign.config`, never the
+    reverse). The modules are imported by `diffalign.config.schemas.discover`. The nodes and how validation calls
+    their checks:
+
+    ====================  =========================================================================================
+    node                  call
+    ====================  =========================================================================================
+    ``"trainer"``         ``check(cfg, online=...)`` (`diffalign.train.checks.check_trainer_config`)
+    ``"overrides"``       ``check(overrides, online=...)``: command-line overrides a loop would ignore
+    ``"online"``          ``check(cfg)``, online methods only
+    ``"sampler"``         ``check(cfg, flow_matching=..., online=...)`` (`diffalign.samplers.checks`)
+    ``"model"``           ``check(cfg)`` (`diffalign.models.checks`)
+    ``"reward"``          ``check(node, prefix)``, once per selected reward (`diffalign.rewards.checks`)
+    ====================  =========================================================================================
+
+    Raises:
+        ValueError: if another function already holds `node` (both named).
+    """
+
+    def register(check: Callable) -> Callable:
+        held = _NODE_CHECKS.get(node)
+        if held is not None and (held.__module__, held.__qualname__) != (check.__module__, check.__qualname__):
+            raise ValueError(f"node check {node!r} is registered by both {held.__module__}.{held.__qualname__} and "
+                             f"{check.__module__}.{check.__qualname__}; keep one")
+        _NODE_CHECKS[node] = check
+        return check
+
+    return register
+
+
+def registered_check(node: str) -> Callable:
+    """The check registered for `node` (`node_check`), importing the components' modules first when it is not yet
+    registered (`diffalign.config.schemas.discover`).
+
+    Raises:
+        LookupError: no module registers a check of `node`.
+    """
+    if node not in _NODE_CHECKS:
+        from diffalign.config.schemas import discover
+
+        discover()
+    if node not in _NODE_CHECKS:
+        raise LookupError(f"no check of the config node {node!r} is registered (diffalign.config.checks.node_check); "
+                          f"registered: {sorted(_NODE_CHECKS)}")
+    return _NODE_CHECKS[node]
+
+
+def check_structured_keys(cfg: DictConfig) -> None:
+    """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
+    ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
+    its message suggests ``+trainer.max_step=2``, which adds the key and would otherwise run with it ignored.
+
+    Raises:
+        ConfigError: naming the key, the closest real keys and the fix.
+    """
+    for group, node in cfg.items():
+        nodes = [(str(group), node)]
+        if isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            nodes = [(f"{group}.{k}", v) for k, v in node.items()]  # reward.<name>: one schema per entry
+        for name, sub in nodes:
+            if not isinstance(sub, DictConfig):
+                continue
+            schema = OmegaConf.get_type(sub)
+            if not dataclasses.is_dataclass(schema):
+                continue
+            fields = {f.name for f in dataclasses.fields(schema)}
+            for key in sub:
+                if key not in fields:
+                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
+                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
+                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
+                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
+                                      f"{', '.join(sorted(fields))}")
+
+
+def target_modality(target: str | None) -> str | None:
+    """``"image"`` / ``"video"``: the ``modality`` class attribute of what a config's ``_target_`` builds (a class, a
+    classmethod such as ``StableDiffusionPolicy.from_pretrained``, or a builder function annotated with the class it
+    returns); None when it does not say (e.g. a plugin without the attribute) or cannot be imported."""
+    return target_attribute(target, "modality")
+
+
+def target_attribute(target: str | None, name: str):
+    """Class attribute `name` of what a config's ``_target_`` builds (see `target_modality`); None when unknown."""
+    if not target:
+        return None
+    import inspect
+    import typing
+
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(target)
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by instantiate, with its own message
+        return None
+    owner = obj.__self__ if inspect.ismethod(obj) and inspect.isclass(obj.__self__) else obj
+    if not inspect.isclass(owner):
+        try:
+            owner = typing.get_type_hints(obj).get("return")
+        except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
+            return None
+    return getattr(owner, name, None) if inspect.isclass(owner) else None

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from diffalign.console import quiet_on_broken_pipe
-from diffalign.lora_io import (
+from diffalign.lora.io import (
     CROSS_ATTENTION_FAMILIES,
     LAYOUTS,
     LORA_WEIGHT_NAME,
@@ -33,6 +32,7 @@ from diffalign.lora_io import (
     write_diffusers,
     write_kohya,
 )
+from diffalign.runtime.console import quiet_on_broken_pipe
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
@@ -99,7 +99,7 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
         `Path`: the file written.
 
     Raises:
-        FileNotFoundError, ValueError: an unreadable or malformed source (`diffalign.lora_io.read_lora`), a
+        FileNotFoundError, ValueError: an unreadable or malformed source (`diffalign.lora.io.read_lora`), a
             destination that exists (without `overwrite`), has the wrong form (a folder for a file, a file for a
             folder) or cannot be written (`check_writable`), a `family` the weights contradict (`check_family`), or a
             family kohya export does not cover.

@@ -1,7 +1,7 @@
 """Starting a training run from a saved LoRA: ``model.init_lora=<folder or .safetensors file>`` (docs/guides/lora.md).
 
 The file (a diffalign ``checkpoint-<step>/`` or ``final/`` folder, a diffusers LoRA, or a kohya-format file; see
-`diffalign.lora_io`) becomes the policy's adapter before the reference strategy is set up, so
+`diffalign.lora.io`) becomes the policy's adapter before the reference strategy is set up, so
 
 - ``reference=frozen_base`` is the base model without any adapter (the init LoRA is part of the policy only);
 - ``reference=checkpoint reference.path=<the same file>`` is the init LoRA itself: the policy starts equal to its
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffalign.lora_io import LoraWeights, load_into_policy, read_lora
+from diffalign.lora.io import LoraWeights, load_into_policy, read_lora
 
 FIELD = "model.init_lora"
 SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules")
@@ -40,7 +40,7 @@ def model_config(model_cfg: DictConfig) -> DictConfig:
 def resume_checkpoint(cfg: DictConfig) -> Path | None:
     """The checkpoint folder ``cfg.resume`` resumes from (``latest``: the newest in ``output_dir``, None when there is
     none), as `diffalign.train.common.Checkpoints.resume` picks it; None without ``resume``."""
-    from diffalign.checkpoint import latest_checkpoint
+    from diffalign.runtime.checkpoint import latest_checkpoint
 
     resume = cfg.get("resume")
     if resume is None:
@@ -136,14 +136,14 @@ def check_lora_fits(cfg: DictConfig, weights: LoraWeights, field: str = FIELD) -
     """Refuses a LoRA whose modules the model's denoiser lacks, or whose matrices do not fit them (a LoRA of another
     model size: SD1.x's on SDXL, a LoRA of a wider tiny model), before the model loads: the denoiser is built on the
     meta device from the local model folder's config (`meta_denoiser`); a model that is not a local folder is not
-    checked here (`diffalign.lora_io.load_into_policy` checks the shapes once it is loaded).
+    checked here (`diffalign.lora.io.load_into_policy` checks the shapes once it is loaded).
 
     Raises:
         ValueError: one line naming `field`, the file, the module or tensor, what the model has and the fix.
     """
     from torch import nn
 
-    from diffalign.lora_io import layout_of_denoiser
+    from diffalign.lora.io import layout_of_denoiser
 
     denoiser = meta_denoiser(cfg)
     if denoiser is None:
@@ -265,7 +265,7 @@ def build_policy(cfg: DictConfig, log: Callable[[str], None] = print):
     says so). Call before the reference strategy's ``setup``.
 
     Raises:
-        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora_io.load_into_policy`; also a model
+        FileNotFoundError, ValueError: see `adopt_init_lora` and `diffalign.lora.io.load_into_policy`; also a model
             (one without a local folder to check before it loads) that has none of the file's modules, named instead
             of peft's error inside Hydra's.
     """

@@ -151,8 +151,8 @@ def full_weights(policy, writeback: bool = False) -> Iterator[None]:
 
 
 class CheckpointOptimizer:
-    """The optimizer as `diffalign.checkpoint.save_checkpoint` / ``load_checkpoint`` see it under FSDP: the state in the
-    one-process layout (`state_dict`, a collective), re-sharded on load.
+    """The optimizer as `diffalign.runtime.checkpoint.save_checkpoint` / ``load_checkpoint`` see it under FSDP: the
+    state in the one-process layout (`state_dict`, a collective), re-sharded on load.
 
     Args:
         optimizer: the prepared optimizer (accelerate's wrapper or a torch optimizer) over the original parameters.

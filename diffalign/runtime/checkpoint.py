@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from diffalign.models.base import save_safetensors
+from diffalign.runtime.files import save_safetensors
 
 logger = logging.getLogger(__name__)
 
