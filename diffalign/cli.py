@@ -58,37 +58,31 @@ def _command_line_overrides() -> list[str]:
 
 
 def _train_main(cfg: DictConfig) -> None:
-    from diffalign.config.deprecation import migrate_config
-    from diffalign.config.validation import validate_train_config
-    from diffalign.lora.initial import adopt_init_lora, command_line_model_keys
-    from diffalign.runtime.distributed import check_launch
+    from diffalign.lora.initial import command_line_model_keys
+    from diffalign.train.prepare import build_run, check_run, is_online
 
+    overrides = _command_line_overrides()
     try:
-        # old config keys → new ones, a FutureWarning each; an old key beside its new one is an error
-        migrate_config(cfg, _command_line_overrides())  # (diffalign.config.deprecation)
-        # model.init_lora: its rank, alpha and targets replace the model config's (a conflicting one set on the
-        # command line is an error), read before any model is loaded (diffalign/lora/initial.py); then every setting,
-        # the adopted ones included, is checked
-        adopt_init_lora(cfg, explicit=command_line_model_keys())
-        validate_train_config(cfg, overrides=_command_line_overrides())  # before any model is loaded
-        check_launch(cfg)  # a DeepSpeed launch is refused with its causes (diffalign/runtime/distributed.py)
+        # every check once, before any model loads (old keys migrated, model.init_lora adopted; diffalign/train/prepare.py)
+        check_run(cfg, overrides, explicit_model_keys=command_line_model_keys())
+        online = is_online(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"diffalign: error: {err}") from None
-    from hydra.utils import get_class
-
-    from diffalign.methods import ONLINE_FLOWS
-
-    flow = getattr(get_class(cfg.method._target_), "data_flow", None)
-    if flow in ONLINE_FLOWS:
+    if online:
         from diffalign.train.online import train as run
     else:
         from diffalign.train.preference import train as run
+    from diffalign.config.checks import ConfigError
     from diffalign.rewards.base import RewardError
     from diffalign.runtime.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.runtime.runlock import RunLockedError
 
     try:
-        run(cfg)
+        try:
+            prepared = build_run(cfg)  # every component once (the run lock: taken by the Hydra callback)
+        except ConfigError as err:  # a constructor's argument check (diffalign.config.validation.construct)
+            raise SystemExit(f"diffalign: error: {err}") from None
+        run(prepared)
     except RunLockedError as err:  # (the Hydra callback refuses first; this covers hydra.callbacks overridden away)
         raise SystemExit(f"diffalign: error: {err}") from None
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
@@ -197,17 +191,19 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
 
 
 def _eval_main(cfg: DictConfig) -> None:
-    from diffalign.config.checks import boolean
+    from diffalign.config.checks import boolean, check_top_level_keys
     from diffalign.config.deprecation import migrate_config
     from diffalign.config.validation import (
         check_output_dir,
         check_reward_nodes,
+        train_config_keys,
         validate_eval_config,
         validate_reward_modality,
     )
     from diffalign.evaluation.files import resolve_checkpoints
 
     try:
+        check_top_level_keys(cfg, train_config_keys("evaluate"), "evaluate.yaml")  # +output=..., +checkpont=...
         migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.config.deprecation)
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):

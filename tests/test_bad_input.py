@@ -209,3 +209,87 @@ def test_resume_latest_with_a_truncated_latest_checkpoint_stops_naming_it(tmp_pa
     shutil.rmtree(tmp_path / "checkpoint-2")
     results = train(compose_cfg(smoke_overrides(tmp_path, steps=3) + ["resume=latest"]))
     assert results["global_step"] == 3
+
+
+# The new-user trial's silent and late failures (issue 32 item 1): each refused by diffalign.train.prepare.check_run,
+# before any model loads, with one line naming the field and the fix.
+ONLINE_SMALL = ["recipe=tiny_flow_grpo", "online.groups_per_epoch=2", "online.group_size=4", "trainer.log_with=none"]
+
+
+def _refusal(tmp_path, overrides: list[str], monkeypatch=None) -> str:
+    """The message `check_run` refuses the composed config with (it fails the test when the config passes)."""
+    from diffalign.train.prepare import check_run
+
+    cfg = compose_cfg([f"output_dir={tmp_path / 'run'}", "trainer.log_with=none", *overrides])
+    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+        check_run(cfg, overrides)
+    message = str(refused.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # silent, wrong statistics: each sample counted twice, standard errors ~√2 too small, images overwritten
+    (["eval.seeds=[0,0]"], r"eval.seeds=\[0, 0\] repeats \[0\]: .* pass distinct seeds, e.g. eval.seeds=\[0\]"),
+    (["monitor.every=1", "monitor.seeds=[1,2,1]"], r"monitor.seeds=\[1, 2, 1\] repeats \[1\]"),
+    # silent "trains nothing"
+    (["trainer.max_steps=10", "trainer.lr_warmup_steps=1000"],
+     (r"trainer.lr_warmup_steps=1000 is far beyond the run's 10 optimizer updates \(trainer.max_steps=10\): the "
+     r"learning rate would stay under 1.0% .* pass trainer.lr_warmup_steps <= 10")),
+    ([*ONLINE_SMALL, "reward.geneval_shapes.weight=0"],
+     r"every training reward has weight 0 \(reward.geneval_shapes.weight=0\).* every advantage would be 0"),
+    ([*ONLINE_SMALL, "online.updates_per_epoch=1000"],
+     r"online.updates_per_epoch=1000 but an epoch gives each process 8 rows x \d+ sampler steps"),
+    # typos with + outside the structured groups
+    (["+monitor.evry=1"], r"monitor.evry is not a setting of monitor \(MonitorConfig\); did you mean monitor.every"),
+    (["+output=runs/x"], r"output is not a setting of train.yaml; did you mean output_dir"),
+    (["+resume_from=runs/x/checkpoint-2"], r"resume_from is not a setting of train.yaml; did you mean resume"),
+    (["+accelerate=fsdp"], (r"\+accelerate=\.\.\. is not a setting of the run.*accelerate launch --config_file "
+                           r"configs/accelerate/fsdp.yaml -m diffalign.cli")),
+    # late failures a check before work catches
+    (["method=ddspo"], (r"method=ddspo with method.cpp=tf needs the degraded prompts c⁻ of DDSPO pairs, but "
+                       r"data=FailurePairs has none; pass data=ddspo_pairs")),
+    (["data=failure_pairs", "reward=[brightness,geneval_shapes]", "data.reward=brightness"],
+     r"data.reward='brightness' does not report per-sample correctness .* data.reward=geneval_shapes"),
+    (["reward=[http]", "reward.http.url=http://127.0.0.1:8000", "reward.http.check_health=false",
+      "reward.http.backoff=nan"], r"reward.http.backoff must be a number >= 0, got nan"),
+    (["reward=[http]", "reward.http.url=http://127.0.0.1:99999", "reward.http.check_health=false"],
+     r"reward.http.url=http://127.0.0.1:99999: Port out of range 0-65535"),
+])
+def test_silent_or_late_failures_are_refused_before_any_model_loads(tmp_path, overrides, expected):
+    import re
+
+    message = _refusal(tmp_path, overrides)
+    assert re.search(expected, message), message
+
+
+def test_online_prompts_are_checked_against_the_verifier_like_eval_prompts(tmp_path):
+    """``online.prompts`` is scored by the training rewards: a prompt file the GenEval-shapes verifier cannot score is
+    refused before the rollouts (it was, for ``eval.prompts``, but not for the online prompts)."""
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("a photo of a cat\na watercolor landscape\n")
+    message = _refusal(tmp_path, [*ONLINE_SMALL, f"online.prompts={prompts}"])
+    assert f"online.prompts='{prompts}'" in message and "geneval_shapes" in message, message
+
+
+def test_fsdp_on_a_machine_without_a_gpu_needs_trainer_cpu():
+    from diffalign.runtime.distributed import check_launch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    cfg = compose_cfg(["trainer.cpu=false"])
+    with pytest.raises(ValueError, match=r"an FSDP launch on a machine without a GPU: pass trainer.cpu=true"):
+        check_launch(cfg, env={"ACCELERATE_USE_FSDP": "true"})
+    check_launch(compose_cfg(["trainer.cpu=true"]), env={"ACCELERATE_USE_FSDP": "true"})  # (gloo on CPU: runs)
+
+
+def test_a_top_level_typo_of_diffalign_eval_is_refused():
+    """``diffalign-eval +checkpont=<folder>`` added a key nothing reads (the base alone was evaluated)."""
+    from diffalign.config.checks import check_top_level_keys
+    from diffalign.config.validation import train_config_keys
+
+    keys = train_config_keys("evaluate")
+    check_top_level_keys(compose_cfg([], name="evaluate"), keys, "evaluate.yaml")  # the shipped config passes
+    with pytest.raises(ValueError, match=r"^checkpont is not a setting of evaluate.yaml; did you mean checkpoint, "
+                                         r"checkpoints\? drop \+checkpont=\.\.\."):
+        check_top_level_keys(compose_cfg(["+checkpont=runs/x/final"], name="evaluate"), keys, "evaluate.yaml")

@@ -14,7 +14,8 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf
 
 from diffalign import cli
-from diffalign.config.validation import validate_train_config
+from diffalign.config.deprecation import migrate_config
+from diffalign.config.validation import construct, validate_train_config
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +29,15 @@ def train_cli(tmp_path, monkeypatch, capsys):
     validation lets the config through (the loops are stubbed: nothing is built or trained). A value of the wrong type
     for a field of a structured config (``trainer``, ``online``, ``eval``, ``sampler``, ``method``, ...) is refused
     earlier, by Hydra while composing (exit 1; its message names ``full_key``), and that message is returned."""
-    from diffalign.train import online, preference
+    from diffalign.train import online, preference, prepare
 
     reached = []
+    def constructors_only(cfg):  # what build_run does first (cheap: arguments checked and stored); no model built
+        construct(cfg.method, "method")
+        construct(cfg.reference, "reference")
+        return cfg
+
+    monkeypatch.setattr(prepare, "build_run", constructors_only)
     monkeypatch.setattr(online, "train", lambda cfg: reached.append(cfg) or {})
     monkeypatch.setattr(preference, "train", lambda cfg: reached.append(cfg) or {})
     count = iter(range(1000))
@@ -365,7 +372,10 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
             checked += 1
             continue
         with pytest.raises((ValueError, FileNotFoundError)) as refused:
+            migrate_config(cfg)  # (an old key moved to its new name first, as diffalign.train.prepare.check_run does)
             validate_train_config(cfg)
+            construct(cfg.method, "method")  # (constructors check their arguments when built, before any model loads)
+            construct(cfg.reference, "reference")
         assert path in str(refused.value) or path.split(".", 1)[1] in str(refused.value), (path, str(refused.value))
         checked += 1
     assert checked > 0

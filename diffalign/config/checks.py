@@ -160,8 +160,10 @@ def seed(node, key: str, prefix: str) -> None:
     integer(node, key, prefix, ge=0, le=SEED_MAX, hint="numpy seeds only these, e.g. 0")
 
 
-def int_list(node, key: str, prefix: str, *, ge: int | None = None, min_length: int = 0, hint: str = "") -> None:
-    """``<prefix>.<key>`` is a list of integers each >= `ge`, with at least `min_length` entries.
+def int_list(node, key: str, prefix: str, *, ge: int | None = None, min_length: int = 0, hint: str = "",
+             unique: bool = False) -> None:
+    """``<prefix>.<key>`` is a list of integers each >= `ge`, with at least `min_length` entries, all different when
+    `unique` (seeds: a repeated one counts the same sample twice).
 
     Raises:
         ConfigError: naming the field and the offending entry.
@@ -179,6 +181,11 @@ def int_list(node, key: str, prefix: str, *, ge: int | None = None, min_length: 
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (ge is not None and value < ge):
             raise ConfigError(f"{name}={values}: every entry must be an integer{f' >= {ge}' if ge is not None else ''}"
                               f", got {_say(value)}{tail}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if unique and repeated:
+        kept = ",".join(str(v) for v in dict.fromkeys(values))
+        raise ConfigError(f"{name}={values} repeats {repeated}: each seed's samples would count twice (standard errors "
+                          f"too small, images overwriting each other); pass distinct seeds, e.g. {name}=[{kept}]")
 
 _NODE_CHECKS: dict[str, Callable] = {}
 
@@ -290,3 +297,58 @@ def target_attribute(target: str | None, name: str):
         except Exception:  # noqa: BLE001 - unresolvable annotations: the target does not say
             return None
     return getattr(owner, name, None) if inspect.isclass(owner) else None
+
+
+LAUNCH_GROUPS = {"accelerate": "accelerate launch --config_file configs/accelerate/{option}.yaml -m diffalign.cli ..."}
+"""Config folders that are not settings of a run (``diffalign-train --help`` lists them as groups) and how to use them."""
+
+
+def _closest(key: str, known) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=3)
+    return f"did you mean {', '.join(close)}? " if close else ""
+
+
+def check_top_level_keys(cfg: DictConfig, known, source: str = "train.yaml") -> None:
+    """Refuses a top-level key of `cfg` that the primary config (`source`) does not have: ``+output=runs/x`` or
+    ``+resume_from=...`` would add a key nothing reads, so the run would go on with the default. A launch config
+    group added with ``+accelerate=fsdp`` gets the command that applies it.
+
+    Args:
+        known (`Iterable[str]`): the primary config's keys and config groups.
+
+    Raises:
+        ConfigError: naming the key, the closest real ones and the fix.
+    """
+    known = set(known)
+    for key in cfg:
+        if key in known:
+            continue
+        key = str(key)
+        if key in LAUNCH_GROUPS:
+            option = (cfg[key] or {}).get("distributed_type", "<option>") if isinstance(cfg[key], DictConfig) else key
+            option = {"FSDP": "fsdp", "MULTI_GPU": "ddp", "DEEPSPEED": "deepspeed_zero2"}.get(str(option), option)
+            raise ConfigError(f"+{key}=... is not a setting of the run: configs/{key}/ holds launch configs for "
+                              f"`accelerate launch`, which the run cannot switch on by itself (it would run one "
+                              f"process as before); drop +{key}=... and launch with "
+                              f"`{LAUNCH_GROUPS[key].format(option=option)}` (docs/guides/reliability.md#distributed)")
+        raise ConfigError(f"{key} is not a setting of {source}; {_closest(key, known)}drop +{key}=... (a + adds a key "
+                          f"the run would ignore). Its settings: {', '.join(sorted(known))}")
+
+
+def check_node_keys(node, name: str, schema: type) -> None:
+    """Refuses a key of a plain (unstructured) config node `name` that its dataclass `schema` does not have, e.g.
+    ``+monitor.evry=1`` (it would otherwise crash or be ignored after the model loads).
+
+    Raises:
+        ConfigError: naming the key, the closest real ones and the fix.
+    """
+    if not isinstance(node, DictConfig):
+        return
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=3)
+            hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
+            raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
+                              f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
+                              f"{', '.join(sorted(fields))}")

@@ -10,11 +10,13 @@ node                        where it is checked
 ``resume``
 ``trainer``, ``online``     `diffalign.train.checks` (ranges, names, options a loop would ignore)
 ``model``                   `diffalign.models.checks` (+ the policy class's ``check_config``)
-``method``                  its constructor (built once, cheaply) and its ``check_config`` (`diffalign.methods`)
+``method``                  its ``check_config`` (`diffalign.methods`); its constructor when it is built, once
+                            (`diffalign.train.prepare.build_run`, through `construct`)
 ``sampler``                 `diffalign.samplers.checks` (ranges, and a sampler of the model's family)
 ``data``, ``reference``     the component class's ``check_config`` (`check_component`)
 ``reward.*``                `diffalign.rewards.checks` (+ the reward class's ``check_config``), modality here
 ``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
+unknown keys, every node    here (`check_unknown_keys`)
 ==========================  ================================================================================
 
 Every error is a `ValueError` (`diffalign.config.checks.ConfigError`) or `FileNotFoundError`; ``diffalign-train``
@@ -33,6 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 from diffalign.config.checks import (
     ConfigError,
     boolean,
+    check_structured_keys,
+    check_top_level_keys,
     choice,
     int_list,
     integer,
@@ -59,22 +63,21 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
         overrides (`list[str]`, *optional*): the command line's overrides (``diffalign-train`` passes Hydra's); an
             override of a setting the chosen loop does not read is refused (`diffalign.train.checks`).
 
-    The config's deprecated keys are moved to their new names first (`diffalign.config.deprecation.migrate_config`, in
-    place), so the checks read only the current names.
+    It reads the current key names only (`diffalign.train.prepare.check_run` moves old ones first) and builds
+    nothing: each component is built once, after these checks (`diffalign.train.prepare.build_run`).
     """
-    from diffalign.config.deprecation import migrate_config
-
-    migrate_config(cfg, overrides or ())  # old config keys → their new names first (a no-op after the CLI's)
     online = _method_flow(cfg) in ONLINE_FLOWS  # (online methods make their own samples; `data` is unused)
-    check_run_settings(cfg)  # (unknown keys of structured nodes: refused by migrate_config, above)
+    num_processes = world_size()
+    check_unknown_keys(cfg)
+    check_run_settings(cfg)
     registered_check("trainer")(cfg, online=online)
     if overrides:
         registered_check("overrides")(overrides, online=online)
     if online:
-        registered_check("online")(cfg)
+        registered_check("online")(cfg, num_processes=num_processes)
     flow_matching = target_attribute((cfg.get("model") or {}).get("_target_"), "flow_matching")
     registered_check("sampler")(cfg, flow_matching=flow_matching, online=online)
-    check_method_config(cfg)
+    check_method_config(cfg, num_processes)
     registered_check("model")(cfg)
     if not cfg.get("reward"):
         raise ConfigError("no reward selected; pass e.g. reward=[geneval_shapes] (rewards score the evaluation)")
@@ -83,7 +86,6 @@ def validate_train_config(cfg: DictConfig, overrides: list[str] | None = None) -
     if not online:
         check_component(cfg, "data")
     check_component(cfg, "reference")
-    construct(cfg.get("reference"), "reference")
     check_monitor_config(cfg)
     if cfg.eval.enabled:
         validate_eval_config(cfg)
@@ -171,9 +173,10 @@ def construct(node, group: str):
         raise
 
 
-def check_method_config(cfg: DictConfig) -> None:
-    """The method's contract (`diffalign.methods.check_method`: a data flow a loop runs, every member), its
-    constructor's argument checks (`construct`) and its own ``check_config(cfg)``.
+def check_method_config(cfg: DictConfig, num_processes: int | None = None) -> None:
+    """The method's contract (`diffalign.methods.check_method`: a data flow a loop runs, every member) and its own
+    ``check_config(cfg, num_processes)``; its constructor's argument checks run when it is built, once, before any
+    model loads (`diffalign.train.prepare.build_run`, through `construct`).
 
     Raises:
         ValueError: naming the field and the fix.
@@ -190,8 +193,41 @@ def check_method_config(cfg: DictConfig) -> None:
         check_method(cls, method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
     else:
         check_method(cls, method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
-    construct(method, "method")
-    cls.check_config(cfg)
+    cls.check_config(cfg, num_processes)
+
+
+def world_size() -> int:
+    """The number of processes of this launch (``WORLD_SIZE``, set by ``accelerate launch`` and ``torchrun``; 1
+    otherwise): what ``Accelerator().num_processes`` will be, known before anything is built."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def check_unknown_keys(cfg: DictConfig) -> None:
+    """Every node of the run config refuses a key it does not have, naming the closest real one: top-level keys
+    (``+output=...``, ``+accelerate=fsdp``; `diffalign.config.checks.check_top_level_keys`), the structured nodes
+    (`diffalign.config.checks.check_structured_keys`) and the plain ones whose component registers a key check
+    (``monitor``: `diffalign.evaluation.monitors.check_monitor_keys`).
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    check_top_level_keys(cfg, train_config_keys())
+    check_structured_keys(cfg)
+    if "monitor" in cfg:
+        registered_check("monitor_keys")(cfg.monitor)  # (diffalign.evaluation.monitors.check_monitor_keys)
+
+
+def train_config_keys(name: str = "train") -> set[str]:
+    """The top-level keys of a command's primary config (``train.yaml`` for ``diffalign-train``, ``evaluate.yaml`` for
+    ``diffalign-eval``): its own keys and its config groups."""
+    from diffalign.config.compose import CONFIG_DIR
+
+    primary = OmegaConf.load(Path(CONFIG_DIR) / f"{name}.yaml")
+    groups = set()
+    for entry in primary.get("defaults") or []:
+        if isinstance(entry, DictConfig):
+            groups.update(str(k).split("@")[0].lstrip("/") for k in entry)
+    return {str(k) for k in primary if k not in ("defaults", "hydra")} | groups
 
 
 def check_reward_nodes(cfg: DictConfig) -> None:
@@ -211,7 +247,7 @@ def check_monitor_config(cfg: DictConfig) -> None:
     if not monitor.get("every", 0):
         return
     integer(monitor, "num_prompts", p, ge=1)
-    int_list(monitor, "seeds", p, ge=0)
+    int_list(monitor, "seeds", p, ge=0, unique=True)
     boolean(monitor, "diversity", p)
     text(monitor, "diversity_model", p)
     integer(monitor, "num_inference_steps", p, ge=1)
@@ -295,7 +331,7 @@ def validate_eval_config(cfg: DictConfig) -> None:
     integer(e, "num_inference_steps", p, ge=1)
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
-    int_list(e, "seeds", p, ge=0, min_length=1)
+    int_list(e, "seeds", p, ge=0, min_length=1, unique=True)
     number(e, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
     number(e, "eta", p, ge=0)
     integer(e, "batch_size", p, ge=1)

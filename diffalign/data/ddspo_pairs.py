@@ -311,6 +311,8 @@ class DDSPOPairs:
         ValueError: if `max_pairs` < 1.
     """
 
+    degraded_prompts = True  # batches carry the degraded prompts c⁻ (DDSPO's TF-CPP, `diffalign.objectives.ddspo`)
+
     @classmethod
     def check_config(cls, cfg) -> None:
         """Checks of a run config before any model loads (`diffalign.config.validation`): the prompt file, and a pairs

@@ -77,6 +77,8 @@ class FailurePairs(PreparedPairs):
             or judges every sample correct (in `prepare`).
     """
 
+    requires_correctness = True  # data.reward must report info["correct"] (checked before any model loads)
+
     def __init__(self, prompts: str = "train", num_prompts: int | None = None, samples_per_prompt: int = 4,
                  reward: str = "geneval_shapes", sampler: Any = None, batch_size: int = 128, seed: int = 0,
                  losers: str = "failures"):

@@ -137,7 +137,7 @@ class PreparedPairs:
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
-        from diffalign.config.checks import choice, integer, seed
+        from diffalign.config.checks import choice, integer, seed, target_attribute
 
         d = cfg.data
         integer(d, "num_prompts", "data", ge=1, nullable=True)  # (null: every prompt, failure_pairs)
@@ -152,6 +152,13 @@ class PreparedPairs:
             raise ValueError(f"data.reward={cfg.data.reward!r} (the reward that judges the on-policy samples) is not "
                              f"among the selected rewards {sorted(cfg.reward or {})}; add it with "
                              f"reward=[{cfg.data.reward}] or set data.reward to one of them")
+        target = ((cfg.reward or {}).get(cfg.data.reward) or {}).get("_target_") if isinstance(cfg.data.reward, str) \
+            else None
+        if (getattr(cls, "requires_correctness", False) and target and target.startswith("diffalign.rewards.")
+                and not target_attribute(target, "judges_correctness")):
+            raise ValueError(f"data.reward={cfg.data.reward!r} does not report per-sample correctness (info['correct']"
+                             f"), which data={cls.__name__} needs to tell failures from successes; pass a verifier "
+                             "reward, e.g. data.reward=geneval_shapes with reward=[geneval_shapes]")
 
     def __len__(self) -> int:
         if self.pairs is None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from diffalign.config.checks import check_node_keys, node_check
 from diffalign.rewards.base import Reward
 from diffalign.rewards.reward_set import score_or_raise
 
@@ -66,6 +67,13 @@ class MonitorConfig:
     batch_size: int = 64
     save_samples: bool = True
     video_format: str = "gif"
+
+
+@node_check("monitor_keys")
+def check_monitor_keys(node) -> None:
+    """The ``monitor`` node has only `MonitorConfig`'s fields: ``+monitor.evry=1`` is refused naming ``monitor.every``
+    before any model loads (`diffalign.config.checks.check_node_keys`), not met after the model is loaded."""
+    check_node_keys(node, "monitor", MonitorConfig)
 
 
 def pairwise_diversity(embeddings: torch.Tensor) -> torch.Tensor:

@@ -264,7 +264,24 @@ class DDSPO(nn.Module):
 
     @classmethod
     def check_config(cls, cfg, num_processes: int | None = None) -> None:
-        """No checks beyond its constructor's (the method contract, `diffalign.methods`)."""
+        """TF-CPP (``method.cpp=tf``) and in-batch ``rand_cond`` read the pairs' degraded prompts c⁻: the data set's
+        class must yield them (its ``degraded_prompts`` attribute, set by `diffalign.data.ddspo_pairs.DDSPOPairs`),
+        checked before any model loads rather than at the first step.
+
+        Raises:
+            ValueError: naming ``method.cpp`` / ``method.rand_cond``, the data set and the fix.
+        """
+        from diffalign.config.checks import ConfigError, target_attribute
+
+        method, data = cfg.get("method") or {}, cfg.get("data") or {}
+        needs = method.get("cpp", "tf") == "tf" or (method.get("rand_cond", False)
+                                                     and method.get("rand_cond_prompts") is None)
+        target = data.get("_target_")
+        if needs and target and not target_attribute(target, "degraded_prompts"):
+            raise ConfigError(f"method=ddspo with method.cpp={method.get('cpp', 'tf')} needs the degraded prompts c⁻ of "
+                              f"DDSPO pairs, but data={target.rsplit('.', 1)[-1]} has none; pass data=ddspo_pairs "
+                              "data.pairs_dir=<folder> (made by diffalign-ddspo-pairs, or add data.generate=true), or "
+                              "method.cpp=dd with its target LoRAs")
 
     def checkpoint_states(self) -> dict:
         """No state beyond the reference strategy's."""

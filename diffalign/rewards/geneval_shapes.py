@@ -44,6 +44,7 @@ class GenevalShapes:
     """
 
     modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    judges_correctness = True  # its info["correct"]: per-sample pass/fail (data=failure_pairs reads it)
 
     name = "geneval_shapes"
     differentiable = False

@@ -380,14 +380,27 @@ class HttpReward:
         Raises:
             ConfigError: naming ``<prefix>.url``, the address asked and the fix.
         """
-        from diffalign.config.checks import ConfigError
+        from diffalign.config.checks import ConfigError, choice, integer, number
 
+        integer(node, "max_batch_size", prefix, ge=1)
+        integer(node, "max_concurrency", prefix, ge=1)
+        integer(node, "max_retries", prefix, ge=0, hint="0: no retries")
+        for key in ("timeout", "connect_timeout"):
+            number(node, key, prefix, gt=0, hint="seconds")
+        for key in ("backoff", "max_backoff"):
+            number(node, key, prefix, ge=0, hint="seconds between retries (doubled each time, up to max_backoff)")
+        choice(node, "image_format", prefix, IMAGE_FORMATS)
         url = str(node.get("url") or "")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"{prefix}.url is required: the reward server's address, e.g. {prefix}.url="
                               f"http://127.0.0.1:8000 (got {url!r}); start a server with `diffalign-reward-server "
                               "<reward> --port 8000` (docs/guides/rewards.md#rewards-served-over-http)")
+        try:
+            parts.port  # noqa: B018 - urllib checks the port when it is read
+        except ValueError as err:
+            raise ConfigError(f"{prefix}.url={url}: {err} (a port is 0-65535); correct {prefix}.url, e.g. "
+                              f"{prefix}.url=http://127.0.0.1:8000") from None
         if not node.get("check_health", True):
             return
         health = f"{url.rstrip('/')}/health"

@@ -70,6 +70,7 @@ class PerFrame:
     """
 
     modality = "video"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+    judges_correctness = True  # info["correct"] when its image reward reports it (every frame correct)
 
     name = "per_frame"
     differentiable = False

@@ -257,14 +257,19 @@ def check_launch(cfg=None, env=None) -> None:
         env (`Mapping`, *optional*): the environment (defaults to ``os.environ``).
 
     Raises:
-        ValueError: for a DeepSpeed launch, with its causes (`DEEPSPEED_REFUSED`) and the fix; under FSDP, for a
-            reference strategy that snapshots the LoRA or a method that keeps its own copies of the weights.
+        ValueError: for a DeepSpeed launch, with its causes (`DEEPSPEED_REFUSED`) and the fix; under FSDP, on a machine
+            without a GPU unless ``trainer.cpu`` is true, for a reference strategy that snapshots the LoRA or a method that keeps its own copies of the weights.
     """
     env = os.environ if env is None else env
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise ValueError(DEEPSPEED_REFUSED)
     if cfg is None or env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return
+    import torch
+
+    if not torch.cuda.is_available() and not cfg.trainer.get("cpu", False):
+        raise ValueError("an FSDP launch on a machine without a GPU: pass trainer.cpu=true to shard over CPU processes "
+                         "(gloo), or launch on GPUs (accelerate would otherwise stop with its own traceback)")
     from hydra.utils import get_class, instantiate
 
     strategy = getattr(get_class(cfg.reference._target_), "strategy", None)

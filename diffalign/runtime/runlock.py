@@ -1,8 +1,9 @@
 """One run per output folder: an advisory lock file ``<output_dir>/.diffalign.lock``.
 
 ``diffalign-train`` and ``diffalign-eval`` take the lock before anything is written to their ``output_dir`` (a Hydra
-callback, `RunLockCallback`, runs before Hydra saves ``.hydra/`` and its log there); the training loops take it too
-(``diffalign.train.*.train(cfg)`` called from Python), which is a no-op when this process holds it already.
+callback, `RunLockCallback`, runs before Hydra saves ``.hydra/`` and its log there); the training loops take it only
+when this process does not hold it (``diffalign.train.*.train(cfg)`` called from Python,
+`diffalign.train.prepare.run_lock_once`), so a run takes it once.
 
 - The lock is a kernel ``flock`` on the file, held for the life of the run; the file holds the holder's pid, host,
   start time, command and, under a multi-process launch, the launcher's pid (JSON). The kernel drops the ``flock``
@@ -285,6 +286,11 @@ def acquire(output_dir: str | os.PathLike, program: str = "diffalign", *, log=No
         raise
     _HELD[key] = _Held(fd, path, holder=record)
     return True
+
+
+def holds(output_dir: str | os.PathLike) -> bool:
+    """Whether this process holds the lock of `output_dir` (`acquire` took it and it is not yet released)."""
+    return Path(output_dir).resolve() in _HELD
 
 
 def release(output_dir: str | os.PathLike) -> None:

@@ -7,7 +7,16 @@
 
 from __future__ import annotations
 
-from diffalign.config.checks import ConfigError, boolean, choice, integer, node_check, number, text
+from diffalign.config.checks import (
+    ConfigError,
+    boolean,
+    choice,
+    integer,
+    node_check,
+    number,
+    target_attribute,
+    text,
+)
 from diffalign.world.prompts import load_prompts
 
 LR_SCHEDULERS = ("constant_with_warmup", "cosine")
@@ -78,6 +87,8 @@ def check_trainer_config(cfg, *, online: bool) -> None:
     integer(t, "max_consecutive_nonfinite", p, ge=1,
             hint="the non-finite updates skipped in a row before the run stops with a checkpoint")
     boolean(t, "cache_latents", p)
+    if not online and isinstance(t.get("max_steps"), int):
+        check_warmup(cfg, t.max_steps, f"trainer.max_steps={t.max_steps}")
     if online and t.get("gradient_accumulation_steps", 1) != 1:
         raise ConfigError(f"trainer.gradient_accumulation_steps={t.gradient_accumulation_steps} is not used by the "
                           "online loop: an optimizer update there already accumulates the gradients of all its "
@@ -111,9 +122,10 @@ def check_ignored_overrides(overrides: list[str], *, online: bool) -> None:
 
 
 @node_check("online")
-def check_online_config(cfg) -> None:
-    """Checks the ``online`` node of an online run: integer sizes in range, the advantage options, the split, the
-    prompt file.
+def check_online_config(cfg, num_processes: int = 1) -> None:
+    """Checks the ``online`` node of an online run: integer sizes in range, the advantage options, the split over
+    `num_processes`, updates an epoch can fill, a learning-rate warmup the run reaches, a training reward of non-zero
+    weight, the prompt file.
 
     Raises:
         ConfigError / FileNotFoundError: naming the field and the fix.
@@ -137,8 +149,63 @@ def check_online_config(cfg) -> None:
     if best is not None and best % 2:
         raise ConfigError(f"online.best_of_n={best} must be an even number >= 2 (n/2 best and n/2 worst per group), "
                           "or null")
+    check_split(on, num_processes)
+    updates = on.num_epochs * on.updates_per_epoch * on.num_inner_epochs  # (at most: DGPO makes one pass)
+    check_warmup(cfg, updates, f"online.num_epochs={on.num_epochs} x online.updates_per_epoch={on.updates_per_epoch}"
+                 f" x online.num_inner_epochs={on.num_inner_epochs}")
+    rows = on.groups_per_epoch * (best or on.group_size) // num_processes  # this process's rows of an epoch
+    steps = cfg.get("sampler", {}).get("num_inference_steps", 1)
+    if on.updates_per_epoch > rows * steps:
+        raise ConfigError(f"online.updates_per_epoch={on.updates_per_epoch} but an epoch gives each process "
+                          f"{rows} rows x {steps} sampler steps, at most {rows * steps} units of work: the loop would "
+                          f"run fewer updates than asked, without a word; lower online.updates_per_epoch (the released "
+                          "code uses 1-2) or raise online.groups_per_epoch / online.group_size")
+    weights = {name: (node or {}).get("weight", 1.0) for name, node in (cfg.get("reward") or {}).items()}
+    if weights and all(w == 0 for w in weights.values()):
+        raise ConfigError(f"every training reward has weight 0 ({', '.join(f'reward.{n}.weight=0' for n in weights)}):"
+                          " every advantage would be 0 and nothing would train; give a reward a weight > 0, e.g. "
+                          f"reward.{next(iter(weights))}.weight=1")
     if on.get("prompts") is None:
         raise ConfigError("online.prompts is required by this recipe (it trains on your prompts, not the tiny "
                           "world's); pass online.prompts=<prompt file: .jsonl with GenEval metadata, .txt or .csv>")
     text(on, "prompts", p)
-    load_prompts(on.prompts, field="online.prompts")
+    rows = load_prompts(on.prompts, field="online.prompts")
+    for node in (cfg.get("reward") or {}).values():  # a reward that scores some prompts only (a verifier)
+        check = target_attribute((node or {}).get("_target_"), "check_prompts")
+        if check is not None:
+            check(rows, f"online.prompts={on.prompts!r}")
+
+
+def check_split(on, num_processes: int) -> None:
+    """The ``online`` settings that depend on the number of processes: ``groups_per_epoch`` (``split=groups``) or
+    ``group_size`` (``split=members``) divisible by them, and best-of-n only with whole groups per process.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    split = on.get("split", "groups")
+    if split == "groups" and on.groups_per_epoch % num_processes:
+        raise ConfigError(f"online.groups_per_epoch={on.groups_per_epoch} must be divisible by the {num_processes} "
+                          "processes (or set online.split=members to spread every group over the processes).")
+    if split == "members":
+        if on.group_size % num_processes:
+            raise ConfigError(f"online.split=members: online.group_size={on.group_size} must be divisible by the "
+                              f"{num_processes} processes")
+        if on.get("best_of_n"):
+            raise ConfigError("online.best_of_n selects within whole groups; use online.split=groups with it")
+
+
+def check_warmup(cfg, total_updates: int, field: str) -> None:
+    """``trainer.lr_warmup_steps`` the run reaches: a warmup over ten times longer than the run's `total_updates`
+    keeps the learning rate under a tenth of ``trainer.learning_rate`` (linear warmup, `diffalign.train.common
+    .build_lr_scheduler`), so the run would barely train.
+
+    Raises:
+        ConfigError: naming the field, the run's length (`field`) and the fix.
+    """
+    warmup = cfg.trainer.get("lr_warmup_steps", 0)
+    if isinstance(warmup, int) and warmup > 10 * total_updates:
+        raise ConfigError(f"trainer.lr_warmup_steps={warmup} is far beyond the run's {total_updates} optimizer "
+                          f"updates ({field}): the learning rate would stay under {total_updates / warmup:.1%} of "
+                          f"trainer.learning_rate and the run would barely train; pass trainer.lr_warmup_steps <= "
+                          f"{total_updates} (e.g. trainer.lr_warmup_steps=0)")

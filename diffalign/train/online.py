@@ -39,23 +39,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from diffalign.advantages import EpochAdvantages, best_of_n_rows
-from diffalign.config.deprecation import migrate_config
-from diffalign.evaluation.monitors import build_monitor
-from diffalign.lora.initial import build_policy
-from diffalign.methods import (
-    ONLINE_FLOWS,
-    ONLINE_MEMBERS,
-    PROMPTS,
-    OnlineEpoch,
-    OnlineMethod,
-    check_method,
-    epoch_generator,
-)
+from diffalign.methods import PROMPTS, OnlineEpoch, OnlineMethod, epoch_generator
 from diffalign.models.base import bare_forward
 from diffalign.rewards.reward_set import (
     ChunkScorer,
@@ -65,42 +53,46 @@ from diffalign.rewards.reward_set import (
     stop_on_reward_error,
 )
 from diffalign.runtime.console import WarningCounts, console_summary, write
-from diffalign.runtime.distributed import check_fsdp_run, main_process_work
+from diffalign.runtime.distributed import main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals
-from diffalign.runtime.runlock import run_lock
 from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
     Updates,
-    build_reward_sets,
     final_evaluation,
-    make_accelerator,
     prepare_training,
     start_trackers,
     stop_if_requested,
 )
-from diffalign.world.prompts import load_prompts
+from diffalign.train.prepare import PreparedRun, prepare_run, run_lock_once
 
 
-def train(cfg: DictConfig) -> dict:
-    """Runs an online job described by `cfg` (``configs/train.yaml`` with an online ``method``); returns the final
-    metrics (also written to ``<output_dir>/results.json``).
+def train(run: PreparedRun | DictConfig) -> dict:
+    """Runs an online job (``configs/train.yaml`` with an online ``method``); returns the final metrics (also written to
+    ``<output_dir>/results.json``).
+
+    Args:
+        run (`PreparedRun` or `DictConfig`): the run checked and built by `diffalign.train.prepare.prepare_run` (what
+            ``diffalign-train`` passes), or a composed config, which is prepared here (checked and built once).
 
     Raises:
-        ValueError: for a method whose data flow is not online (or that lacks members of the method contract), a
-            config the method refuses (its ``check_config``, e.g. a sampler that does not fit it), a group size < 2,
-            or an ``online.split`` the number of processes does not divide.
+        ValueError / FileNotFoundError: for a config `prepare_run` refuses (the method's data flow is not online, a
+            config the method refuses, a group size < 2, an ``online.split`` the processes do not divide, ...).
         RewardError: when a reward fails (after a checkpoint is written).
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, at the next epoch boundary, after a checkpoint is saved.
     """
-    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
+    cfg = run.cfg if isinstance(run, PreparedRun) else run
     # repeating warnings counted, one summary line per epoch; log lines around the progress bars
     # (diffalign.runtime.console)
-    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
+    with run_lock_once(cfg.output_dir), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
-        run = _setup(cfg)
+        prepared = run if isinstance(run, PreparedRun) else prepare_run(cfg)
+        if not prepared.online:
+            raise ValueError(f"method={cfg.method._target_} is not an online method; train it with "
+                             "diffalign.train.preference.train")
+        run = _setup(prepared)
         run.warnings = warnings
         history = _resume(run)
         t_train = time.time()
@@ -152,46 +144,14 @@ class _Run:
             write(message, self.accelerator)
 
 
-def _check_split(on: DictConfig, num_proc: int) -> None:
-    """The online config's checks that depend on the number of processes (the generic ones; a method adds its own)."""
-    if on.group_size < 2:
-        raise ValueError(f"online.group_size={on.group_size}: group-relative advantages need at least 2 samples per "
-                         "prompt; set online.group_size >= 2 (the released online methods use 16-24).")
-    split = on.get("split", "groups")
-    if split not in ("groups", "members"):
-        raise ValueError(f"online.split={split!r} must be 'groups' (whole groups per process) or 'members' (every "
-                         "group spread over the processes)")
-    if split == "groups" and on.groups_per_epoch % num_proc:
-        raise ValueError(f"online.groups_per_epoch={on.groups_per_epoch} must be divisible by the {num_proc} "
-                         "processes (or set online.split=members to spread every group over the processes).")
-    if split == "members":
-        if on.group_size % num_proc:
-            raise ValueError(f"online.split=members: online.group_size={on.group_size} must be divisible by the "
-                             f"{num_proc} processes")
-        if on.get("best_of_n"):
-            raise ValueError("online.best_of_n selects within whole groups; use online.split=groups with it")
-
-
-def _setup(cfg: DictConfig) -> _Run:
-    """Accelerator, method (checked against the contract and the config), policy, reference, rewards, optimizer."""
+def _setup(prepared: PreparedRun) -> _Run:
+    """The optimizer, LR schedule, trackers and checkpoints around the prepared run's components."""
+    cfg, accelerator, objective, policy = prepared.cfg, prepared.accelerator, prepared.method, prepared.policy
     tr, on = cfg.trainer, cfg.online
     sp = build_sampler(cfg.sampler)
     output_dir = Path(cfg.output_dir)
-    accelerator = make_accelerator(cfg)
-    num_proc = accelerator.num_processes
-    objective = instantiate(cfg.method)
-    check_method(objective, cfg.method._target_, ONLINE_FLOWS, ONLINE_MEMBERS, "online")
-    _check_split(on, num_proc)
-    objective.check_config(cfg, num_proc)
-    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/lora/initial.py)
-    policy.to(accelerator.device)
-    reference = instantiate(cfg.reference)
-    reference.setup(policy)
-    objective.setup(policy)  # e.g. θ⁻'s adapter, before the optimizer collects the trainable parameters
-    check_fsdp_run(accelerator, reference, objective)  # what FSDP does not run (diffalign.runtime.distributed)
-    rewards, eval_rewards = build_reward_sets(cfg)
-    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=output_dir / "logs" / "samples")
-    rows = load_prompts(on.prompts, field="online.prompts")
+    reference, rewards, eval_rewards = prepared.reference, prepared.rewards, prepared.eval_rewards
+    monitor, rows = prepared.monitor, prepared.rows
     advantages = EpochAdvantages(objective.advantage, std=on.advantage_std, clip=on.advantage_clip,
                                  correction=on.advantage_std_correction, eps=on.advantage_eps,
                                  tracker_buffer_size=on.tracker_buffer_size, tracker_min_count=on.tracker_min_count)

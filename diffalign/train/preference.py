@@ -40,40 +40,27 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from diffalign.config.deprecation import migrate_config
 from diffalign.data.preference import PreferenceData, ResumableSampler
 from diffalign.data.resumable import prepare_dataset
-from diffalign.evaluation.monitors import build_monitor
-from diffalign.lora.initial import build_policy
-from diffalign.methods import (
-    BATCH_TYPES,
-    PREFERENCE_FLOWS,
-    PREFERENCE_MEMBERS,
-    PreferenceMethod,
-    check_method,
-    stream_seed,
-)
+from diffalign.methods import BATCH_TYPES, PreferenceMethod, stream_seed
 from diffalign.models.base import bare_forward
 from diffalign.rewards.reward_set import WeightedSum, set_reward_step, stop_on_reward_error
 from diffalign.runtime.console import WarningCounts, console_summary, write
-from diffalign.runtime.distributed import check_fsdp_run, main_process_work
+from diffalign.runtime.distributed import main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals
-from diffalign.runtime.runlock import run_lock
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
     Updates,
     build_lr_scheduler,
-    build_reward_sets,
     final_evaluation,
-    make_accelerator,
     prepare_training,
     start_trackers,
     stop_if_requested,
 )
+from diffalign.train.prepare import PreparedRun, prepare_run, run_lock_once
 
 _NOISE_TAG = 20  # stream tag of the training draws (diffalign.samplers.groups.stream_seed)
 
@@ -125,22 +112,30 @@ class LatentCache:
         return torch.stack([self._store[side, i] for i in indices])
 
 
-def train(cfg: DictConfig) -> dict:
-    """Runs a preference fine-tuning job described by `cfg` (see ``configs/train.yaml``); returns the final metrics.
+def train(run: PreparedRun | DictConfig) -> dict:
+    """Runs a preference fine-tuning job (see ``configs/train.yaml``); returns the final metrics.
+
+    Args:
+        run (`PreparedRun` or `DictConfig`): the run checked and built by `diffalign.train.prepare.prepare_run` (what
+            ``diffalign-train`` passes), or a composed config, which is prepared here (checked and built once).
 
     Raises:
-        ValueError: when the selected method's ``data_flow`` is neither "pairs" nor "winners" (or it lacks members of
-            the method contract), when a "pairs" method gets data without losers, or when the data's image size is
-            not the model's pixel size.
+        ValueError / FileNotFoundError: for a config `prepare_run` refuses (the method's ``data_flow`` is neither
+            "pairs" nor "winners", a "pairs" method given data without losers, ...), or data whose image size is not
+            the model's pixel size.
         NonFiniteError: after ``trainer.max_consecutive_nonfinite`` skipped updates in a row (checkpoint saved).
         TrainingInterrupted: on SIGTERM / SIGINT, after a checkpoint is saved between two updates.
     """
-    migrate_config(cfg)  # old config keys (diffalign.config.deprecation), a no-op after the CLI's
+    cfg = run.cfg if isinstance(run, PreparedRun) else run
     # repeating warnings (saturation, skipped updates, ...) counted, one summary line per trainer.warnings_every
     # steps; every log line written around the progress bars (diffalign.runtime.console)
-    with run_lock(cfg.output_dir, "diffalign-train"), StopSignals() as stop, console_summary() as warnings:
+    with run_lock_once(cfg.output_dir), StopSignals() as stop, console_summary() as warnings:
         t_start = time.time()
-        run = _setup(cfg)  # 1. accelerator, seeds, policy, method, data, optimizer
+        prepared = run if isinstance(run, PreparedRun) else prepare_run(cfg)  # 1. checks, then every component
+        if prepared.online:
+            raise ValueError(f"method={cfg.method._target_} is an online method; train it with "
+                             "diffalign.train.online.train")
+        run = _setup(prepared)  # optimizer, LR schedule, checkpoints
         run.warnings = warnings
         _prepare_data(run, stop)
         _resume(run)  # 2. resume
@@ -187,29 +182,11 @@ class _Run:
         return self.checkpoints.before_stop(step, lambda: self.trainer_state(step))
 
 
-def _setup(cfg: DictConfig) -> _Run:
-    tr = cfg.trainer
-    accelerator = make_accelerator(cfg, gradient_accumulation_steps=tr.gradient_accumulation_steps)
-    objective = instantiate(cfg.method)
-    check_method(objective, cfg.method._target_, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, "preference")
-    objective.check_config(cfg, accelerator.num_processes)
-    policy = build_policy(cfg, log=accelerator.print)  # with model.init_lora's weights (diffalign/lora/initial.py)
-    policy.to(accelerator.device)
-    reference = instantiate(cfg.reference)
-    reference.setup(policy)  # adds the reference adapter (if any) before the optimizer collects trainable parameters
-    objective.setup(policy)  # e.g. a method's own adapters, for the same reason
-    check_fsdp_run(accelerator, reference, objective)  # what FSDP does not run (diffalign.runtime.distributed)
-    latent_h, latent_w = policy.latent_shape[1:]
-    pixel_size = (latent_h * policy.vae_scale_factor, latent_w * policy.vae_scale_factor)
-    data_kwargs = {}
-    if "resolution" in cfg.data and cfg.data.resolution is None:
-        if pixel_size[0] != pixel_size[1]:
-            raise ValueError(f"the model's images are {pixel_size[0]}x{pixel_size[1]} px; set data.resolution")
-        data_kwargs["resolution"] = pixel_size[0]
-    dataset = instantiate(cfg.data, **data_kwargs)
-    # every reward call is checked (RewardError names reward, step, batch, prompt; nothing becomes 0 silently)
-    rewards, eval_rewards = build_reward_sets(cfg)
-    monitor = build_monitor(cfg.get("monitor"), eval_rewards, samples_dir=Path(cfg.output_dir) / "logs" / "samples")
+def _setup(prepared: PreparedRun) -> _Run:
+    """The optimizer, LR schedule, trackers and checkpoints around the prepared run's components."""
+    cfg, accelerator, objective, policy = prepared.cfg, prepared.accelerator, prepared.method, prepared.policy
+    tr, reference, dataset, pixel_size = cfg.trainer, prepared.reference, prepared.dataset, prepared.pixel_size
+    rewards, eval_rewards, monitor = prepared.rewards, prepared.eval_rewards, prepared.monitor
     params, optimizer, lr_scheduler = prepare_training(accelerator, policy, tr, tr.max_steps)
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
