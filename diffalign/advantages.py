@@ -61,21 +61,25 @@ def group_advantages(
     if correction not in (0, 1):
         raise ValueError(f"online.advantage_std_correction={correction!r} must be 0 (population std, flow_grpo) or 1 "
                          "(sample std, DanceGRPO/ViPO).")
-    rewards = rewards.detach().float().reshape(-1)
+    # float64 statistics: the float32 rewards sum exactly there (n < 2**29), so the mean of equal rewards is that
+    # reward and their A is exactly 0; in float32 a group of 7 rewards of 0.7 centred to 6e-8, which the 1e-8 of
+    # DanceGRPO/ViPO turned into A = +0.8 for every member (tests/unit/test_constant_rewards.py)
+    rewards = rewards.detach().float().reshape(-1).double()
     group_ids = torch.as_tensor(group_ids).reshape(-1)
     if rewards.shape != group_ids.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must match.")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN/inf; fix the reward (diffalign never replaces them silently).")
     uniq, inverse = torch.unique(group_ids, return_inverse=True)
-    counts = torch.zeros(len(uniq)).index_add_(0, inverse, torch.ones_like(rewards))
-    means = torch.zeros(len(uniq)).index_add_(0, inverse, rewards) / counts
+    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(rewards))
+    means = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, rewards) / counts
     centred = rewards - means[inverse]
     if std == "group":
         if (counts <= correction).any():
             raise ValueError(f"a group of {int(counts.min())} reward(s) has no sample std (online.advantage_std_correction"
                              f"={correction}); use groups of at least 2 (online.group_size) or correction 0.")
-        var = torch.zeros(len(uniq)).index_add_(0, inverse, centred**2) / (counts - correction)
+        squares = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, centred**2)
+        var = squares / (counts - correction)
         advantages = centred / (var.sqrt()[inverse] + eps)
     elif std == "global":
         if len(rewards) <= correction:
@@ -84,6 +88,7 @@ def group_advantages(
         advantages = centred / (rewards.std(correction=correction) + eps)
     else:
         advantages = centred
+    advantages = advantages.float()
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     zero = (torch.zeros(len(uniq)).index_add_(0, inverse, (centred != 0).float()) == 0).float()
@@ -112,7 +117,7 @@ class PerPromptStatTracker:
         """Adds the batch's rewards to each prompt's buffer, then returns `(N,)` float32 advantages
         (r − mean_prompt) / (std_prompt + eps), clipped; prompts with fewer than `min_count` rewards use the batch's
         mean and std."""
-        rewards = rewards.detach().float().reshape(-1)
+        rewards = rewards.detach().float().reshape(-1).double()  # (float64 statistics: see group_advantages)
         if len(prompts) != len(rewards):
             raise ValueError(f"{len(prompts)} prompts for {len(rewards)} rewards.")
         if not torch.isfinite(rewards).all():
@@ -125,9 +130,10 @@ class PerPromptStatTracker:
             if len(buf) < self.min_count:
                 mean, std = rewards.mean(), rewards.std(unbiased=False)
             else:
-                stored = torch.tensor(list(buf))
+                stored = torch.tensor(list(buf), dtype=torch.float64)
                 mean, std = stored.mean(), stored.std(unbiased=False)
             out[idx] = (rewards[idx] - mean) / (std + self.eps)
+        out = out.float()
         return out.clamp(-self.clip, self.clip) if self.clip is not None else out
 
     def state_dict(self) -> dict:
@@ -217,7 +223,8 @@ class EpochAdvantages:
                 "per_reward" only.
 
         Returns:
-            (`(N,)` or, for "per_reward", `(N, R)` float32 advantages; stats ``{"zero_std_fraction"}``).
+            (`(N,)` or, for "per_reward", `(N, R)` float32 advantages; stats ``{"zero_std_fraction"}``: for
+            "per_reward" the first reward's).
         """
         if self.kind == "per_prompt":
             return self.tracker.update(prompts, scores), {

@@ -76,6 +76,7 @@ def _train_main(cfg: DictConfig) -> None:
     from diffalign.rewards.base import RewardError
     from diffalign.runtime.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
     from diffalign.runtime.runlock import RunLockedError
+    from diffalign.runtime.storage import DiskFullError
 
     try:
         try:
@@ -89,6 +90,8 @@ def _train_main(cfg: DictConfig) -> None:
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
     except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
+        _exit_with_error(err)
+    except DiskFullError as err:  # the folder, what was written and the space; nothing partial kept (runtime/storage.py)
         _exit_with_error(err)
 
 
@@ -236,6 +239,7 @@ def _eval_main(cfg: DictConfig) -> None:
 
     from diffalign.rewards.base import RewardError
     from diffalign.runtime.faults import StopSignals, TrainingInterrupted
+    from diffalign.runtime.storage import DiskFullError
 
     # SIGTERM / SIGINT: the evaluation stops before its next batch (what is finished is kept; a rerun continues it)
     with StopSignals(hint="run the same command again to continue") as stop:
@@ -246,6 +250,9 @@ def _eval_main(cfg: DictConfig) -> None:
             print(f"diffalign: {err}", file=sys.stderr)
             raise SystemExit(err.exit_code) from None
         except RewardError as err:  # one line naming the reward, batch and prompt (finished batches are kept)
+            _exit_with_error(err)
+        except DiskFullError as err:  # one line: the file, the folder, the free space (finished prompts are kept)
+            err.hint = "run the same command again to continue"
             _exit_with_error(err)
 
 

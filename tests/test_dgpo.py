@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import boxed_group_loss
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.common import per_sample_mse
-from diffalign.objectives.dgpo import DGPO, boxed_group_loss, group_noise, select_train_timesteps
+from diffalign.objectives.dgpo import DGPO, group_noise, select_train_timesteps
 from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.reference.old_policy import EmaRolloutPolicy
 from diffalign.samplers.flow_sde import FlowSDESampler

@@ -20,7 +20,9 @@ parameters as they are at preparation time). A chunk on disk is read back instea
 - any other setting gives another key, so nothing made with other settings or weights is ever mixed in.
 
 SIGTERM / SIGINT during the preparation stop it after the current chunk (every process agrees) with
-`TrainingInterrupted`; the chunks made are kept.
+`TrainingInterrupted`; the chunks made are kept. A full disk stops it with a one-line
+`diffalign.runtime.storage.DiskFullError` (the folder, the space the missing chunks need); the half-written chunk is
+removed and the chunks made are kept, so ``resume=latest`` continues once space is freed.
 
 With several processes every process makes the chunks that are not on disk yet (as before: the same per-image seeds,
 so the same data) and only the main process writes them.
@@ -41,6 +43,7 @@ from safetensors.torch import load_file
 
 from diffalign.runtime.console import write as console_write
 from diffalign.runtime.files import save_safetensors
+from diffalign.runtime.storage import disk_full_as_error
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -79,8 +82,10 @@ class ChunkStore:
             for leftover in folder.glob(".tmp-*"):  # of a run killed while writing a chunk
                 leftover.unlink(missing_ok=True)
             if not self.complete():
-                self._adopt(search)
-            _atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1, default=str)))
+                with disk_full_as_error(folder, "the chunks of an identical finished preparation (copied)"):
+                    self._adopt(search)
+            with disk_full_as_error(folder, f"the on-policy data's {MANIFEST}"):
+                _atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1, default=str)))
 
     def path(self, k: int) -> Path:
         return self.folder / f"chunk-{k:05d}.safetensors"
@@ -98,9 +103,24 @@ class ChunkStore:
         return load_file(str(path)) if path.is_file() else None
 
     def save(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Writes chunk `k` (main process only; through a temporary file and a rename)."""
+        """Writes chunk `k` (main process only; through a temporary file and a rename).
+
+        Raises:
+            DiskFullError: the disk filled up (naming the folder and the space the chunks not on disk yet need, from
+                the size of those that are); the chunks written are kept, so ``resume=latest`` continues from them.
+        """
         if self.write:
-            _atomic(self.path(k), lambda p: save_safetensors({n: t.contiguous() for n, t in tensors.items()}, p))
+            with disk_full_as_error(self.folder, f"chunk {k + 1} of {self.num_chunks} of the on-policy data",
+                                    needed=self._remaining_bytes):
+                _atomic(self.path(k), lambda p: save_safetensors({n: t.contiguous() for n, t in tensors.items()}, p))
+
+    def _remaining_bytes(self) -> int | None:
+        """The bytes the chunks not on disk yet will take, at the mean size of those that are; None before any."""
+        done = self.done()
+        if not done:
+            return None
+        mean = sum(self.path(k).stat().st_size for k in done) / len(done)
+        return round(mean * (self.num_chunks - len(done)))
 
     def _adopt(self, search: list[Path]) -> None:
         """Links (or copies) the chunks of a finished preparation with the same key from a sibling run folder."""

@@ -13,6 +13,7 @@ accuracy overall and per tag, paired gains and win rates of every variant over t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import defaultdict
@@ -35,6 +36,7 @@ from diffalign.evaluation.scoring import score_batch
 from diffalign.runtime.console import console_summary, write
 from diffalign.runtime.faults import stop_received
 from diffalign.runtime.media import VIDEO_FORMATS
+from diffalign.runtime.storage import disk_full_as_error, write_text
 
 
 def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, out_dir: Path,
@@ -74,6 +76,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
 
     Raises:
         ValueError: for no rows, no variants, two labels with the same file name, or an unknown video format.
+        DiskFullError: the disk filled up (naming the file; nothing half-written is kept, a re-run continues).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +102,8 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
     write_samples(samples_path, samples)
 
     # repeating warnings (e.g. prompts longer than a text encoder's context): one summary line per variant
-    with console_summary() as warnings:
-        bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(labels) * len(rows), desc="eval", unit="prompt", disable=not progress)
+    with console_summary() as warnings, contextlib.closing(bar):  # (closed on errors too: their line comes last)
         for label in labels:
             spec = variants[label]
             fingerprint = variant_fingerprint(policy, spec)
@@ -113,7 +116,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
                     log(f"eval {label}: reusing the identical base evaluation in {reusable[0]} (same base weights, "
                         "prompts, seeds, sampler and rewards; eval.reuse_base=false samples it again)")
             state["fingerprints"][label] = fingerprint
-            state_path.write_text(json.dumps(state, indent=2))
+            write_text(state_path, json.dumps(state, indent=2), what=str(state_path))
             # a prompt counts as finished only with all its seeds (rows of one prompt are written together)
             per_prompt = defaultdict(set)
             for s in samples:
@@ -129,7 +132,8 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
                 policy.load_lora_weights(spec)
             jobs = [(p, s) for p in pending for s in seeds]
             buffer: dict[int, list[dict]] = defaultdict(list)
-            with samples_path.open("a") as f:
+            # (a full disk: the half-written image is removed and a partial line is dropped when read back)
+            with disk_full_as_error(out_dir, str(samples_path)), samples_path.open("a") as f:
                 for start in range(0, len(jobs), cfg.batch_size):
                     stop = stop_received()  # SIGTERM / SIGINT: stop here; the finished prompts are in samples.jsonl
                     if stop is not None:

@@ -14,6 +14,7 @@ import torch
 
 from diffalign.evaluation.generation import EvalConfig, image_seed
 from diffalign.runtime.media import save_png, save_video
+from diffalign.runtime.storage import atomic_file, write_text
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -170,8 +171,8 @@ def adopt_base(source: Path, rows: list[dict], out_dir: Path, label: str, slug: 
             if field_name in row:
                 name = Path(row[field_name]).name
                 target = f"images/{slug}/{name}"
-                (out_dir / target).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / row[field_name], out_dir / target)
+                atomic_file(out_dir / target, lambda tmp, src=source / row[field_name]: shutil.copyfile(src, tmp),
+                            what=str(out_dir / target))
                 row[field_name] = target
         adopted.append(row)
     return adopted
@@ -189,9 +190,8 @@ def read_samples(path: Path) -> list[dict]:
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    tmp.replace(path)
+    """Writes ``samples.jsonl`` whole, through a temporary file and a rename (`DiskFullError` on a full disk)."""
+    write_text(path, "".join(json.dumps(s) + "\n" for s in samples), what=str(path))
 
 
 def earlier_state(out_dir: Path, key: dict, resume: bool, log) -> tuple[dict, list[dict]]:

@@ -18,12 +18,13 @@ from torchvision.utils import make_grid, save_image
 from diffalign.evaluation.files import checkpoint_step, write_samples
 from diffalign.evaluation.generation import EvalConfig
 from diffalign.evaluation.scoring import compare, summarize
+from diffalign.runtime.storage import atomic_file, write_text
 
 
 def write_grid(images: torch.Tensor, path: Path, nrow: int = 8) -> None:
     """Saves up to len(images) images `(N, 3, H, W)` in [0, 1] as one PNG grid."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(make_grid(images.clamp(0, 1), nrow=nrow, padding=1, pad_value=0.5), path)
+    grid = make_grid(images.clamp(0, 1), nrow=nrow, padding=1, pad_value=0.5)
+    atomic_file(path, lambda tmp: save_image(grid, tmp, format="PNG"), what=str(path))
 
 
 def prompt_grid(cells: list[list[Image.Image]], row_labels: list[str], col_labels: list[str], title: str,
@@ -99,11 +100,11 @@ def write_metrics(samples: list[dict], rows: list[dict], variants: dict, rewards
     for p, row in enumerate(rows):
         cells = [[Image.open(out_dir / cell[label, p, s]) for s in seeds] for label in labels]
         path = out_dir / "grids" / f"p{p:05d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prompt_grid(cells, labels, [f"seed {s}" for s in seeds], row["prompt"]).save(path)
+        grid_image = prompt_grid(cells, labels, [f"seed {s}" for s in seeds], row["prompt"])
+        atomic_file(path, lambda tmp, grid_image=grid_image: grid_image.save(tmp, format="PNG"), what=str(path))
         metrics["grids"].append({"prompt_index": p, "prompt": row["prompt"], "tag": row.get("tag"),
                                  "path": str(path.relative_to(out_dir))})
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2), what=str(out_dir / "metrics.json"))
     write_metrics_csv(metrics, out_dir / "metrics.csv")
     return metrics
 
@@ -154,10 +155,52 @@ def comparison_lines(metrics: dict) -> list[str]:
     return lines
 
 
+def headline(metrics: dict) -> dict | None:
+    """The evaluation's headline figure, as the report's "gain over" column gives it: the last variant against the
+    first (the fine-tuned model against the base in a training run) on the first reward that reports correctness
+    (a verifier: the accuracy change), else on the first reward (the mean change); the paired difference over every
+    (prompt, seed) pair with its standard error (`diffalign.evaluation.scoring.compare`).
+
+    Returns:
+        ``{"reward", "statistic", "baseline", "variant", "start", "end", "gain", "se", "num_prompts", "num_seeds"}``,
+        or None for an evaluation of one variant.
+    """
+    labels = metrics["labels"]
+    if len(labels) < 2:
+        return None
+    base, other = labels[0], labels[-1]
+    gains = metrics.get(f"{other}_vs_{base}", {})
+    keys = [k for k in gains if k.endswith("/accuracy_gain")] or [k for k in gains if k.endswith("/mean_gain")]
+    if not keys:
+        return None
+    reward, stat = keys[0].split("/")[0], keys[0].split("/")[1].removesuffix("_gain")
+    return {"reward": reward, "statistic": stat, "baseline": base, "variant": other,
+            "start": metrics["variants"][base][f"{reward}/{stat}"], "end": metrics["variants"][other][f"{reward}/{stat}"],
+            "gain": gains[keys[0]]["gain"], "se": gains[keys[0]]["se"], "num_prompts": metrics["num_prompts"],
+            "num_seeds": len(metrics["seeds"])}
+
+
+def headline_line(metrics: dict) -> str | None:
+    """`headline` as one console line, e.g. ``[diffalign] headline: geneval_shapes accuracy 0.412 → 0.483, paired
+    gain +0.071 ± 0.018 (3.9 s.e.; finetuned − base over 117 prompts × 6 seeds)``; None when there is none."""
+    h = headline(metrics)
+    if h is None:
+        return None
+    ratio = f"{h['gain'] / h['se']:.1f} s.e.; " if h["se"] > 0 else ""
+    return (f"[diffalign] headline: {h['reward']} {h['statistic']} {h['start']:.3f} → {h['end']:.3f}, paired gain "
+            f"{h['gain']:+.3f} ± {h['se']:.3f} ({ratio}{h['variant']} − {h['baseline']} over {h['num_prompts']} "
+            f"prompts × {h['num_seeds']} seeds)")
+
+
 def write_metrics_csv(metrics: dict, path: Path) -> None:
     """Writes `metrics_table(metrics)` as a CSV with a header row."""
     rows = metrics_table(metrics)
-    with Path(path).open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["checkpoint", "metric", "tag", "value", "se", "ci_low", "ci_high", "n"])
-        writer.writeheader()
-        writer.writerows(rows)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["checkpoint", "metric", "tag", "value", "se", "ci_low", "ci_high",
+                                                   "n"])
+            writer.writeheader()
+            writer.writerows(rows)
+
+    atomic_file(path, write, what=str(path))

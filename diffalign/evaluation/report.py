@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from diffalign.evaluation.scoring import ordered_tags
+from diffalign.runtime.storage import atomic_file, write_text
 
 MAX_EAGER_GRIDS = 24  # grids after these load lazily, when scrolled to
 
@@ -45,31 +46,63 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
 
 
-def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path) -> list[Path]:
-    """One PNG per scalar series (``train_<tag>.png``), rewards first, then losses, then the rest; series of 20 points
-    or more are drawn faint with an exponential moving average (weight 0.9) on top."""
+UNSMOOTHED = ("lr",)
+"""Series drawn as they are, never averaged: the learning rate is a schedule, not a noisy measurement (an EMA would
+draw a warm-up of 1 step as one of about 20)."""
+
+
+def training_axis(run_dir: str | Path | None) -> str:
+    """What the x-axis of a run's training curves counts: ``"epoch"`` for an online run (its loop logs once per epoch,
+    `diffalign.train.online`), ``"step"`` (optimizer steps) otherwise. Read from the method of the run's saved config
+    (``<run_dir>/.hydra/config.yaml``); ``"step"`` when there is none or it cannot be read."""
+    if run_dir is None or not (Path(run_dir) / ".hydra" / "config.yaml").is_file():
+        return "step"
+    try:
+        from hydra.utils import get_class
+        from omegaconf import OmegaConf
+
+        from diffalign.methods import ONLINE_FLOWS
+
+        target = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml").method._target_
+        return "epoch" if getattr(get_class(target), "data_flow", None) in ONLINE_FLOWS else "step"
+    except Exception:  # noqa: BLE001 (a config of another version, a plugin not installed here: the default axis)
+        return "step"
+
+
+def training_figure(tag: str, steps: list[int], values: list[float], x_label: str = "step"):
+    """The matplotlib `Figure` of one training series against `x_label`: series of 20 points or more are drawn faint
+    with an exponential moving average (weight 0.9) on top, except the `UNSMOOTHED` ones (the learning rate), drawn as
+    they are."""
     from matplotlib.figure import Figure
 
+    fig = Figure(figsize=(4.0, 2.8), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    if len(steps) < 20 or tag.rsplit("/", 1)[-1] in UNSMOOTHED:
+        ax.plot(steps, values, lw=1.2, marker="." if len(steps) < 20 else None)
+    else:  # noisy per-step values: faint, with an exponential moving average (0.9) on top
+        ax.plot(steps, values, lw=0.8, alpha=0.35, color="C0")
+        smooth = [values[0]]
+        for v in values[1:]:
+            smooth.append(0.9 * smooth[-1] + 0.1 * v)
+        ax.plot(steps, smooth, lw=1.5, color="C0", label="EMA 0.9")
+        ax.legend(fontsize=8)
+    ax.set_xlabel(x_label)
+    ax.set_title(tag, fontsize=10)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_training_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path,
+                         x_label: str = "step") -> list[Path]:
+    """One PNG per scalar series (``train_<tag>.png``, `training_figure`), rewards first, then losses, then the rest,
+    against `x_label` (``"epoch"`` for an online run, `training_axis`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for tag in sorted(scalars, key=lambda t: ("reward" not in t, "loss" not in t, t)):
         steps, values = zip(*scalars[tag])
-        fig = Figure(figsize=(4.0, 2.8), dpi=100, layout="constrained")
-        ax = fig.subplots()
-        if len(steps) < 20:
-            ax.plot(steps, values, lw=1.2, marker=".")
-        else:  # noisy per-step values: faint, with an exponential moving average (0.9) on top
-            ax.plot(steps, values, lw=0.8, alpha=0.35, color="C0")
-            smooth = [values[0]]
-            for v in values[1:]:
-                smooth.append(0.9 * smooth[-1] + 0.1 * v)
-            ax.plot(steps, smooth, lw=1.5, color="C0", label="EMA 0.9")
-            ax.legend(fontsize=8)
-        ax.set_xlabel("step")
-        ax.set_title(tag, fontsize=10)
-        ax.grid(alpha=0.3)
+        fig = training_figure(tag, list(steps), list(values), x_label)
         path = out_dir / f"train_{_slug(tag)}.png"
-        fig.savefig(path)
+        atomic_file(path, fig.savefig, what=str(path))
         paths.append(path)
     return paths
 
@@ -101,7 +134,7 @@ def plot_eval_curves(metrics: dict, out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         path = out_dir / f"eval_{_slug(reward)}.png"
-        fig.savefig(path)
+        atomic_file(path, fig.savefig, what=str(path))
         paths.append(path)
     return paths
 
@@ -218,7 +251,7 @@ def write_report(eval_dir: str | Path, run_dir: str | Path | None = None, title:
     if run_dir is not None and (Path(run_dir) / "logs").is_dir():
         # (the run's own evaluation, logged to the trackers as eval/<variant>/..., is in the tables below)
         scalars = {tag: v for tag, v in read_scalars(Path(run_dir) / "logs").items() if not tag.startswith("eval/")}
-        train_plots = plot_training_curves(scalars, plots_dir)
+        train_plots = plot_training_curves(scalars, plots_dir, x_label=training_axis(run_dir))
     eval_plots = plot_eval_curves(metrics, plots_dir)
     title = title or f"diffalign evaluation — {eval_dir.resolve().name}"
     cfg = metrics.get("config", {})
@@ -267,6 +300,4 @@ def write_report(eval_dir: str | Path, run_dir: str | Path | None = None, title:
                    f'<b>{html.escape(grid["prompt"])}</b>{tag}<br><span class=ci>{means}</span>'
                    f"{'<br>' + clips if clips else ''}</figcaption></figure>")
     out.append("</body></html>")
-    path = eval_dir / "report.html"
-    path.write_text("\n".join(out), encoding="utf-8")
-    return path
+    return write_text(eval_dir / "report.html", "\n".join(out), what=str(eval_dir / "report.html"))

@@ -33,6 +33,7 @@ from diffalign.lora.io import (
     write_kohya,
 )
 from diffalign.runtime.console import quiet_on_broken_pipe
+from diffalign.runtime.storage import DiskFullError, atomic_file, write_folder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VIDEO_MODULE_HINTS = ("temp_attentions", "transformer_in", "temporal")
@@ -103,6 +104,7 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
             destination that exists (without `overwrite`), has the wrong form (a folder for a file, a file for a
             folder) or cannot be written (`check_writable`), a `family` the weights contradict (`check_family`), or a
             family kohya export does not cover.
+        DiskFullError: the disk filled up (written through a temporary file: no partial LoRA is left).
     """
     if fmt not in ("kohya", "diffusers"):
         raise ValueError(f"--format must be kohya or diffusers, got {fmt!r}")
@@ -118,7 +120,9 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
             raise ValueError(f"{destination!r} exists; pass --overwrite to replace it")
         layout = _layout(weights, family)
         check_writable(out.parent, destination)
-        return write_kohya(weights, out, layout=layout, dtype=DTYPES[dtype])
+        # (through a temporary file: a full disk leaves no truncated .safetensors; DiskFullError names the folder)
+        return atomic_file(out, lambda tmp: write_kohya(weights, tmp, layout=layout, dtype=DTYPES[dtype]),
+                           what=f"the exported LoRA {out.name}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"the diffusers destination {destination!r} is a file; pass a folder (it gets "
                          f"{LORA_WEIGHT_NAME})")
@@ -131,7 +135,9 @@ def export(source: str, destination: str, *, fmt: str = "kohya", dtype: str = "f
         check_family(weights, family)
     layout = LAYOUTS[family] if family != "auto" else weights.layout
     check_writable(out, destination)
-    return write_diffusers(weights, out, layout=layout, dtype=DTYPES[dtype])
+    write_folder(out, lambda tmp: write_diffusers(weights, tmp, layout=layout, dtype=DTYPES[dtype]),
+                 what=f"the exported LoRA {out.name}/{LORA_WEIGHT_NAME}")
+    return out / LORA_WEIGHT_NAME
 
 
 def check_writable(folder: Path, destination: str) -> None:
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         written = export(args.source, args.destination, fmt=args.fmt, dtype=args.dtype, family=args.family,
                          overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"diffalign-export: error: {err}")
+    except DiskFullError as err:
+        err.hint = "run the same command again"
         sys.exit(f"diffalign-export: error: {err}")
     except OSError as err:  # (the checks above make this rare: a disk that fills up, a folder removed meanwhile)
         sys.exit(f"diffalign-export: error: cannot write {args.destination!r}: {err.strerror or err}: "

@@ -15,7 +15,7 @@ $$z_g = \frac{\beta}{G}\sum_{i\in g} A_i\,\mathrm{sg}[\ell_\theta(x^i)-\ell_{ref
 
 whose gradient is (1/N)·Σ_g σ(z_g) Σ_{i∈g} A_i ∇ℓ_θ(x^i). With βλ_t = β/G this is 1/β times the gradient of the boxed
 loss averaged over the groups of the batch (the factor is folded into the learning rate, as in the released code;
-tests/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly).
+tests/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly, against the boxed loss written out in the tests).
 
 Post-review options of the released code: the PPO-style clip of the denoising loss against θ⁻ (ρ_i =
 exp(ℓ_old − ℓ_θ); where A_i > 0 and ρ_i > 1 + ε_c, or A_i ≤ 0 and ρ_i < 1 − ε_c, ℓ_θ(x^i) is detached), and a KL
@@ -331,9 +331,3 @@ class _GroupUnit(NamedTuple):
     timestep_index: int
     start: int
 
-
-def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantages: torch.Tensor, beta: float,
-                     group_size: int) -> torch.Tensor:
-    """The paper's per-group loss −log σ(−(β/G) Σ_i A_i (ℓθ_i − ℓref_i)) (Eq. 17 with βλ_t = β/G), for one group
-    given as `(G,)` tensors; the reference computation the surrogate is tested against."""
-    return -F.logsigmoid(-(beta / group_size) * (advantages * (loss_theta - loss_ref)).sum())

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from diffalign.runtime.files import save_safetensors
+from diffalign.runtime.storage import DiskFullError, folder_bytes, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +254,8 @@ def save_checkpoint(
         ValueError: if `step` < 0 or `keep_last` is 0 or below -1.
         FileExistsError: if ``checkpoint-<step>`` already exists.
         TypeError: if `state` or a state dict holds a value that is neither a tensor nor JSON-serialisable.
+        DiskFullError: the disk filled up (an `OSError`, naming `output_dir` and the size of the newest earlier
+            checkpoint); the temporary directory is removed, so ``resume=latest`` continues from the last checkpoint.
         Any exception of `lora_dir_writer` is re-raised after the temporary directory is removed.
     """
     if step < 0:
@@ -296,8 +299,12 @@ def save_checkpoint(
         _fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync_dir(output_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(err):  # one line naming the folder and the size of a checkpoint; the run resumes from the last
+            earlier = _numbered_checkpoints(output_dir)
+            raise DiskFullError(output_dir, f"checkpoint-{step}",
+                                needed=folder_bytes(earlier[-1][1]) if earlier else None) from None
         raise
     logger.info("saved checkpoint %s", final)
 

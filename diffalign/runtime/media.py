@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffalign.runtime.storage import atomic_file
+
 VIDEO_FORMATS = ("gif", "mp4")
 
 
@@ -22,11 +24,15 @@ def to_uint8(pixels: torch.Tensor) -> np.ndarray:
 
 
 def save_png(image: torch.Tensor, path: str | Path) -> None:
-    """Writes one image `(C, H, W)` in [0, 1] as a PNG (parent folders are made)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes one image `(C, H, W)` in [0, 1] as a PNG (parent folders are made), through a temporary file and a
+    rename (`diffalign.runtime.storage.atomic_file`): a full disk leaves no empty or truncated PNG.
+
+    Raises:
+        DiskFullError: the disk filled up (naming the file; nothing is left at `path`).
+    """
     array = to_uint8(image)
-    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(path)
+    picture = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
+    atomic_file(path, lambda tmp: picture.save(tmp, format="PNG"), what=str(path))
 
 
 def save_video(frames: torch.Tensor, path: str | Path, fps: float = 8.0) -> Path:
@@ -45,6 +51,7 @@ def save_video(frames: torch.Tensor, path: str | Path, fps: float = 8.0) -> Path
     Raises:
         ValueError: for a tensor of another shape, a non-positive `fps`, or a suffix other than .gif / .mp4.
         ImportError: for .mp4 without `imageio-ffmpeg` installed (a dependency of diffalign).
+        DiskFullError: the disk filled up (written through a temporary file: nothing is left at `path`).
     """
     path = Path(path)
     suffix = path.suffix.lower().lstrip(".")
@@ -54,20 +61,23 @@ def save_video(frames: torch.Tensor, path: str | Path, fps: float = 8.0) -> Path
         raise ValueError(f"fps must be > 0, got {fps}")
     if suffix not in VIDEO_FORMATS:
         raise ValueError(f"save_video writes {VIDEO_FORMATS}, got {path.name!r}; use a .gif or .mp4 path")
-    path.parent.mkdir(parents=True, exist_ok=True)
     array = to_uint8(frames)
     if array.shape[-1] == 1:
         array = np.repeat(array, 3, axis=-1)
     if suffix == "gif":
         images = [Image.fromarray(a) for a in array]
-        images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
-        return path
+        return atomic_file(path, lambda tmp: images[0].save(tmp, format="GIF", save_all=True,
+                                                            append_images=images[1:], duration=round(1000 / fps),
+                                                            loop=0), what=str(path))
     import imageio.v2 as imageio
 
     h, w = array.shape[1:3]
     array = np.pad(array, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
-    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", pixelformat="yuv420p",
-                            macro_block_size=1) as writer:
-        for frame in array:
-            writer.append_data(frame)
-    return path
+
+    def write_mp4(tmp: Path) -> None:
+        with imageio.get_writer(tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", pixelformat="yuv420p",
+                                macro_block_size=1) as writer:
+            for frame in array:
+                writer.append_data(frame)
+
+    return atomic_file(path, write_mp4, what=str(path))

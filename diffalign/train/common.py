@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from diffalign.evaluation.evaluate import evaluate_policy
 from diffalign.evaluation.files import base_reuse_key
 from diffalign.evaluation.generation import eval_config_from, select_prompts
+from diffalign.evaluation.metrics import headline_line
 from diffalign.models.base import bare_forward
 from diffalign.rewards.reward_set import (
     CheckedReward,
@@ -53,6 +54,7 @@ from diffalign.runtime.distributed import (
     wrap_on_cpu,
 )
 from diffalign.runtime.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.runtime.storage import write_folder
 from diffalign.runtime.trackers import tracker_init_kwargs
 from diffalign.world.prompts import load_prompts
 
@@ -358,6 +360,33 @@ def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: C
                               "resume=latest", stop.signum, checkpoint=ckpt)
 
 
+def save_final_lora(policy, final_dir: Path) -> Path:
+    """Writes the run's final LoRA (``final/pytorch_lora_weights.safetensors``) through a temporary folder
+    (`diffalign.runtime.storage.write_folder`): a full disk leaves no truncated file, and an earlier ``final/`` (a
+    resumed run's) keeps its file.
+
+    Raises:
+        DiskFullError: the disk filled up (naming the run folder and about the bytes the adapter takes).
+    """
+    needed = sum(p.numel() * p.element_size() for p in policy.trainable_parameters())
+    return write_folder(final_dir, policy.save_lora_weights, what=f"the final LoRA ({final_dir.name}/)", needed=needed)
+
+
+def evaluation_size(cfg: DictConfig) -> tuple[int, int]:
+    """(prompts, seeds) of the run's final evaluation (``eval.prompts`` after ``eval.prompts_per_tag``, ``eval.seeds``)."""
+    ecfg = eval_config_from(cfg.eval)
+    return len(select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)), len(ecfg.seeds)
+
+
+def evaluation_hint(cfg: DictConfig) -> str:
+    """The line that says what the final evaluation will cost and how to skip or shorten it (printed when an online
+    run starts, whose default evaluation can take longer than a short run's training)."""
+    prompts, seeds = evaluation_size(cfg)
+    return (f"[diffalign] the run ends with an evaluation of the base and the fine-tuned model on {prompts} prompts × "
+            f"{seeds} seeds = {2 * prompts * seeds} images at {cfg.eval.num_inference_steps} sampler steps; for a "
+            "smoke run pass eval.enabled=false (or shorten it: eval.prompts_per_tag=1 eval.seeds=[0])")
+
+
 def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rewards: dict, step: int,
                      checkpoint: Callable[[], Path | None], tracker_step: int | None = None) -> dict:
     """Evaluates the base and the fine-tuned model on ``eval.prompts`` (main process, when ``eval.enabled``) and writes
@@ -370,7 +399,8 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
         tracker_step (`int`, *optional*): the trackers' step when it is not `step` (the online loop's epoch).
 
     Returns:
-        ``{"eval", "eval_seconds", "report"}`` for the run's results, or `{}` when nothing is evaluated here.
+        ``{"eval", "eval_seconds", "report", "headline"}`` for the run's results (``headline``: `headline_line`, which
+        the loops print last), or `{}` when nothing is evaluated here.
     """
     if not (cfg.eval.enabled and accelerator.is_main_process):
         return {}
@@ -391,6 +421,9 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     log_evaluation(accelerator, results["eval"], output_dir / "eval", step if tracker_step is None else tracker_step)
     results["report"] = str(write_report(output_dir / "eval", run_dir=output_dir))
     accelerator.print(f"[diffalign] report: {results['report']}")
+    line = headline_line(results["eval"])
+    if line is not None:
+        results["headline"] = line
     return results
 
 

@@ -55,13 +55,16 @@ from diffalign.rewards.reward_set import (
 from diffalign.runtime.console import WarningCounts, console_summary, write
 from diffalign.runtime.distributed import main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.storage import write_text
 from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
     Updates,
+    evaluation_hint,
     final_evaluation,
     prepare_training,
+    save_final_lora,
     start_trackers,
     stop_if_requested,
 )
@@ -164,6 +167,8 @@ def _setup(prepared: PreparedRun) -> _Run:
         f"({sp.describe()}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
         f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
+    if cfg.eval.enabled:  # the default evaluation can outlast a smoke run's training: say so, and how to skip it
+        accelerator.print(evaluation_hint(cfg))
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
     checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
@@ -349,9 +354,9 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     final_dir = output_dir / "final"
     with main_process_work(accelerator, run.policy) as main:
         if main:
-            run.policy.save_lora_weights(final_dir)
+            save_final_lora(run.policy, final_dir)
     if accelerator.is_main_process:
-        (output_dir / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        write_text(output_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in history))
     results = {"epochs": run.epoch, "global_step": run.global_step, "train_seconds": train_seconds,
                "final_lora": str(final_dir), "rollouts": run.epoch * on.groups_per_epoch * on.group_size,
                "history_tail": history[-3:]}
@@ -363,7 +368,9 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     results["total_seconds"] = time.time() - t_start
     results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        write_text(output_dir / "results.json", json.dumps(results, indent=2, default=str))
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
+        if results.get("headline"):  # the evaluation's headline figure, last (diffalign.evaluation.metrics)
+            accelerator.print(results["headline"])
     accelerator.end_training()
     return results

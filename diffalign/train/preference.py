@@ -51,12 +51,14 @@ from diffalign.rewards.reward_set import WeightedSum, set_reward_step, stop_on_r
 from diffalign.runtime.console import WarningCounts, console_summary, write
 from diffalign.runtime.distributed import main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.storage import write_text
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
     Updates,
     build_lr_scheduler,
     final_evaluation,
     prepare_training,
+    save_final_lora,
     start_trackers,
     stop_if_requested,
 )
@@ -333,7 +335,7 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     final_dir = output_dir / "final"
     with main_process_work(accelerator, run.policy) as main:
         if main:
-            run.policy.save_lora_weights(final_dir)
+            save_final_lora(run.policy, final_dir)
     results = {"global_step": step, "train_seconds": train_seconds, "data_seconds": run.data_seconds,
                "data_stats": run.dataset.stats, "final_lora": str(final_dir),
                "history_tail": history[-5:]}
@@ -343,7 +345,9 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     results["total_seconds"] = time.time() - t_start
     results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        write_text(output_dir / "results.json", json.dumps(results, indent=2, default=str))
         accelerator.print(f"[diffalign] done in {results['total_seconds']:.0f}s; results in {output_dir}")
+        if results.get("headline"):  # the evaluation's headline figure, last (diffalign.evaluation.metrics)
+            accelerator.print(results["headline"])
     accelerator.end_training()
     return results

@@ -1,0 +1,123 @@
+"""ViPO's plumbing around the loss (issue 35: the survivors and untested functions of ``python scripts/mutation.py
+objectives/vipo``): the map statistics, decoding the rollouts when they kept no images, the advantage clip, maps made
+on the fly without ``rows``, and the `prepare` / `plan` / `loss` contract the online loop calls."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from diffalign.methods import OnlineEpoch
+from diffalign.models.tiny_random import build_tiny_random_policy
+from diffalign.objectives.policy_gradient import TransitionUnit, transition_plan
+from diffalign.objectives.vipo import ViPO
+from diffalign.samplers.rollout import rollout
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a blue square"]
+
+
+@pytest.fixture(scope="module")
+def policy_and_rollout():
+    policy = build_tiny_random_policy(seed=0)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    traj = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=4.5, eta=1.0, generator=gens,
+                   reduction="per_position")
+    return policy, traj
+
+
+class RecordingBackbone:
+    """Patch tokens of random structure (sample 0 poisoned with a NaN, so its map falls back to ones); keeps the
+    images it was given."""
+
+    def __init__(self):
+        self.seen: list[torch.Tensor] = []
+
+    def patch_tokens(self, images):
+        self.seen.append(images.detach().clone())
+        out = torch.randn(len(images), 8, 8, 16, generator=torch.Generator().manual_seed(0))
+        out[0, 0, 0, 0] = float("nan")
+        return out
+
+
+def epoch_of(traj, advantages, reward_weights=None) -> OnlineEpoch:
+    n = len(traj.prompts)
+    reward_weights = torch.ones(1) if reward_weights is None else reward_weights
+    return OnlineEpoch(traj, advantages, torch.arange(n) // 2, 2, reward_weights, seed=3, epoch=1, batch_size=2,
+                       updates=2, inner_epochs=1, num_processes=1, split="groups", note=print)
+
+
+def test_all_ones_map_statistics(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones")
+    assert vipo.prepare_epoch(policy, traj, torch.ones(4)) == {"map_mean": 1.0, "map_fallback": 0.0}
+
+
+def test_psm_statistics_and_decoding_when_the_rollout_kept_no_images(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    backbone = RecordingBackbone()
+    vipo = ViPO(backbone=backbone)
+    stats = vipo.prepare_epoch(policy, dataclasses.replace(traj, images=None), torch.ones(4))
+    with torch.no_grad():
+        decoded = policy.decode(traj.latents[:, -1])  # the final latents x_0
+    assert torch.equal(backbone.seen[-1], decoded)
+    assert stats == {"map_mean": float(vipo.maps.mean()), "map_fallback": 0.25}  # one sample of four fell back
+    assert torch.equal(vipo.maps[0], torch.ones_like(vipo.maps[0])) and vipo.maps[1].min() == 0
+    vipo.prepare_epoch(policy, traj, torch.ones(4))  # with images: those are used, not decoded again
+    assert torch.equal(backbone.seen[-1], traj.images)
+
+
+def test_advantage_clip_reaches_the_maps(policy_and_rollout):
+    """A = (3, −3, 8, 0.5) on an all-ones map, clipped at 2 (and at the default 5)."""
+    policy, traj = policy_and_rollout
+    adv = torch.tensor([3.0, -3.0, 8.0, 0.5])
+    vipo = ViPO(map="ones", advantage_clip=2.0)
+    vipo.prepare_epoch(policy, traj, adv)
+    assert vipo.advantage_maps.flatten(1).mean(1).tolist() == [2.0, -2.0, 2.0, 0.5]
+    vipo = ViPO(map="ones")
+    vipo.prepare_epoch(policy, traj, adv)
+    assert vipo.advantage_maps.flatten(1).mean(1).tolist() == [3.0, -3.0, 5.0, 0.5]
+
+
+def test_without_rows_the_maps_are_made_for_the_minibatch(policy_and_rollout):
+    """Before any update the ratio is 1, so the loss is −mean A^p: A = (3, −1, 0, 0) clipped at 2 gives
+    −(2 − 1) / 4 = −0.25 — also after `prepare_epoch` with other advantages, since no ``rows`` were given."""
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_clip=2.0)
+    adv = torch.tensor([3.0, -1.0, 0.0, 0.0])
+    loss, _ = vipo(policy, traj, adv, 1)
+    torch.testing.assert_close(loss, torch.tensor(-0.25), rtol=1e-4, atol=1e-5)
+    vipo.prepare_epoch(policy, traj, torch.ones(4))
+    loss, _ = vipo(policy, traj, adv, 1)
+    torch.testing.assert_close(loss, torch.tensor(-0.25), rtol=1e-4, atol=1e-5)
+
+
+def test_prepare_plan_and_loss_as_the_online_loop_calls_them(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    vipo = ViPO(map="ones", timestep_fraction=0.6, timestep_selection="per_sample")
+    epoch = epoch_of(traj, adv)
+    assert vipo.prepare(policy, epoch) == {"vipo/map_mean": 1.0, "vipo/map_fallback": 0.0}
+    torch.testing.assert_close(vipo.advantage_maps.flatten(1).mean(1), adv)
+    planned = [[(u.rows.tolist(), u.k, u.weight) for u in update] for update in vipo.plan(policy, epoch)]
+    expected = [[(u.rows.tolist(), u.k, u.weight) for u in update] for update in transition_plan(epoch, 0.6,
+                                                                                                   "per_sample")]
+    assert planned == expected and len(planned) == 2
+    unit = TransitionUnit(epoch, torch.tensor([2, 0]), 1, weight=0.5)
+    loss, metrics = vipo.loss(policy, unit, reference=None)
+    # ratio 1: 0.5 · −mean(A_2, A_0) = 0.5 · −(0.5 + 1) / 2
+    torch.testing.assert_close(loss, torch.tensor(-0.375), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics["loss"], torch.tensor(-0.75), rtol=1e-4, atol=1e-5)
+
+
+def test_prepare_with_one_advantage_per_reward_takes_the_reward_weights(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_per_reward=True)
+    weights = torch.tensor([0.25, 2.0])
+    vipo.prepare(policy, epoch_of(traj, torch.ones(4, 2), reward_weights=weights))
+    assert torch.equal(vipo.reward_coefficients, weights)
+    # Σ_r c_r 𝓛_r with ratio 1: −(0.25 · mean A_1 + 2 · mean A_2) for A_1 = 1, A_2 = −1 on every row
+    vipo.prepare_epoch(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1))
+    loss, _ = vipo(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1), 0, rows=torch.arange(4))
+    torch.testing.assert_close(loss, torch.tensor(-(0.25 * 1 + 2.0 * -1)), rtol=1e-4, atol=1e-5)
