@@ -62,9 +62,12 @@ def test_commas_inside_quoted_prompt_values():
     ("trainer.max_steps=0", "trainer.max_steps"),
 ])
 def test_bad_input_is_rejected_with_the_field_named(override, field):
+    from diffalign.config.validation import construct
+
     cfg = compose_cfg([override])
     with pytest.raises((ValueError, FileNotFoundError), match=field.split(".")[-1]):
         validate_train_config(cfg)
+        construct(cfg.method, "method")  # (its constructor's checks: run first when the run is built, no model yet)
 
 
 def test_more_checks_before_any_model_is_loaded(tmp_path):
@@ -114,10 +117,14 @@ def test_cli_errors_before_any_model_is_loaded(tmp_path):
     res = _cli(["method=nope", f"output_dir={tmp_path / 'a'}"], tmp_path)
     assert res.returncode != 0 and "method" in res.stderr and "diffusion_dpo" in res.stderr
     # beta <= 0: our validation, before the (absent) model path would be touched
-    res = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
-                f"output_dir={tmp_path / 'b'}"], tmp_path)
+    res = _cli(["method.beta=0", f"output_dir={tmp_path / 'b'}"], tmp_path)
     assert res.returncode != 0 and "method.beta=0.0 must be > 0" in res.stderr  # (the constructor's check)
-    assert "from_pretrained" not in res.stderr and "instantiate" not in res.stderr
+    assert "from_pretrained" not in res.stderr and "instantiate" not in res.stderr and "Traceback" not in res.stderr
+    # with a missing model folder too: the config checks name the folder first, before the method is even built
+    res = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
+                f"output_dir={tmp_path / 'b2'}"], tmp_path)
+    assert res.returncode != 0 and "Model folder '/does/not/exist' does not exist" in res.stderr
+    assert "Traceback" not in res.stderr
     res = _cli(["reward=[nope]", f"output_dir={tmp_path / 'c'}"], tmp_path)
     assert res.returncode != 0 and "reward" in res.stderr and "geneval_shapes" in res.stderr
     # a comma without quotes is ambiguous without --multirun; no training step runs
