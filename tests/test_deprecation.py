@@ -13,7 +13,6 @@ from conftest import compose_cfg, online_overrides
 from safetensors.torch import load_file
 
 from diffalign.config.deprecation import migrate_config
-from diffalign.samplers.configs import SAMPLERS, noise_scale
 
 
 def migrated(overrides: list[str]):
@@ -28,15 +27,6 @@ def migrated(overrides: list[str]):
 @pytest.mark.parametrize("overrides,key,value,old", [
     (["recipe=tiny_dgpo", "method.num_train_timesteps=2"], "method.timesteps_per_epoch", 2,
      "method.num_train_timesteps"),
-    (["recipe=tiny_flow_grpo", "sampler.eta=0.5"], "sampler.noise_level", 0.5, "sampler.eta"),
-    (["recipe=vipo_wan", "sampler.eta=0.3"], "sampler.noise_level", 0.3, "sampler.eta"),
-    (["recipe=tiny_flow_grpo", "sampler.sde_type=dance"], "sampler.name", "dance_sde", "sampler.sde_type"),
-    (["recipe=tiny_ddpo", "sampler.sde_type=flow_grpo"], "sampler.name", "ddim", "sampler.sde_type"),
-    (["recipe=tiny_flow_grpo", "sampler.name=sde"], "sampler.name", "flow_sde", "sampler.name='sde'"),
-    (["recipe=tiny_ddpo", "sampler.name=sde"], "sampler.name", "ddim", "sampler.name='sde'"),
-    (["recipe=tiny_dgpo", "sampler.name=dpm_solver"], "sampler.name", "dpm_ode", "sampler.name='dpm_solver'"),
-    (["recipe=tiny_dgpo", "sampler=euler_ode", "sampler.name=euler"], "sampler.name", "euler_ode",
-     "sampler.name='euler'"),
 ])
 def test_an_old_key_is_carried_over_with_a_warning_naming_old_and_new(overrides, key, value, old):
     cfg, said = migrated(overrides)
@@ -45,35 +35,32 @@ def test_an_old_key_is_carried_over_with_a_warning_naming_old_and_new(overrides,
     assert len(said) == 1 and old in said[0] and key in said[0] and repr(value) in said[0]
 
 
-def test_an_ode_solvers_eta_had_no_effect_and_is_dropped_with_a_warning():
-    cfg, said = migrated(["recipe=tiny_dgpo", "sampler.eta=0"])
-    assert "eta" not in cfg.sampler and len(said) == 1 and "sampler.eta" in said[0] and "no effect" in said[0]
+def test_the_new_key_alone_gives_no_warning_and_the_alias_is_dropped():
+    cfg, said = migrated(["recipe=tiny_dgpo", "method.timesteps_per_epoch=2"])
+    assert said == [] and "num_train_timesteps" not in cfg.method
 
 
-def test_the_new_keys_alone_give_the_same_config_without_warnings():
-    old, _ = migrated(["recipe=tiny_flow_grpo", "sampler.eta=0.5", "sampler.sde_type=dance"])
-    new, said = migrated(["recipe=tiny_flow_grpo", "sampler=dance_sde", "sampler.noise_level=0.5",
-                          "sampler.num_inference_steps=10", "sampler.guidance_scale=4.5"])
-    assert said == [] and dict(old.sampler) == dict(new.sampler)
-    assert "num_train_timesteps" not in migrated(["recipe=tiny_dgpo"])[0].method  # aliases dropped after migration
+@pytest.mark.parametrize("overrides", [
+    ["recipe=tiny_flow_grpo", "sampler.eta=0.5"], ["recipe=tiny_flow_grpo", "sampler.sde_type=dance"],
+    ["recipe=tiny_dgpo", "sampler.eta=0"],
+])
+def test_the_removed_sampler_aliases_are_refused_by_name(overrides):
+    """The sampler keys deprecated until 0.3 are gone: a flow SDE's noise is sampler.noise_level, each SDE its own
+    option (docs/methods/algorithms.md#renamed-config-keys)."""
+    from hydra.errors import ConfigCompositionException
+
+    key = overrides[-1].split("=")[0]
+    with pytest.raises(ConfigCompositionException, match=rf"Could not override '{key}'"):
+        compose_cfg(overrides)
 
 
 @pytest.mark.parametrize("overrides", [
     ["recipe=tiny_dgpo", "method.num_train_timesteps=2", "method.timesteps_per_epoch=3"],
-    ["recipe=tiny_flow_grpo", "sampler.eta=0.5", "sampler.noise_level=0.6"],
 ])
 def test_setting_an_old_key_and_its_new_key_is_an_error_naming_both(overrides):
     old, new = (o.split("=")[0] for o in overrides[1:])
     with pytest.raises(ValueError, match=rf"{old} and {new} are both set"):
         migrated(overrides)
-
-
-def test_every_sampler_option_sets_its_own_name():
-    for option in SAMPLERS:
-        sampler = migrated([f"sampler={option}"])[0].sampler
-        assert sampler.name == option
-        assert noise_scale(sampler) == {"ddim": 1.0, "flow_sde": 0.7, "dance_sde": 0.25}.get(option, 0.0)
-        assert ("eta" in sampler) == (option == "ddim")  # eta is DDIM's eta only (the others: deprecated aliases)
 
 
 def test_the_loops_migrate_an_old_key_and_train_exactly_as_with_the_new_one(tmp_path):
@@ -108,11 +95,6 @@ def test_the_command_warns_about_an_old_key_and_refuses_it_beside_its_new_one(tm
     both = cli("method.num_train_timesteps=3", "method.timesteps_per_epoch=2")
     assert both.returncode != 0
     assert "method.num_train_timesteps and method.timesteps_per_epoch are both set" in both.stderr
-
-
-def test_an_unknown_old_sde_type_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"sampler.sde_type='other' must be one of \('flow_grpo', 'dance'\)"):
-        migrated(["recipe=tiny_flow_grpo", "sampler.sde_type=other"])
 
 
 def test_a_migrated_node_keeps_its_types_and_loses_only_the_old_keys():

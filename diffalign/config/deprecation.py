@@ -10,10 +10,10 @@ the package reads only the new names. Setting an old key and its new key togethe
 The renames (until 0.3; docs/methods/algorithms.md#renamed-config-keys):
 
 - ``method.num_train_timesteps`` (DGPO's M timesteps per epoch, the released code's name, which in diffusers is the
-  1000-step training schedule) → ``method.timesteps_per_epoch``;
-- ``sampler.eta`` of a flow SDE → ``sampler.noise_level`` (``eta`` is DDIM's η only); ``sampler.sde_type`` → the
-  sampler option (``name``); ``sampler.name=sde`` → ``ddim`` / ``flow_sde`` / ``dance_sde``, ``dpm_solver`` /
-  ``euler`` → ``dpm_ode`` / ``euler_ode`` (`diffalign.samplers.configs`).
+  1000-step training schedule) → ``method.timesteps_per_epoch``.
+
+The old sampler keys (``sampler.eta`` of a flow SDE, ``sampler.sde_type``, ``sampler.name=sde`` / ``dpm_solver`` /
+``euler``) are no longer migrated: the sampler options (`diffalign.samplers.base`) refuse them.
 """
 
 from __future__ import annotations
