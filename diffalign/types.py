@@ -71,10 +71,11 @@ class Trajectory:
         images: `(B, 3, H_px, W_px)` float32 decoded images in [0, 1], or `None` if not decoded.
         prompts: the `B` prompt strings.
         guidance_scale: the classifier-free guidance scale used in the rollout.
-        eta: the DDIM η (ε/v models) or the Flow-GRPO SDE noise level a (flow models) used; 0 is deterministic.
+        noise: the value of the sampler's noise parameter (`diffalign.samplers.base.Sampler.noise`: DDIM's ``eta``,
+            a flow SDE's ``noise_level``); 0 is deterministic.
         sigmas: `(K+1,)` float32 noise levels σ_k of a flow-model rollout (σ_0 = 1 … σ_K = 0); `None` for DDIM.
-        sampler: the step rule: "ddim" (DDIM-η), "flow_sde" (Flow-GRPO SDE / Euler ODE at a = 0), "dance_sde"
-            (DanceGRPO's SDE) or an ODE solver name such as "dpm_solver" (deterministic, no log-probs).
+        sampler: the sampler option that produced it (``ddim``, ``flow_sde``, ``dance_sde``, ``cps_sde``,
+            ``window_sde``, ``dpm_ode``, ``euler_ode``, or a registered one; `diffalign.samplers.base.SAMPLERS`).
     """
 
     latents: torch.Tensor
@@ -85,7 +86,7 @@ class Trajectory:
     images: torch.Tensor | None
     prompts: list[str]
     guidance_scale: float
-    eta: float
+    noise: float
     sigmas: torch.Tensor | None = None
     sampler: str = "ddim"
 
@@ -101,7 +102,7 @@ class Trajectory:
             images=None if self.images is None else self.images[rows_t.to(self.images.device)],
             prompts=[self.prompts[int(i)] for i in rows_t],
             guidance_scale=self.guidance_scale,
-            eta=self.eta,
+            noise=self.noise,
             sigmas=self.sigmas,
             sampler=self.sampler,
         )

@@ -117,15 +117,15 @@ def sample_epoch(setup: ProbeSetup, epoch: int, draw: str = "online"):
         `(traj, group_ids, scores, epoch_rows)`: the `Trajectory` of P·G rollouts, their group ids `(P·G,)`, the
         first reward's scores `(P·G,)` float, and the P prompt rows.
     """
+    from diffalign.samplers.base import build_sampler
     from diffalign.samplers.groups import group_rollout
 
-    on, sp = setup.cfg.online, setup.cfg.sampler
+    on = setup.cfg.online
     epoch_rows, groups = epoch_prompt_rows(setup, epoch, draw)
     traj, group_ids = group_rollout(
         setup.policy, [r["prompt"] for r in epoch_rows], on.group_size, group_indices=groups, seed=setup.cfg.seed,
-        epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=sp.name,
-        num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0),
-        noise_level=sp.get("noise_level", 0.0), rollout_batch_size=on.rollout_batch_size,
+        epoch=epoch, shared_initial_noise=on.shared_initial_noise, sampler=build_sampler(setup.cfg.sampler),
+        rollout_batch_size=on.rollout_batch_size,
         reduction=getattr(setup.objective, "log_prob_reduction", "mean"))
     metadata = [r for r in epoch_rows for _ in range(on.group_size)]
     scores = setup.reward(traj.images, traj.prompts, metadata).scores.float()

@@ -20,7 +20,7 @@ import torch
 
 from diffalign.models.stable_diffusion import StableDiffusionPolicy
 from diffalign.models.tiny_random import build_tiny_random_policy
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.rollout import family_sampler, rollout
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow square", "three yellow circles"]
 
@@ -66,7 +66,8 @@ def main() -> None:
     common = {"num_inference_steps": args.steps, "guidance_scale": args.guidance, "eta": args.eta}
 
     def run_diffalign():
-        return rollout(policy, prompts, generator=generators(), **common).images
+        sampler = family_sampler(policy, num_inference_steps=args.steps, guidance_scale=args.guidance, noise=args.eta)
+        return rollout(policy, prompts, sampler, generator=generators()).images
 
     def run_diffusers():
         return pipe(prompts, generator=generators(), output_type="pt", **common).images

@@ -49,6 +49,18 @@ SD15_DDIM_CONFIG = {
 }
 
 
+def step_sampler(policy, *, num_inference_steps: int = 20, guidance_scale: float = 4.0, noise: float = 1.0,
+                 sde_type: str | None = None):
+    """The step sampler of the policy's family (DDIM with eta=`noise`, or the flow SDE with noise_level=`noise`;
+    ``sde_type="dance"``: DanceGRPO's SDE), with the defaults of the old ``rollout(...)`` keyword arguments."""
+    from diffalign.samplers.base import sampler_class
+
+    flow = policy.prediction_type == "flow"
+    name = "dance_sde" if sde_type == "dance" else "flow_sde" if flow else "ddim"
+    return sampler_class(name)(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                               **{"noise_level" if flow or sde_type == "dance" else "eta": noise})
+
+
 def perturb_lora_(policy, std: float = 0.2, seed: int = 1) -> None:
     """Gives every LoRA matrix random values in place (fresh LoRA B matrices are zero, so the adapter would be a no-op
     and tests comparing adapted vs base outputs could not fail)."""

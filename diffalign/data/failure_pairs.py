@@ -16,12 +16,14 @@ docs/results/budgets.md compares the two on the tiny world).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
+from diffalign.samplers.base import build_sampler
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import render_spec, to_tensor
 
@@ -36,9 +38,7 @@ class FailurePairsConfig:
     num_prompts: int | None = None  # null: every prompt of the file (594 train prompts)
     samples_per_prompt: int = 4
     reward: str = "geneval_shapes"
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.0
-    eta: float = 0.0
+    sampler: Any = None  # the sampler of the on-policy samples, a sampler node (configs/data/failure_pairs.yaml)
     batch_size: int = 128
     seed: int = 0
     losers: str = "failures"  # failures | all (every sample a loser: the filter's ablation)
@@ -54,8 +54,8 @@ class FailurePairs(PreparedPairs):
         samples_per_prompt: images sampled per prompt (≥ 1).
         reward: name of the selected reward (``reward=[...]``) that judges the samples; it must report per-sample
             correctness (``info["correct"]``, as `geneval_shapes` does).
-        num_inference_steps, guidance_scale, eta: the DDIM sampler of the on-policy samples (by default the
-            evaluation's: 20 steps, CFG 4, η = 0).
+        sampler: the sampler of the on-policy samples, a `Sampler` or a ``sampler`` config node (the config: DDIM
+            with η = 0 and CFG 4, as the evaluation, at the main job's 10 steps; ``data.sampler.num_inference_steps``).
         batch_size: images per sampling batch.
         seed: base seed; sample ``j`` of prompt ``i`` starts from the noise of
             ``diffalign.data.onpolicy.sample_seed(seed, i, j)`` (a 63-bit
@@ -70,7 +70,8 @@ class FailurePairs(PreparedPairs):
     ``prompt_index``), and ``stats`` holds ``num_samples``, ``num_pairs`` and the samples' ``accuracy``.
 
     Raises:
-        ValueError: `num_prompts` < 1, `samples_per_prompt` < 1, `num_inference_steps` < 1, `losers` not one of
+        ValueError: `num_prompts` < 1, `samples_per_prompt` < 1, a bad `sampler` (naming ``data.sampler.<field>``),
+            `losers` not one of
             "failures"/"all", or prompt rows without
             ``include`` metadata (at construction); the named reward is not selected, does not report correctness,
             or judges every sample correct (in `prepare`).
@@ -79,16 +80,14 @@ class FailurePairs(PreparedPairs):
     requires_correctness = True  # data.reward must report info["correct"] (checked before any model loads)
 
     def __init__(self, prompts: str = "train", num_prompts: int | None = None, samples_per_prompt: int = 4,
-                 reward: str = "geneval_shapes", num_inference_steps: int = 20, guidance_scale: float = 4.0,
-                 eta: float = 0.0, batch_size: int = 128, seed: int = 0, losers: str = "failures"):
+                 reward: str = "geneval_shapes", sampler: Any = None, batch_size: int = 128, seed: int = 0,
+                 losers: str = "failures"):
         if num_prompts is not None and num_prompts < 1:
             raise ValueError(f"data.num_prompts must be >= 1 or null (all prompts), got {num_prompts}")
         if samples_per_prompt < 1:
             raise ValueError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
         if losers not in ("failures", "all"):
             raise ValueError(f"data.losers must be 'failures' or 'all', got {losers!r}")
-        if num_inference_steps < 1:
-            raise ValueError(f"data.num_inference_steps must be >= 1, got {num_inference_steps}")
         rows = load_prompts(prompts)
         if any("include" not in r for r in rows):
             raise ValueError(f"data.prompts={prompts!r}: FailurePairs renders its winners from the shapes world's "
@@ -96,7 +95,7 @@ class FailurePairs(PreparedPairs):
         n = len(rows) if num_prompts is None else num_prompts
         self.rows = spaced_rows(rows, n)
         self.samples_per_prompt, self.reward = samples_per_prompt, reward
-        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "eta": eta}
+        self.sampler = build_sampler(sampler, "data.sampler")
         self.batch_size, self.seed, self.losers = batch_size, seed, losers
         self.pairs: list[dict] | None = None
         self.stats: dict = {}

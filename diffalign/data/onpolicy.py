@@ -3,6 +3,7 @@ sampled ``samples_per_prompt`` times, each sample from its own seeded generator,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from tqdm.auto import tqdm
 
 from diffalign.methods import stream_seed
 from diffalign.rewards.reward_set import submit
+from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.rollout import rollout
 from diffalign.world.prompts import load_prompts
 
@@ -37,12 +39,11 @@ class JudgedSamples:
 
 
 @torch.no_grad()
-def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, *, sampler: dict, batch_size: int,
+def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, *, sampler: Sampler, batch_size: int,
                      seed: int, require_correct: str | None = None, preparation=None,
                      reward_name: str | None = None) -> JudgedSamples:
     """Samples ``samples_per_prompt`` images per row of `rows` (sample ``j`` of prompt ``i`` from a generator seeded
-    with ``sample_seed(seed, i, j)``; `sampler` holds `rollout`'s ``num_inference_steps``, ``guidance_scale``,
-    ``eta``), in batches of `batch_size`, and scores each batch with `reward` ``(images, prompts, rows)``.
+    with ``sample_seed(seed, i, j)``, by `sampler`), in batches of `batch_size`, and scores each batch with `reward` ``(images, prompts, rows)``.
 
     With a `preparation` (`diffalign.data.resumable.Preparation`, given by the training loop) every batch is a chunk
     written to the run folder as it is made, a chunk already there is read back instead of sampled again (a killed run
@@ -61,7 +62,8 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
     store = None
     if preparation is not None:
         store = preparation.store("onpolicy-samples", {
-            "rows": rows, "samples_per_prompt": samples_per_prompt, "sampler": sampler, "batch_size": batch_size,
+            "rows": rows, "samples_per_prompt": samples_per_prompt, "sampler": dataclasses.asdict(sampler),
+            "batch_size": batch_size,
             "seed": seed, "reward": reward_name, "data_stream": _DATA_STREAM}, len(starts))
     bar = tqdm(total=len(jobs), desc="on-policy data", unit="image",
                disable=preparation is None or not preparation.progress)
@@ -100,7 +102,7 @@ def sample_and_judge(policy, rows: list[dict], samples_per_prompt: int, reward, 
         if stored is None:
             prompts = [rows[i]["prompt"] for i, _ in chunk]
             gens = [torch.Generator().manual_seed(sample_seed(seed, i, j)) for i, j in chunk]
-            batch = rollout(policy, prompts, generator=gens, fuse_lora=True, **sampler).images.float().cpu()
+            batch = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True).images.float().cpu()
             future = submit(reward, batch, prompts, [rows[i] for i, _ in chunk])
         if waiting is not None:
             finish(*waiting)
@@ -135,14 +137,13 @@ class PreparedPairs:
         Raises:
             ValueError, FileNotFoundError: naming the field and the fix.
         """
-        from diffalign.config.checks import choice, integer, number, seed, target_attribute
+        from diffalign.config.checks import choice, integer, seed, target_attribute
 
         d = cfg.data
         integer(d, "num_prompts", "data", ge=1, nullable=True)  # (null: every prompt, failure_pairs)
         integer(d, "samples_per_prompt", "data", ge=1)
-        integer(d, "num_inference_steps", "data", ge=1)
-        number(d, "guidance_scale", "data", ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
-        number(d, "eta", "data", ge=0)
+        if d.get("sampler") is not None:
+            build_sampler(d.sampler, "data.sampler")
         integer(d, "batch_size", "data", ge=1)
         seed(d, "seed", "data")
         choice(d, "losers", "data", ("failures", "all"))

@@ -11,11 +11,13 @@ targets its actual failure modes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from diffalign.config.schemas import config_schema
 from diffalign.data.onpolicy import PreparedPairs, sample_and_judge, spaced_rows
+from diffalign.samplers.base import build_sampler
 from diffalign.world.prompts import load_prompts
 
 
@@ -29,9 +31,7 @@ class RankedPairsConfig:
     num_prompts: int = 128
     samples_per_prompt: int = 8
     reward: str = "geneval_shapes"
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.0
-    eta: float = 1.0
+    sampler: Any = None  # the sampler of the on-policy samples, a sampler node (configs/data/ranked_pairs.yaml)
     batch_size: int = 128
     seed: int = 0
 
@@ -44,7 +44,8 @@ class RankedPairs(PreparedPairs):
         num_prompts: how many prompts (evenly spaced through the file, cycling if it is shorter).
         samples_per_prompt: images sampled per prompt (the group size, ≥ 2).
         reward: name of the selected reward (``reward=[...]``) that ranks the samples.
-        num_inference_steps, guidance_scale, eta: sampler settings for the on-policy samples (DDIM).
+        sampler: the sampler of the on-policy samples, a `Sampler` or a ``sampler`` config node (the config: DDIM,
+            20 steps, CFG 4, η = 1; ``data.sampler.*``).
         batch_size: images per sampling batch.
         seed: base seed; image ``j`` of prompt ``i`` starts from the noise of
             ``diffalign.data.onpolicy.sample_seed(seed, i, j)`` (disjoint from evaluation's per-image seeds).
@@ -52,23 +53,20 @@ class RankedPairs(PreparedPairs):
     After `prepare`, ``pairs[k]`` is ``{"id", "prompt", "image_w" (3,H,W), "image_l" (3,H,W), "score_w", "score_l"}``.
 
     Raises:
-        ValueError: `num_prompts` < 1 or `samples_per_prompt` < 2 (at construction); the named reward is not selected
+        ValueError: `num_prompts` < 1, `samples_per_prompt` < 2 or a bad `sampler` (at construction); the named reward is not selected
             or no prompt yields a pair (in `prepare`).
     """
 
     def __init__(self, prompts: str = "train", num_prompts: int = 128, samples_per_prompt: int = 8,
-                 reward: str = "geneval_shapes", num_inference_steps: int = 20, guidance_scale: float = 4.0,
-                 eta: float = 1.0, batch_size: int = 128, seed: int = 0):
+                 reward: str = "geneval_shapes", sampler: Any = None, batch_size: int = 128, seed: int = 0):
         if num_prompts < 1:
             raise ValueError(f"data.num_prompts must be >= 1, got {num_prompts}")
         if samples_per_prompt < 2:
             raise ValueError(f"data.samples_per_prompt must be >= 2 to form pairs, got {samples_per_prompt}")
-        if num_inference_steps < 1:
-            raise ValueError(f"data.num_inference_steps must be >= 1, got {num_inference_steps}")
         rows = load_prompts(prompts)
         self.rows = spaced_rows(rows, num_prompts)
         self.samples_per_prompt, self.reward = samples_per_prompt, reward
-        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "eta": eta}
+        self.sampler = build_sampler(sampler, "data.sampler")
         self.batch_size, self.seed = batch_size, seed
         self.pairs: list[dict] | None = None
         self.stats: dict = {}

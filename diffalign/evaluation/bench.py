@@ -59,7 +59,7 @@ class Method:
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
 OFFLINE_QUICK = ["trainer.max_steps=10", "trainer.checkpointing_steps=null"]
 # the sampler of the benchmark's data and evaluation, which the main job's recipe (tiny_dpo) lowers to 10 steps
-TWENTY_SAMPLING_STEPS = ["data.num_inference_steps=20", "eval.num_inference_steps=20", "eval.batch_size=64"]
+TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.num_inference_steps=20", "eval.batch_size=64"]
 
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),

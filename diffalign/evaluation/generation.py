@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diffalign.config.schemas import config_schema
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.rollout import family_sampler, rollout
 
 
 @dataclass
@@ -116,13 +116,13 @@ def sample_images(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: Ev
     """Images for the (prompt_index, seed) `jobs`, each from its own generator; float32 on the CPU."""
     gens = [torch.Generator(device="cpu").manual_seed(image_seed(s, p)) for p, s in jobs]
     prompts = [rows[p]["prompt"] for p, _ in jobs]
-    kwargs = {"num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
-              "generator": gens, "fuse_lora": True}
+    sampler = family_sampler(policy, num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                             noise=cfg.eta)
     if use_reference:
         with policy.reference():
-            traj = rollout(policy, prompts, **kwargs)
+            traj = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True)
     else:
-        traj = rollout(policy, prompts, **kwargs)
+        traj = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True)
     return traj.images.float().cpu()
 
 

@@ -130,7 +130,7 @@ class HackingMonitor:
             raise ValueError(f"monitor.video_format must be gif or mp4, got {video_format!r}")
         self.embedder, self.batch_size = embedder, batch_size
         self.samples_dir, self.video_format = (Path(samples_dir) if samples_dir is not None else None), video_format
-        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "eta": 0.0}
+        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "noise": 0.0}
         self.history: list[dict[str, float]] = []
 
     @torch.no_grad()
@@ -140,7 +140,7 @@ class HackingMonitor:
         Raises:
             RewardError: a gold reward raised or returned NaN/inf (named, with the step and the batch).
         """
-        from diffalign.samplers.rollout import rollout
+        from diffalign.samplers.rollout import family_sampler, rollout
 
         jobs = [(s, p) for p in range(len(self.rows)) for s in self.seeds]  # grouped by prompt
         was_training = policy.denoiser.training
@@ -150,8 +150,8 @@ class HackingMonitor:
             for start in range(0, len(jobs), self.batch_size):
                 chunk = jobs[start:start + self.batch_size]
                 gens = [torch.Generator().manual_seed(s * 1_000_003 + p) for s, p in chunk]
-                traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk], generator=gens, fuse_lora=True,
-                              **self.sampler)
+                traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk],
+                               family_sampler(policy, **self.sampler), generator=gens, fuse_lora=True)
                 images.append(traj.images.float().cpu())
         finally:
             policy.denoiser.train(was_training)

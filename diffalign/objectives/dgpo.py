@@ -46,7 +46,7 @@ from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, sp
 from diffalign.objectives.common import per_sample_mse
 from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.reference.old_policy import EmaRolloutPolicy
-from diffalign.samplers.configs import describe, noise_scale
+from diffalign.samplers.base import build_sampler
 from diffalign.types import GroupBatch, PromptEmbeds
 
 KL_REFERENCES = ("base", "reference")
@@ -191,9 +191,10 @@ class DGPO:
         if on.get("best_of_n") is not None:
             raise ValueError("online.best_of_n selects samples for the policy-gradient methods (DanceGRPO/ViPO); DGPO "
                              "trains on whole groups: set online.best_of_n=null")
-        if noise_scale(sp) > 0:
+        sampler = build_sampler(sp)
+        if sampler.stochastic:
             raise ValueError(f"method=dgpo samples its groups with a deterministic ODE solver (arXiv:2510.08425 §4; "
-                             f"docs/methods/algorithms.md#dgpo), but sampler={describe(sp)} is stochastic. Use "
+                             f"docs/methods/algorithms.md#dgpo), but sampler={sampler.describe()} is stochastic. Use "
                              "sampler=dpm_ode (or sampler=euler_ode for flow models), or sampler=ddim sampler.eta=0 "
                              "for deterministic DDIM")
         if m.timestep_max_index >= sp.num_inference_steps:

@@ -36,27 +36,30 @@ from diffalign.methods import (
     stream_seed,
 )
 from diffalign.runtime.console import literal, warn_repeated
-from diffalign.samplers.configs import describe, noise_scale
+from diffalign.samplers.base import build_sampler
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
 TIMESTEP_SELECTIONS = ("first", "random", "per_sample")
+SQRT_DT_STD = ("flow_sde", "dance_sde", "window_sde")
+"""Flow SDEs whose step std is c_k·sqrt(σ_k − σ_{k+1}) (``kl_form="code"`` divides by that square root)."""
 
 
 def check_stochastic_sampler(cfg) -> None:
     """A policy-gradient method trains on stored step log-probs, so it needs stochastic rollouts that keep them.
 
     Raises:
-        ValueError: unless the sampler is one of `diffalign.samplers.configs.STOCHASTIC` with a noise scale > 0
-            (``sampler.eta`` for ``ddim``, ``sampler.noise_level`` for the flow SDEs).
+        ValueError: unless the sampler stores log-probs (`Sampler.log_probs`) and its noise is > 0 (``sampler.eta``
+            for ``ddim``, ``sampler.noise_level`` for the flow SDEs).
     """
-    if noise_scale(cfg.sampler) <= 0:
+    sampler = build_sampler(cfg.sampler)
+    if not sampler.stochastic:
         raise ValueError(f"method={cfg.method._target_.rsplit('.', 1)[-1]} is a policy-gradient method: it needs a "
-                         f"stochastic sampler with log-probs, but sampler={describe(cfg.sampler)}. Use "
-                         "sampler=flow_sde (flow models, sampler.noise_level > 0) or sampler=ddim (eps-models, "
-                         "sampler.eta > 0)")
+                         f"stochastic sampler with log-probs, but sampler={sampler.describe()}. Use "
+                         "sampler=flow_sde, cps_sde or window_sde (flow models, sampler.noise_level > 0) or "
+                         "sampler=ddim (eps-models, sampler.eta > 0)")
 
 
 def trajectory_minibatches(group_ids: torch.Tensor, batch_size: int, *, seed: int, epoch: int, inner: int
@@ -124,11 +127,20 @@ def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selec
     the rows that train k (at most K units, none empty), weighted so that an update's loss is the mean over its
     (row, transition) pairs (`TransitionUnit.weight`).
 
+    The transitions are drawn among the trajectory's trainable ones (`Trajectory.trainable`; all of them for DDIM-η
+    with a final step of std > 0 and the flow SDEs, only the window for ``sampler=window_sde``, MixGRPO): with K'
+    trainable steps, ⌊K' · timestep_fraction⌋ of them.
+
     Raises:
-        ValueError: for an unknown `timestep_selection` or a fraction outside (0, 1].
+        ValueError: for an unknown `timestep_selection`, a fraction outside (0, 1], or a trajectory without a
+            trainable step.
     """
     traj = epoch.trajectory
-    num_steps = len(traj.timesteps)
+    candidates = [int(k) for k in torch.nonzero(traj.trainable.cpu()).flatten()]
+    if not candidates:
+        raise ValueError(f"the epoch's rollouts (sampler={traj.sampler}) have no step with a log-prob to train")
+    num_steps = len(candidates)
+    full = num_steps == len(traj.timesteps)  # (index k is transition k)
     if timestep_selection == "per_sample" and epoch.num_processes > 1:
         epoch.note("[diffalign] note: method.timestep_selection=per_sample draws each process's rows' transitions on "
                    "their own (by local row index), so a run on another number of processes will differ")
@@ -136,8 +148,11 @@ def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selec
         generator = epoch_generator(epoch.seed, epoch.epoch, TIMESTEPS, inner)
         if timestep_selection == "per_sample":
             chosen = per_sample_transitions(len(epoch.group_ids), num_steps, timestep_fraction, generator=generator)
+            if not full:
+                chosen = torch.tensor(candidates)[chosen]
         else:  # the trained transitions are the same on every process (their own stream)
             steps = train_transitions(num_steps, timestep_fraction, timestep_selection, generator=generator)
+            steps = steps if full else [candidates[j] for j in steps]
         minibatches, stratified = trajectory_minibatches(epoch.group_ids, epoch.batch_size, seed=epoch.seed,
                                                          epoch=epoch.epoch, inner=inner)
         if epoch.split == "members" and epoch.num_processes > 1:
@@ -154,9 +169,10 @@ def transition_plan(epoch: OnlineEpoch, timestep_fraction: float, timestep_selec
             continue
         units = []
         for idx in minibatches:
-            trains = torch.zeros(len(idx), num_steps, dtype=torch.bool)  # trains[r, k]: row idx[r] trains k
+            trains = torch.zeros(len(idx), len(traj.timesteps), dtype=torch.bool)  # trains[r, k]: row idx[r] trains k
             trains[torch.arange(len(idx))[:, None], chosen[idx]] = True
-            units += [TransitionUnit(epoch, idx[trains[:, k]], k) for k in range(num_steps) if trains[:, k].any()]
+            units += [TransitionUnit(epoch, idx[trains[:, k]], k) for k in range(len(traj.timesteps))
+                      if trains[:, k].any()]
         for update in split_updates(units, epoch.updates):
             pairs = sum(len(u.rows) for u in update)
             yield [u._replace(weight=len(update) * len(u.rows) / pairs) for u in update]
@@ -466,7 +482,7 @@ class ClippedPolicyGradient(StoredTransitionMethod):
             with torch.no_grad(), reference.use(policy):
                 ref = recompute_step(policy, trajectory, k)
             std = torch.as_tensor(step.std, device=loss.device).float()
-            if self.kl_form == "code" and trajectory.sampler in ("flow_sde", "dance_sde"):
+            if self.kl_form == "code" and trajectory.sampler in SQRT_DT_STD:
                 sig = trajectory.sigmas.to(loss.device)
                 std = std / torch.sqrt(sig[k] - sig[k + 1])
             diff = (step.mean - ref.mean).float().pow(2).reshape(len(adv), -1).mean(dim=1)

@@ -13,9 +13,8 @@ INFERRED item                           default                                 
 =====================================  ==========================================  =============================
 t and ε shared by x^w and x^r           shared (Diffusion-DPO convention)           ``share_noise``
 AAF tie ℓ_θr(x^w) = ℓ_θ(x^w)            x^r treated as a loser (s = +1, or 1)       ``aaf_tie``
-sampler of x^r                          DDIM, the ``sampler`` group's steps/CFG/η   ``sample_num_inference_steps``,
-                                        (recipes: η = 0, i.e. the ODE sampler)      ``sample_guidance_scale``,
-                                                                                    ``sample_eta``
+sampler of x^r                          the run's ``sampler`` node (recipes: DDIM,  ``sampler`` (``${sampler}``)
+                                        η = 0, i.e. the ODE sampler)
 x^r kept as the sampler's latent or     the latent (no VAE round trip)              ``sample_reencode``
 decoded and re-encoded like x^w
 x^r reuse within a selection stage      one x^r per prompt per stage (cached)       ``sample_cache``
@@ -41,6 +40,7 @@ from diffalign.config.schemas import config_schema
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.runtime.console import warn_repeated
+from diffalign.samplers.base import build_sampler
 from diffalign.samplers.rollout import rollout
 from diffalign.types import WinnerBatch
 
@@ -191,9 +191,7 @@ class SePPOConfig:
     share_noise: bool = True
     timestep_min: int = 0
     timestep_max: int | None = None
-    sample_num_inference_steps: int = 20
-    sample_guidance_scale: float = 7.5
-    sample_eta: float = 0.0
+    sampler: Any = None  # the reference sampler, a sampler node (configs/method/seppo.yaml: the run's ${sampler})
     sample_reencode: bool = False
     sample_cache: str = "prompt"
     sample_seed: int = 0
@@ -206,8 +204,8 @@ class SePPO(nn.Module):
 
     1. draw ``t ~ U{timestep_min..timestep_max}`` and ``ε ~ N(0, I)`` per sample from `generator` (in this order, as
        `DiffusionDPO` does), shared by x^w and x^r unless ``share_noise=False`` (then a second ε is drawn for x^r);
-    2. get x^r ~ p_θr(·|c): DDIM rollouts (`diffalign.samplers.rollout.rollout`) of θ_r under ``reference.use(policy)``
-       with the ``sample_*`` settings. With ``sample_cache="prompt"`` there is one x^r per prompt and selection stage:
+    2. get x^r ~ p_θr(·|c): rollouts (`diffalign.samplers.rollout.rollout`) of θ_r under ``reference.use(policy)``
+       with `sampler`. With ``sample_cache="prompt"`` there is one x^r per prompt and selection stage:
        its generator seed is `reference_sample_seed` (``sample_seed``, ``reference.version``, prompt), and it is kept
        in ``reference.samples`` (emptied when θ_r changes, saved with checkpoints) and reused for every winner with
        that prompt in the stage. With ``"off"`` every winner gets a fresh x^r whose seed is drawn from `generator`
@@ -223,9 +221,9 @@ class SePPO(nn.Module):
         share_noise (`bool`, defaults to True): share t and ε between x^w and x^r (INFERRED, Diffusion-DPO convention).
         timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive;
             `None` means the scheduler's last timestep.
-        sample_num_inference_steps (`int`, defaults to 20): DDIM steps of the reference sampler, ≥ 1.
-        sample_guidance_scale (`float`, defaults to 7.5): CFG of the reference sampler, ≥ 1 (SD1.5 inference: 7.5).
-        sample_eta (`float`, defaults to 0.0): DDIM η ≥ 0 of the reference sampler (0: deterministic ODE-like DDIM).
+        sampler (`Sampler` or a ``sampler`` config node, *optional*): the reference sampler, needed to train
+            (``configs/method/seppo.yaml`` passes the run's ``sampler`` node; the SePPO recipes use DDIM with η = 0,
+            the ODE-like deterministic DDIM).
         sample_reencode (`bool`, defaults to False): decode x^r to pixels and re-encode it with the VAE, as the winners
             are encoded, instead of using the sampler's latent.
         sample_cache (`str`, defaults to "prompt"): "prompt" or "off", see step 2. The cache holds one latent per
@@ -234,7 +232,7 @@ class SePPO(nn.Module):
 
     Raises:
         ValueError: at construction, naming the ``method.*`` field, for β ≤ 0, an unknown mode, an empty timestep
-            range, steps < 1, guidance < 1 or η < 0; at call time, without a reference strategy or for a timestep
+            range, or a bad sampler (`ConfigError` naming ``sampler.<field>``); at call time, without a reference strategy or for a timestep
             beyond the scheduler's range.
     """
 
@@ -259,9 +257,7 @@ class SePPO(nn.Module):
         share_noise: bool = True,
         timestep_min: int = 0,
         timestep_max: int | None = None,
-        sample_num_inference_steps: int = 20,
-        sample_guidance_scale: float = 7.5,
-        sample_eta: float = 0.0,
+        sampler: Any = None,
         sample_reencode: bool = False,
         sample_cache: str = "prompt",
         sample_seed: int = 0,
@@ -278,24 +274,16 @@ class SePPO(nn.Module):
         if timestep_max is not None and timestep_max < timestep_min:
             raise ValueError(f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}; set "
                              "timestep_max >= timestep_min, or null for the scheduler's last timestep.")
-        if sample_num_inference_steps < 1:
-            raise ValueError(f"method.sample_num_inference_steps={sample_num_inference_steps} must be >= 1.")
-        if sample_guidance_scale < 1:
-            raise ValueError(f"method.sample_guidance_scale={sample_guidance_scale} must be >= 1 (1 disables CFG).")
-        if sample_eta < 0:
-            raise ValueError(f"method.sample_eta={sample_eta} must be >= 0.")
         if sample_cache not in SAMPLE_CACHE_MODES:
             raise ValueError(f"method.sample_cache={sample_cache!r} must be one of {list(SAMPLE_CACHE_MODES)}.")
+        self.sampler = None if sampler is None else build_sampler(sampler, "sampler")
         self.beta, self.aaf_mode, self.aaf_tie, self.share_noise = beta, aaf_mode, aaf_tie, share_noise
         self.timestep_min, self.timestep_max = timestep_min, timestep_max
-        self.sample_num_inference_steps = sample_num_inference_steps
-        self.sample_guidance_scale, self.sample_eta = sample_guidance_scale, sample_eta
         self.sample_reencode, self.sample_cache, self.sample_seed = sample_reencode, sample_cache, sample_seed
 
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, aaf_mode={self.aaf_mode!r}, aaf_tie={self.aaf_tie!r}, share_noise="
-                f"{self.share_noise}, sample=(steps={self.sample_num_inference_steps}, "
-                f"cfg={self.sample_guidance_scale}, eta={self.sample_eta}, cache={self.sample_cache!r})")
+                f"{self.share_noise}, sampler={self.sampler!r}, cache={self.sample_cache!r}")
 
     @torch.no_grad()
     def reference_samples(
@@ -325,9 +313,10 @@ class SePPO(nn.Module):
         if todo:
             generators = [torch.Generator(device="cpu").manual_seed(s) for s in todo_seeds]
             with reference.use(policy):
-                trajectory = rollout(policy, todo, num_inference_steps=self.sample_num_inference_steps,
-                                     guidance_scale=self.sample_guidance_scale, eta=self.sample_eta,
-                                     generator=generators, decode=self.sample_reencode)
+                if self.sampler is None:
+                    raise ValueError("SePPO samples x^r with its sampler, and none was given: pass sampler= (the run "
+                                     "config's method.sampler is ${sampler})")
+                trajectory = rollout(policy, todo, self.sampler, generator=generators, decode=self.sample_reencode)
             fresh = trajectory.latents[:, -1]
             if self.sample_reencode:
                 fresh = policy.encode_images(trajectory.images)

@@ -1,40 +1,39 @@
-"""The ``sampler`` node's checks, run before any model loads (`diffalign.config.validation`): a known sampler option,
-integer steps, a guidance scale of at least 1, a noise scale of at least 0, and a sampler of the model's family.
+"""The ``sampler`` node's checks, run before any model loads (`diffalign.config.validation`): building the `Sampler`
+(`diffalign.samplers.base.build_sampler`) checks a registered option, integer steps, a guidance scale of at least 1
+and the sampler's own noise parameter; then an online method's sampler must be of the model's family.
 
-Each sampler option names itself and says which models it steps (``model_family``; `diffalign.samplers.configs`):
+Each sampler option names itself and says which models it steps (``model_family``):
 
-=============  ===========================  =========================================================
+=============  ===========================  ===========================================================
 sampler=       ``model_family``             what it runs
-=============  ===========================  =========================================================
+=============  ===========================  ===========================================================
 ddim           eps (ε- and v-prediction)    DDIM-η (`ddim_step`), η = ``eta``: DDPO, Flow-GRPO/ViPO on ε-models
 flow_sde       flow (rectified flow)        the Flow-GRPO SDE (`flow_sde_step`), a = ``noise_level``
 dance_sde      flow                         DanceGRPO's SDE (`dance_sde_step`), η = ``noise_level``
+cps_sde        flow                         coefficients-preserving sampling (`cps_step`), ``noise_level``
+window_sde     flow                         MixGRPO's windowed Flow-GRPO SDE, ODE outside the window
 dpm_ode        any                          DPM-Solver(++) for either family (`diffalign.samplers.ode`)
 euler_ode      flow                         the flow Euler ODE
-=============  ===========================  =========================================================
+=============  ===========================  ===========================================================
 
-The rollout picks its step rule from the policy's scheduler, so without this check ``model=tiny_sd3 sampler=ddim``
-would run the flow SDE with DDIM's η = 1 as its noise level, and ``model=tiny_sd sampler=flow_sde`` DDIM with η = 0.7.
+The rollout steps with the sampler's own rule, so without the family check ``model=tiny_sd3 sampler=ddim`` would
+fail only once the model has loaded.
 """
 
 from __future__ import annotations
 
-from diffalign.config.checks import ConfigError, choice, integer, node_check, number
-from diffalign.samplers.configs import SAMPLERS, describe
+from diffalign.config.checks import ConfigError, node_check
+from diffalign.samplers.base import SAMPLERS, build_sampler, sampler_names
 
-SAMPLER_NAMES = SAMPLERS
-MODEL_FAMILIES = ("eps", "flow", "any")
-NAME_FAMILIES = {"ddim": "eps", "flow_sde": "flow", "dance_sde": "flow", "euler_ode": "flow", "dpm_ode": "any"}
-"""The family each sampler option steps (its ``model_family`` default)."""
 FAMILY_SAMPLERS = {"eps": "sampler=ddim (DDIM-eta) or sampler=dpm_ode",
-                   "flow": "sampler=flow_sde, sampler=dance_sde, sampler=euler_ode or sampler=dpm_ode"}
+                   "flow": "sampler=flow_sde, sampler=dance_sde, sampler=cps_sde, sampler=window_sde, "
+                           "sampler=euler_ode or sampler=dpm_ode"}
 
 
-def sampler_family(sampler) -> str | None:
-    """The model family a sampler config steps: its ``model_family``, else what its name implies; None when it does
-    not say."""
-    family = sampler.get("model_family")
-    return family if family is not None else NAME_FAMILIES.get(sampler.get("name"))
+def samplers_of_family(family: str) -> list[str]:
+    """The registered options that step `family` ("eps" or "flow") models (those of family "any" included)."""
+    sampler_names()
+    return [name for name, cls in SAMPLERS.items() if cls.model_family in (family, "any")]
 
 
 @node_check("sampler")
@@ -50,23 +49,16 @@ def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> No
     Raises:
         ConfigError: naming the field and the fix.
     """
-    sp, p = cfg.get("sampler"), "sampler"
-    if sp is None:
+    if cfg.get("sampler") is None:
         return
-    choice(sp, "name", p, SAMPLER_NAMES, hint="select the sampler with sampler=<option>")
-    choice(sp, "model_family", p, MODEL_FAMILIES, nullable=True)
-    integer(sp, "num_inference_steps", p, ge=1)
-    number(sp, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
-    number(sp, "eta", p, ge=0, hint="DDIM's eta; 0 is deterministic DDIM")
-    number(sp, "noise_level", p, ge=0, hint="the flow SDE's noise scale; 0 is the Euler ODE")
-    family = sampler_family(sp)
-    if not online or flow_matching is None or family in (None, "any"):
+    sampler = build_sampler(cfg.sampler, "sampler")
+    family = sampler.model_family
+    if not online or flow_matching is None or family == "any":
         return
     model_family = "flow" if flow_matching else "eps"
     if family != model_family:
         model = cfg.model._target_
         kind = "a rectified-flow model" if flow_matching else "an eps/v-prediction model"
         raise ConfigError(f"the sampler steps {'rectified-flow' if family == 'flow' else 'eps/v-prediction'} models "
-                          f"(sampler.model_family={family}, sampler={describe(sp)}) but model={model} is {kind}: the "
-                          f"rollout would run another step rule with that noise scale. Use "
-                          f"{FAMILY_SAMPLERS[model_family]}")
+                          f"(sampler.model_family={family}, sampler={sampler.describe()}) but model={model} is {kind}: "
+                          f"the rollout would fail once the model has loaded. Use {FAMILY_SAMPLERS[model_family]}")

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers import DDIMScheduler
 from diffusers.utils.torch_utils import randn_tensor
+
+from diffalign.config.checks import number
+from diffalign.samplers.base import Sampler, Schedule, register_sampler
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 REDUCTIONS = ("mean", "sum", "per_position")
@@ -226,3 +230,48 @@ def ddim_step(
     dims = (1,) if reduction == "per_position" else tuple(range(1, sample.ndim))  # per_position: channels only (ViPO)
     log_prob = log_prob.mean(dim=dims) if reduction == "mean" else log_prob.sum(dim=dims)
     return DDIMStepOutput(prev_sample=prev_sample, mean=mean, std=std_dev_t, log_prob=log_prob)
+
+
+@register_sampler
+@dataclass
+class DDIMSampler(Sampler):
+    """``sampler=ddim``: DDIM-η rollouts with per-step log-probs for ε/v models (`ddim_step`; η = 1: DDPO's ancestral
+    rollouts, η = 0: deterministic DDIM, whose log-probs are 0). With η = 0 and the same steps, guidance and
+    generators the images equal `StableDiffusionPipeline.__call__(..., eta=0.0)`'s, with η > 0 its ``eta=η`` output
+    (the per-step noise is drawn from the same generators in the same order; tests/unit/samplers/test_rollout.py).
+
+    Attributes:
+        eta (`float`): DDIM's η ≥ 0 (default 1.0), as in diffusers' ``DDIMScheduler.step(eta=...)``.
+    """
+
+    name: str = "ddim"
+    model_family: str = "eps"
+    num_inference_steps: int = 20
+    guidance_scale: float = 4.0
+    eta: float = 1.0
+
+    noise_field: ClassVar[str] = "eta"
+    log_probs: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        number(vars(self), "eta", "", ge=0, hint="DDIM's eta; 0 is deterministic DDIM")
+
+    def schedule(self, policy) -> Schedule:
+        scheduler = policy.scheduler
+        if not isinstance(scheduler, DDIMScheduler):
+            raise TypeError(f"sampler=ddim steps with a DDIMScheduler; the policy's scheduler is a "
+                            f"{type(scheduler).__name__}")
+        scheduler.set_timesteps(self.num_inference_steps, device=policy.device)
+        return Schedule(scheduler, scheduler.timesteps)
+
+    def stored_schedule(self, policy, trajectory) -> Schedule:
+        scheduler = policy.scheduler
+        num_steps = len(trajectory.timesteps)
+        if scheduler.num_inference_steps != num_steps:
+            scheduler.set_timesteps(num_steps, device=policy.device)
+        return Schedule(scheduler, trajectory.timesteps.to(trajectory.latents.device), None, trajectory.trainable)
+
+    def step(self, schedule, k, model_output, sample, *, generator=None, prev_sample=None, reduction="mean"):
+        return ddim_step(schedule.scheduler, model_output, schedule.timesteps[k], sample, eta=self.eta,
+                         generator=generator, prev_sample=prev_sample, reduction=reduction)

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
+
+from diffalign.config.checks import number
+from diffalign.samplers.base import FlowSampler, register_sampler
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -82,7 +86,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, re
     return elem.mean(dim=dims) if reduction == "mean" else elem.sum(dim=dims)
 
 
-def _float32_step_inputs(model_output, sigma, sigma_next, sample):
+def float32_step_inputs(model_output, sigma, sigma_next, sample):
     """(x, v̂, σ, σ_next) in float32; `(B,)` sigmas shaped `(B, 1, ..., 1)` to broadcast over the sample."""
     x = sample.float()
     v = model_output.float()
@@ -92,7 +96,7 @@ def _float32_step_inputs(model_output, sigma, sigma_next, sample):
     return x, v, (s.view(shape) if s.ndim else s), (s_next.view(shape) if s_next.ndim else s_next)
 
 
-def _sample_and_score(mean: torch.Tensor, std: torch.Tensor, generator, prev_sample: torch.Tensor | None,
+def sample_and_score(mean: torch.Tensor, std: torch.Tensor, generator, prev_sample: torch.Tensor | None,
                       reduction: str) -> FlowStepOutput:
     """Draws x_{k+1} ~ N(mean, std²) (mean itself where std is 0 everywhere) unless `prev_sample` is given, and scores
     it (`gaussian_log_prob`). Raises ValueError for a generator list without one generator per sample."""
@@ -142,7 +146,7 @@ def flow_sde_step(
     """
     if noise_level < 0:
         raise ValueError(f"`noise_level` must be >= 0, got {noise_level}.")
-    x, v, s, s_next = _float32_step_inputs(model_output, sigma, sigma_next, sample)
+    x, v, s, s_next = float32_step_inputs(model_output, sigma, sigma_next, sample)
     dt = s_next - s
     if noise_level == 0:
         mean = x + dt * v
@@ -155,10 +159,8 @@ def flow_sde_step(
         std_dev_t = noise_level * torch.sqrt(s / denom)
         mean = x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
         std = std_dev_t * torch.sqrt(-dt)
-    return _sample_and_score(mean, std, generator, prev_sample, reduction)
+    return sample_and_score(mean, std, generator, prev_sample, reduction)
 
-
-SDE_TYPES = ("flow_grpo", "dance")
 
 
 def dance_sde_step(
@@ -167,7 +169,7 @@ def dance_sde_step(
     sigma_next: torch.Tensor | float,
     sample: torch.Tensor,
     *,
-    eta: float = 0.25,
+    noise_level: float = 0.25,
     generator: torch.Generator | list[torch.Generator] | None = None,
     prev_sample: torch.Tensor | None = None,
     reduction: str = "mean",
@@ -180,7 +182,8 @@ def dance_sde_step(
         sigma (`float` or `torch.Tensor`): σ > 0, a scalar or `(B,)` in [0, 1].
         sigma_next (`float` or `torch.Tensor`): σ_next, a scalar or `(B,)` in [0, 1], σ_next < σ.
         sample (`torch.Tensor`): `(B, ...)` x at σ.
-        eta (`float`, defaults to 0.25): η ≥ 0 (ViPO-Wan 0.25, ViPO-FLUX 0.3; 0 gives the Euler ODE step).
+        noise_level (`float`, defaults to 0.25): DanceGRPO's η ≥ 0 (ViPO-Wan 0.25, ViPO-FLUX 0.3; 0 gives the Euler
+            ODE step).
         generator: noise source for drawing x_{k+1}; a list must have one generator per sample.
         prev_sample (`torch.Tensor`, *optional*): `(B, ...)` an x_{k+1} to score instead of drawing one.
         reduction (`str`): log-prob reduction, "mean", "sum" or "per_position" (`gaussian_log_prob`).
@@ -189,11 +192,11 @@ def dance_sde_step(
         `FlowStepOutput` (std s = η sqrt(σ − σ_next), a scalar or `(B, 1, ..., 1)`).
 
     Raises:
-        ValueError: for `eta < 0`, σ ≤ 0, σ_next ≥ σ, or a generator list of the wrong size.
+        ValueError: for `noise_level < 0`, σ ≤ 0, σ_next ≥ σ, or a generator list of the wrong size.
     """
-    if eta < 0:
-        raise ValueError(f"`eta` must be >= 0, got {eta}.")
-    x, v, s, s_next = _float32_step_inputs(model_output, sigma, sigma_next, sample)
+    if noise_level < 0:
+        raise ValueError(f"`noise_level` must be >= 0, got {noise_level}.")
+    x, v, s, s_next = float32_step_inputs(model_output, sigma, sigma_next, sample)
     if bool((s <= 0).any()):
         raise ValueError("dance_sde_step needs sigma > 0 (the last step ends at 0, it does not start there).")
     if bool((s_next >= s).any()):
@@ -201,22 +204,65 @@ def dance_sde_step(
     dt = s_next - s
     x0 = x - s * v
     score = -(x - (1 - s) * x0) / s**2
-    mean = x + dt * v - 0.5 * eta**2 * score * dt
-    std = eta * torch.sqrt(s - s_next)
-    return _sample_and_score(mean, std, generator, prev_sample, reduction)
+    mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+    std = noise_level * torch.sqrt(s - s_next)
+    return sample_and_score(mean, std, generator, prev_sample, reduction)
 
 
-def flow_step(model_output, sigma, sigma_next, sample, *, sde_type: str, eta: float, sigma_max: float | None,
-              generator=None, prev_sample=None, reduction: str = "mean") -> FlowStepOutput:
-    """`flow_sde_step` (``sde_type="flow_grpo"``, noise level a = `eta`) or `dance_sde_step` (``"dance"``).
+@register_sampler
+@dataclass
+class FlowSDESampler(FlowSampler):
+    """``sampler=flow_sde``: Flow-GRPO's SDE for flow models with per-step log-probs (`flow_sde_step`), a =
+    ``noise_level`` (Flow-GRPO config/grpo.py: 0.7, 10 steps, CFG 4.5); a = 0 is the Euler ODE, whose images equal
+    `StableDiffusion3Pipeline.__call__`'s with the same generators (tests/unit/samplers/test_flow_sampler.py).
 
-    Raises:
-        ValueError: for an unknown `sde_type` (and the errors of the two steps).
+    Attributes:
+        noise_level (`float`): a ≥ 0 (Flow-GRPO's ``sample.noise_level``).
     """
-    if sde_type == "flow_grpo":
-        return flow_sde_step(model_output, sigma, sigma_next, sample, noise_level=eta, sigma_max=sigma_max,
-                             generator=generator, prev_sample=prev_sample, reduction=reduction)
-    if sde_type == "dance":
-        return dance_sde_step(model_output, sigma, sigma_next, sample, eta=eta, generator=generator,
-                              prev_sample=prev_sample, reduction=reduction)
-    raise ValueError(f"sampler.sde_type={sde_type!r} must be one of {SDE_TYPES}")
+
+    name: str = "flow_sde"
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.5
+    noise_level: float = 0.7
+
+    noise_field: ClassVar[str] = "noise_level"
+    log_probs: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        number(vars(self), "noise_level", "", ge=0, hint="the flow SDE's noise scale; 0 is the Euler ODE")
+
+    def step(self, schedule, k, model_output, sample, *, generator=None, prev_sample=None, reduction="mean"):
+        sigmas = schedule.sigmas
+        return flow_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=self.noise_level,
+                             sigma_max=float(sigmas[1]), generator=generator, prev_sample=prev_sample,
+                             reduction=reduction)
+
+
+@register_sampler
+@dataclass
+class DanceSDESampler(FlowSampler):
+    """``sampler=dance_sde``: DanceGRPO's SDE for flow models with per-step log-probs (`dance_sde_step`; ViPO's
+    released sampler), step std η·sqrt(σ_k − σ_{k+1}) with η = ``noise_level`` (the ViPO Wan script: 0.25, 16 steps,
+    CFG 5.0).
+
+    Attributes:
+        noise_level (`float`): η ≥ 0 (0 is the Euler ODE).
+    """
+
+    name: str = "dance_sde"
+    num_inference_steps: int = 16
+    guidance_scale: float = 5.0
+    noise_level: float = 0.25
+
+    noise_field: ClassVar[str] = "noise_level"
+    log_probs: ClassVar[bool] = True
+
+    def check(self) -> None:
+        super().check()
+        number(vars(self), "noise_level", "", ge=0, hint="DanceGRPO's eta; 0 is the Euler ODE")
+
+    def step(self, schedule, k, model_output, sample, *, generator=None, prev_sample=None, reduction="mean"):
+        sigmas = schedule.sigmas
+        return dance_sde_step(model_output, sigmas[k], sigmas[k + 1], sample, noise_level=self.noise_level,
+                              generator=generator, prev_sample=prev_sample, reduction=reduction)

@@ -16,9 +16,7 @@ import torch
 
 from diffalign.methods import stream_seed
 from diffalign.models.base import DiffusionPolicy
-from diffalign.samplers.configs import FLOW_SDES, ODE_SOLVERS, SAMPLERS
-from diffalign.samplers.ode import ode_rollout
-from diffalign.samplers.rollout import rollout
+from diffalign.samplers.base import Sampler
 from diffalign.types import PromptEmbeds, Trajectory
 
 # stream tags keep the initial-noise and per-step-noise streams of one sample apart
@@ -66,7 +64,7 @@ def cat_trajectories(trajectories: list[Trajectory]) -> Trajectory:
         images=None if first.images is None else torch.cat([t.images for t in trajectories]),
         prompts=[p for t in trajectories for p in t.prompts],
         guidance_scale=first.guidance_scale,
-        eta=first.eta,
+        noise=first.noise,
         sigmas=first.sigmas,
         sampler=first.sampler,
     )
@@ -77,15 +75,11 @@ def group_rollout(
     prompts: list[str],
     group_size: int,
     *,
+    sampler: Sampler,
     group_indices: list[int],
     seed: int,
     epoch: int,
     shared_initial_noise: bool = False,
-    sampler: str = "flow_sde",
-    num_inference_steps: int = 10,
-    guidance_scale: float = 4.5,
-    eta: float = 1.0,
-    noise_level: float = 0.7,
     rollout_batch_size: int = 32,
     reduction: str = "mean",
     members: list[int] | None = None,
@@ -97,19 +91,14 @@ def group_rollout(
         policy (`DiffusionPolicy`): the rollout policy (θ, or θ⁻ swapped in by the caller).
         prompts (`list[str]`): `P` prompts, one per group.
         group_size (`int`): G ≥ 1.
+        sampler (`Sampler`): the rollout sampler (`diffalign.samplers.base.build_sampler` of ``cfg.sampler``), of
+            the policy's family; ``sampler.at_epoch(epoch)`` samples (MixGRPO's window moves with the epoch).
         group_indices (`list[int]`): `P` global group indices (seed the noise; distinct across processes).
         seed (`int`): the run's seed.
         epoch (`int`): the epoch.
         shared_initial_noise (`bool`): one initial noise per group (GRPO/DanceGRPO) instead of one per sample (DGPO).
-        sampler (`str`): a sampler option (`diffalign.samplers.configs.SAMPLERS`): "ddim" (DDIM-η with log-probs,
-            ε/v models), "flow_sde" / "dance_sde" (Flow-GRPO's / DanceGRPO's SDE with log-probs, flow models), or the
-            deterministic "dpm_ode" / "euler_ode" (`diffalign.samplers.ode`, no log-probs).
-        num_inference_steps (`int`): K.
-        guidance_scale (`float`): the rollout CFG scale (separate from any training-time guidance).
-        eta (`float`): DDIM's η, for ``sampler="ddim"``.
-        noise_level (`float`): the flow SDE's noise scale (Flow-GRPO's a, DanceGRPO's η), for "flow_sde" / "dance_sde".
         rollout_batch_size (`int`): images per forward batch (the noise does not depend on it).
-        reduction (`str`): log-prob reduction of the SDE rollout ("mean", "sum", or "per_position" for ViPO).
+        reduction (`str`): log-prob reduction of a stochastic sampler ("mean", "sum", or "per_position" for ViPO).
         members (`list[int]`, *optional*): sample only these member indices of every group (a group spanning several
             processes: each samples its share; a member's noise depends only on (seed, epoch, group, member)).
         on_chunk (*optional*): called as ``on_chunk(part, start, stop)`` after each forward batch with its
@@ -121,23 +110,15 @@ def group_rollout(
         global group indices, one per row).
 
     Raises:
-        ValueError: for `group_size < 1`, mismatched `group_indices`, an unknown sampler, or a sampler of the other
-            model family ("ddim" for a flow model, a flow SDE for an ε/v model).
+        ValueError: for `group_size < 1`, mismatched `group_indices`, or a sampler of the other model family
+            (`Sampler.fits`).
     """
     if group_size < 1:
         raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
     if len(group_indices) != len(prompts):
         raise ValueError(f"{len(group_indices)} group indices for {len(prompts)} prompts; pass one per prompt.")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"`sampler` must be one of {SAMPLERS}, got {sampler!r}.")
-    flow = policy.prediction_type == "flow"
-    if sampler == "ddim" and flow:
-        raise ValueError("sampler=ddim is DDIM-η for eps/v models, but the policy is a flow model; use "
-                         "sampler=flow_sde (or dance_sde) for stochastic rollouts, sampler=dpm_ode / euler_ode for "
-                         "deterministic ones")
-    if sampler in FLOW_SDES and not flow:
-        raise ValueError(f"sampler={sampler} is a flow-matching SDE, but the policy is an eps/v model; use "
-                         "sampler=ddim (sampler.eta > 0) for stochastic rollouts")
+    sampler.fits(policy)
+    sampler = sampler.at_epoch(epoch)
     member_ids = list(range(group_size)) if members is None else list(members)
     if any(not 0 <= m < group_size for m in member_ids):
         raise ValueError(f"members {member_ids} must lie in [0, {group_size}).")
@@ -148,18 +129,11 @@ def group_rollout(
     parts = []
     for start in range(0, len(all_prompts), rollout_batch_size):
         stop = min(start + rollout_batch_size, len(all_prompts))
-        chunk = all_prompts[start:stop]
-        if sampler in ODE_SOLVERS:
-            parts.append(ode_rollout(policy, chunk, num_inference_steps=num_inference_steps,
-                                     guidance_scale=guidance_scale, solver=ODE_SOLVERS[sampler],
-                                     latents=noise[start:stop]))
-        else:
-            gens = [torch.Generator(device=policy.device).manual_seed(stream_seed(seed, epoch, g, m, _STEP))
-                    for g, m in members[start:stop]]
-            parts.append(rollout(policy, chunk, num_inference_steps=num_inference_steps,
-                                 guidance_scale=guidance_scale, eta=noise_level if sampler in FLOW_SDES else eta,
-                                 generator=gens, latents=noise[start:stop], reduction=reduction,
-                                 sde_type=FLOW_SDES.get(sampler, "flow_grpo")))
+        # per-step noise streams (an ODE solver draws none: its only noise is the initial one)
+        gens = [torch.Generator(device=policy.device).manual_seed(stream_seed(seed, epoch, g, m, _STEP))
+                for g, m in members[start:stop]]
+        parts.append(sampler.sample(policy, all_prompts[start:stop], generator=gens, latents=noise[start:stop],
+                                    reduction=reduction))
         if on_chunk is not None:
             on_chunk(parts[-1], start, stop)
     group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)

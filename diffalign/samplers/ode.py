@@ -10,19 +10,28 @@ DGPO samples its groups with Flow-DPM-Solver (diffusers `DPMSolverMultistepSched
 * ``"ddim"`` — ε/v models only: DDIM with η = 0.
 
 No log-probabilities exist for these samplers; the returned `Trajectory` has zero `log_probs` and `trainable` all
-False, `sampler` set to the solver's name.
+False, `sampler` set to the option name (``dpm_ode``, ``euler_ode``; ``ddim`` with noise 0 for the DDIM solver).
+
+The options ``sampler=dpm_ode`` (`DPMSolverSampler`) and ``sampler=euler_ode`` (`EulerODESampler`) run `ode_rollout`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffalign.models.base import DiffusionPolicy
+from diffalign.models.base import DiffusionPolicy, inference_lora
+from diffalign.samplers.base import Sampler, register_sampler
 from diffalign.types import PromptEmbeds, Trajectory
 
 SOLVERS = ("dpm_solver", "euler", "ddim")
+OPTION_NAMES = {"dpm_solver": "dpm_ode", "euler": "euler_ode", "ddim": "ddim"}
+"""Solver → the sampler option it runs (`Trajectory.sampler`)."""
 
 
 def make_solver(policy: DiffusionPolicy, solver: str):
@@ -63,6 +72,7 @@ def ode_rollout(
     latents: torch.Tensor | None = None,
     prompt_embeds: PromptEmbeds | None = None,
     decode: bool = True,
+    fuse_lora: bool = False,
 ) -> Trajectory:
     """Samples `len(prompts)` images with a deterministic ODE solver (no gradients).
 
@@ -77,10 +87,12 @@ def ode_rollout(
             `init_noise_sigma`).
         prompt_embeds (`PromptEmbeds`, *optional*): `B` rows (with negatives when w > 1).
         decode (`bool`, defaults to True): decode the final latents to images in [0, 1].
+        fuse_lora (`bool`, defaults to False): fuse a non-zero LoRA adapter into the weights for the rollout
+            (`diffalign.models.base.inference_lora`; evaluation and data).
 
     Returns:
         `Trajectory` with float32 `latents` `(B, K+1, C, h, w)`, the solver's `timesteps` `(K,)`, zero `log_probs`,
-        `sampler` = `solver`, `sigmas` for flow models, `images` `(B, 3, H, W)` or `None`.
+        `sampler` = the option name (`OPTION_NAMES`), `sigmas` for flow models, `images` `(B, 3, H, W)` or `None`.
 
     Raises:
         ValueError: for `num_inference_steps < 1`, a bad solver, or inputs whose batch does not match `prompts`.
@@ -94,7 +106,16 @@ def ode_rollout(
     if latents is not None and tuple(latents.shape) != shape:
         raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
     scheduler = make_solver(policy, solver)
-    device = policy.device
+    denoiser = getattr(policy, "denoiser", None)
+    with inference_lora(denoiser, fuse=True) if fuse_lora and denoiser is not None else contextlib.nullcontext():
+        return _solve(policy, prompts, scheduler, num_inference_steps, guidance_scale, solver, generator, latents,
+                      prompt_embeds, decode, shape)
+
+
+def _solve(policy, prompts, scheduler, num_inference_steps, guidance_scale, solver, generator, latents, prompt_embeds,
+           decode, shape) -> Trajectory:
+    """`ode_rollout`'s loop, after its checks."""
+    batch_size, device = len(prompts), policy.device
     if prompt_embeds is None:
         prompt_embeds = policy.encode_prompts(prompts, do_classifier_free_guidance=guidance_scale > 1)
     if len(prompt_embeds) != batch_size:
@@ -120,7 +141,57 @@ def ode_rollout(
         images=images,
         prompts=list(prompts),
         guidance_scale=guidance_scale,
-        eta=0.0,
+        noise=0.0,
         sigmas=scheduler.sigmas.float().cpu() if is_flow else None,
-        sampler=solver,
+        sampler=OPTION_NAMES[solver],
     )
+
+
+@dataclass
+class _ODESampler(Sampler):
+    """Base of the deterministic options: `sample` runs `ode_rollout` with the class's ``solver``."""
+
+    solver: ClassVar[str] = ""
+
+    def sample(self, policy, prompts, *, generator=None, latents=None, negative_prompts=None, prompt_embeds=None,
+               decode=True, reduction="mean", callback=None, enable_grad=False, fuse_lora=False) -> Trajectory:
+        """`ode_rollout` with the sampler's solver, steps and guidance (`Sampler.sample`'s arguments; an ODE solver
+        takes no negative prompts, step callback or gradients, and stores no log-probs, so `reduction` has no effect).
+
+        Raises:
+            ValueError: for `negative_prompts`, `callback` or `enable_grad`, and `ode_rollout`'s errors.
+        """
+        if negative_prompts is not None or callback is not None or enable_grad:
+            raise ValueError(f"sampler={self.name} (an ODE solver) takes no negative_prompts, callback or enable_grad")
+        self.fits(policy)
+        return ode_rollout(policy, prompts, num_inference_steps=self.num_inference_steps,
+                           guidance_scale=self.guidance_scale, solver=self.solver, generator=generator,
+                           latents=latents, prompt_embeds=prompt_embeds, decode=decode, fuse_lora=fuse_lora)
+
+
+@register_sampler
+@dataclass
+class DPMSolverSampler(_ODESampler):
+    """``sampler=dpm_ode``: deterministic DPM-Solver rollouts (DGPO's; flow DPM-Solver with the model's shift for flow
+    models, DPM-Solver++ 2M for ε/v models), no log-probs; 10 steps, CFG 4.5."""
+
+    name: str = "dpm_ode"
+    model_family: str = "any"
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.5
+
+    solver: ClassVar[str] = "dpm_solver"
+
+
+@register_sampler
+@dataclass
+class EulerODESampler(_ODESampler):
+    """``sampler=euler_ode``: the flow Euler ODE (`FlowMatchEulerDiscreteScheduler`, the SD3 pipeline's sampler), flow
+    models only, no log-probs; 10 steps, CFG 4.5."""
+
+    name: str = "euler_ode"
+    model_family: str = "flow"
+    num_inference_steps: int = 10
+    guidance_scale: float = 4.5
+
+    solver: ClassVar[str] = "euler"

@@ -56,7 +56,7 @@ from diffalign.runtime.console import WarningCounts, console_summary, write
 from diffalign.runtime.distributed import main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals
 from diffalign.runtime.storage import write_text
-from diffalign.samplers.configs import describe
+from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.groups import group_rollout
 from diffalign.train.common import (
     Checkpoints,
@@ -123,6 +123,7 @@ class _Run:
     guard: NonFiniteGuard
     updates: Updates
     checkpoints: Checkpoints
+    sampler: Sampler  # the rollout sampler, built once from cfg.sampler
     epoch: int = 0
     global_step: int = 0
     said: set = field(default_factory=set)
@@ -149,7 +150,8 @@ class _Run:
 def _setup(prepared: PreparedRun) -> _Run:
     """The optimizer, LR schedule, trackers and checkpoints around the prepared run's components."""
     cfg, accelerator, objective, policy = prepared.cfg, prepared.accelerator, prepared.method, prepared.policy
-    tr, on, sp = cfg.trainer, cfg.online, cfg.sampler
+    tr, on = cfg.trainer, cfg.online
+    sp = build_sampler(cfg.sampler)
     output_dir = Path(cfg.output_dir)
     reference, rewards, eval_rewards = prepared.reference, prepared.rewards, prepared.eval_rewards
     monitor, rows = prepared.monitor, prepared.rows
@@ -162,7 +164,7 @@ def _setup(prepared: PreparedRun) -> _Run:
     accelerator.print(
         f"[diffalign] online {type(objective).__name__}: {sum(p.numel() for p in params) / 1e6:.3f}M trainable "
         f"parameters; {on.num_epochs} epochs × {on.groups_per_epoch} prompts × {on.group_size} samples "
-        f"({describe(sp)}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
+        f"({sp.describe()}, {sp.num_inference_steps} steps, CFG {sp.guidance_scale}); {len(rows)} train prompts; "
         f"reward {rewards!r}{' (one advantage per reward)' if objective.advantage == 'per_reward' else ''}"
         f"{f'; best-of-{on.best_of_n}' if on.get('best_of_n') else ''}; output {output_dir}")
     if cfg.eval.enabled:  # the default evaluation can outlast a smoke run's training: say so, and how to skip it
@@ -172,7 +174,7 @@ def _setup(prepared: PreparedRun) -> _Run:
     checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
                               {"reference_state": reference, **objective.checkpoint_states()})
     return _Run(cfg, accelerator, objective, policy, reference, rewards, eval_rewards, monitor, rows, advantages,
-                lr_scheduler, guard, updates, checkpoints)
+                lr_scheduler, guard, updates, checkpoints, sp)
 
 
 def _resume(run: _Run) -> list[dict]:
@@ -246,7 +248,7 @@ def _train_epochs(run: _Run, stop: StopSignals, history: list[dict]) -> list[dic
 
 def _epoch(run: _Run) -> dict:
     """One epoch: rollouts, rewards, advantages, then the method's updates; returns the epoch's log entries."""
-    cfg, on, sp, accelerator, policy = run.cfg, run.cfg.online, run.cfg.sampler, run.accelerator, run.policy
+    cfg, on, accelerator, policy = run.cfg, run.cfg.online, run.accelerator, run.policy
     num_proc, rank, epoch = accelerator.num_processes, accelerator.process_index, run.epoch
     # split of an epoch's rows across processes: whole groups ("groups"), or a share of every group ("members": each
     # process samples members r·G/P .. (r+1)·G/P − 1 of every group, so a group spans the processes)
@@ -267,9 +269,7 @@ def _epoch(run: _Run) -> dict:
         traj, group_ids = group_rollout(
             policy, [r["prompt"] for r in epoch_rows], on.group_size,
             group_indices=[epoch * on.groups_per_epoch + j for j in mine], seed=cfg.seed, epoch=epoch,
-            shared_initial_noise=on.shared_initial_noise, sampler=sp.name, num_inference_steps=sp.num_inference_steps,
-            guidance_scale=sp.guidance_scale, eta=sp.get("eta", 0.0), noise_level=sp.get("noise_level", 0.0),
-            rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
+            shared_initial_noise=on.shared_initial_noise, sampler=run.sampler, rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
             members=list(range(rank * share, (rank + 1) * share)) if members_split else None,
             on_chunk=scorer.add)
     policy.denoiser.train()

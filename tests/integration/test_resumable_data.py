@@ -43,7 +43,7 @@ def policy():
 
 def ranked(seed: int = 3) -> RankedPairs:
     # 3 prompts × 4 samples in batches of 2: 6 chunks
-    return RankedPairs(num_prompts=3, samples_per_prompt=4, num_inference_steps=2, batch_size=2, seed=seed,
+    return RankedPairs(num_prompts=3, samples_per_prompt=4, sampler={"name": "ddim", "num_inference_steps": 2}, batch_size=2, seed=seed,
                        reward="judge")
 
 
@@ -88,7 +88,8 @@ def test_other_settings_or_weights_never_reuse_the_chunks(policy, tmp_path):
 def test_failure_pairs_and_their_ablation_share_the_samples(policy, tmp_path):
     """The verdicts are stored with the samples; losers=all (pairing, not sampling) reuses them."""
     prep = Preparation(tmp_path / "prepared", {}, progress=False, log=lambda m: None)
-    kwargs = {"num_prompts": 3, "samples_per_prompt": 2, "num_inference_steps": 2, "batch_size": 2, "seed": 5,
+    kwargs = {"num_prompts": 3, "samples_per_prompt": 2, "sampler": {"name": "ddim", "num_inference_steps": 2, "eta": 0.0},
+              "batch_size": 2, "seed": 5,
               "reward": "judge"}
     reference = FailurePairs(**kwargs)
     reference.prepare(policy, {"judge": EveryOtherCorrect()})
@@ -135,7 +136,7 @@ def test_a_stop_signal_ends_the_preparation_after_the_current_chunk(policy, tmp_
 # ----------------------------------------------------------------------------- the training loop, killed mid-way
 
 DATA = ["data=ranked_pairs", "data.num_prompts=4", "data.samples_per_prompt=4", "data.batch_size=2",
-        "data.num_inference_steps=2", "data.reward=geneval_shapes", "model=tiny_random", "trainer.max_steps=2",
+        "data.sampler.num_inference_steps=2", "data.reward=geneval_shapes", "model=tiny_random", "trainer.max_steps=2",
         "trainer.batch_size=2", "trainer.checkpointing_steps=1", "trainer.log_with=none", "eval.enabled=false",
         "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
 

@@ -23,6 +23,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import step_sampler
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -49,7 +50,8 @@ def with_ratios(policy, eta: float, ratios: torch.Tensor, reduction: str):
     """A rollout of ``len(ratios)`` prompts whose stored log-probs at transition `K` are log π_θ − log `ratios`, so
     that π_θ / π_old = `ratios` (`(B,)` for "mean", `(B, h, w)` for "per_position")."""
     gens = [torch.Generator().manual_seed(i) for i in range(len(ratios))]
-    traj = rollout(policy, PROMPTS[:len(ratios)], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
+    traj = rollout(policy, PROMPTS[:len(ratios)],
+                   step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta), generator=gens,
                    reduction=reduction)
     with torch.no_grad():
         now = recompute_step(policy, traj, K, reduction=reduction, detach_unconditional=True).log_prob

@@ -71,7 +71,7 @@ def epoch(n: int = 8, group_size: int = 4, steps: int = 4, batch_size: int = 4, 
     traj = Trajectory(latents=torch.randn(n, steps + 1, 2, 4, 4), timesteps=torch.arange(steps, 0, -1) * 100,
                       log_probs=torch.zeros(n, steps), trainable=torch.ones(steps, dtype=torch.bool),
                       prompt_embeds=PromptEmbeds(torch.randn(n, 3, 8)), images=None,
-                      prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, eta=1.0)
+                      prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, noise=1.0)
     return OnlineEpoch(traj, torch.randn(n) if advantages is None else advantages,
                        torch.arange(n) // group_size, group_size, torch.ones(1), seed=0, epoch=0,
                        batch_size=batch_size, updates=updates, inner_epochs=inner, num_processes=1, split="groups",

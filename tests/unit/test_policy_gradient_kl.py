@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import step_sampler
 from test_clip_binding import PROMPTS, K, policy_for, with_ratios
 
 from diffalign.objectives.policy_gradient import ClippedPolicyGradient, TransitionUnit
@@ -24,9 +25,10 @@ from diffalign.samplers.rollout import recompute_step, rollout
 BETA_KL = 0.3
 
 
-def fresh_rollout(policy, eta, **kwargs):
+def fresh_rollout(policy, eta, sde_type=None):
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    return rollout(policy, PROMPTS[:4], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens, **kwargs)
+    sampler = step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta, sde_type=sde_type)
+    return rollout(policy, PROMPTS[:4], sampler, generator=gens)
 
 
 def released_kl(policy, traj, form: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import step_sampler
 
 from diffalign.methods import OnlineEpoch
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -22,8 +23,8 @@ PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a blue squar
 def policy_and_rollout():
     policy = build_tiny_random_policy(seed=0)
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=4.5, eta=1.0, generator=gens,
-                   reduction="per_position")
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=1.0),
+                   generator=gens, reduction="per_position")
     return policy, traj
 
 

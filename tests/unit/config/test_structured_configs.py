@@ -56,7 +56,11 @@ def test_schema_fields_mirror_the_components_init(group, name):
 @pytest.mark.parametrize("group,name", OPTIONS)
 def test_yaml_options_extend_their_schema_and_set_only_what_differs(group, name):
     raw = yaml.safe_load((Path(CONFIG_DIR) / group / f"{name}.yaml").read_text())
-    assert raw["defaults"] == [f"/schema/{group}/{name}@_here_", "_self_"]
+    first, *nested, last = raw["defaults"]
+    assert (first, last) == (f"/schema/{group}/{name}@_here_", "_self_")
+    # between them only nodes of another group placed under a field of the schema (data.sampler: /sampler@sampler)
+    assert all(len(entry) == 1 and next(iter(entry)).split("@")[1] in defaults(schema(group, name))
+               for entry in nested), nested
     schema_defaults = defaults(schema(group, name))
     for key, value in raw.items():
         if key != "defaults":

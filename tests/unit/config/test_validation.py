@@ -92,7 +92,7 @@ def train_cli(tmp_path, monkeypatch, capsys):
     (["trainer.cpu=maybe"], r"Value 'maybe' is not a valid bool.*\s+full_key: trainer.cpu"),
     (["recipe=tiny_ddpo", "sampler.guidance_scale=0.5"], r"sampler.guidance_scale must be a number >= 1, got 0.5"),
     (["eval.guidance_scale=0.5"], r"eval.guidance_scale must be a number >= 1, got 0.5"),
-    (["data.guidance_scale=0.5"], r"data.guidance_scale must be a number >= 1, got 0.5"),
+    (["data.sampler.guidance_scale=0.5"], r"data.sampler.guidance_scale must be a number >= 1, got 0.5"),
     (["recipe=tiny_ddpo", "sampler.eta=-0.1"], r"sampler.eta must be a number >= 0, got -0.1"),
     (["seed=-1"], r"seed must be an integer in \[0, 4294967295\], got -1"),
     ([f"seed={2**32}"], r"seed must be an integer in \[0, 4294967295\], got 4294967296"),
@@ -282,6 +282,8 @@ def test_a_preference_method_does_not_check_the_unused_samplers_family(tmp_path)
 def _leaves(node, prefix=""):
     for key, value in node.items():
         path = f"{prefix}.{key}" if prefix else key
+        if OmegaConf.is_interpolation(node, key):  # (e.g. method.sampler: ${sampler}, walked where it is defined)
+            continue
         if OmegaConf.is_dict(value):
             yield from _leaves(value, path)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import EveryOtherCorrect
+from conftest import EveryOtherCorrect, step_sampler
 
 from diffalign.data.failure_pairs import FailurePairs
 from diffalign.data.onpolicy import sample_seed
@@ -16,6 +16,9 @@ from diffalign.samplers.rollout import rollout
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 from diffalign.world.verifier import verify
+
+DDIM1 = {"name": "ddim", "num_inference_steps": 1, "eta": 0.0}  # the data's sampler (DDIM eta 0), with fewer steps
+DDIM2 = {"name": "ddim", "num_inference_steps": 2, "eta": 0.0}
 
 
 class NoCorrectness:
@@ -40,7 +43,7 @@ def policy():
 
 
 def test_losers_are_the_wrong_samples_and_winners_are_verified_renders(policy):
-    data = FailurePairs(num_prompts=3, samples_per_prompt=2, num_inference_steps=2, batch_size=4, seed=5,
+    data = FailurePairs(num_prompts=3, samples_per_prompt=2, sampler=DDIM2, batch_size=4, seed=5,
                         reward="judge")
     data.prepare(policy, {"judge": EveryOtherCorrect()})
     # jobs in order (prompt 0, sample 0), (0, 1), (1, 0), ...: every second one is judged wrong
@@ -52,13 +55,13 @@ def test_losers_are_the_wrong_samples_and_winners_are_verified_renders(policy):
         assert pair["prompt"] == data.rows[i]["prompt"] == rows[(i * len(rows)) // 3]["prompt"]
         # the loser is the policy's own sample for the documented seed, recomputed here on its own
         gen = torch.Generator().manual_seed(sample_seed(5, i, j))
-        image = rollout(policy, [pair["prompt"]], num_inference_steps=2, guidance_scale=4.0, eta=0.0,
-                        generator=[gen]).images[0].float()
+        image = rollout(policy, [pair["prompt"]],
+                        step_sampler(policy, num_inference_steps=2, guidance_scale=4.0, noise=0.0), generator=[gen]).images[0].float()
         assert torch.allclose(pair["image_l"], image, atol=1e-6)
         # the winner is a ground-truth render of the same prompt: the real verifier accepts it
         assert pair["image_w"].shape == (3, 32, 32)
         assert verify(_uint8(pair["image_w"]), data.rows[i]).correct
-    every = FailurePairs(num_prompts=3, samples_per_prompt=2, num_inference_steps=2, batch_size=4, seed=5,
+    every = FailurePairs(num_prompts=3, samples_per_prompt=2, sampler=DDIM2, batch_size=4, seed=5,
                          reward="judge", losers="all")
     every.prepare(policy, {"judge": EveryOtherCorrect()})  # the ablation: every sample a loser, verdicts ignored
     assert [(p["prompt_index"], p["sample_index"]) for p in every.pairs] == [(i, j) for i in range(3) for j in range(2)]
@@ -70,7 +73,7 @@ def test_losers_are_the_wrong_samples_and_winners_are_verified_renders(policy):
 
 def test_with_the_verifier_every_loser_fails_it_and_preparation_is_deterministic(policy):
     def make():
-        data = FailurePairs(num_prompts=4, samples_per_prompt=2, num_inference_steps=2, batch_size=8)
+        data = FailurePairs(num_prompts=4, samples_per_prompt=2, sampler=DDIM2, batch_size=8)
         data.prepare(policy, {"geneval_shapes": GenevalShapes()})
         return data
 
@@ -90,21 +93,21 @@ def test_bad_settings_name_the_field(policy, tmp_path):
         FailurePairs(samples_per_prompt=0)
     with pytest.raises(ValueError, match="data.losers"):
         FailurePairs(losers="worst")
-    with pytest.raises(ValueError, match="data.num_inference_steps"):
-        FailurePairs(num_inference_steps=0)
+    with pytest.raises(ValueError, match="data.sampler.num_inference_steps must be an integer >= 1, got 0"):
+        FailurePairs(sampler={"name": "ddim", "num_inference_steps": 0})
     txt = tmp_path / "dogs.txt"
     txt.write_text("a photo of a dog\n")
     with pytest.raises(ValueError, match="data.prompts=.*'include'"):
         FailurePairs(prompts=str(txt))
-    data = FailurePairs(num_prompts=1, samples_per_prompt=1, num_inference_steps=1)
+    data = FailurePairs(num_prompts=1, samples_per_prompt=1, sampler=DDIM1)
     with pytest.raises(ValueError, match="data.reward='geneval_shapes' is not among"):
         data.prepare(policy, {"other": AllCorrect()})
     with pytest.raises(RuntimeError, match="prepare"):
         len(data)
-    data = FailurePairs(num_prompts=1, samples_per_prompt=1, num_inference_steps=1, reward="plain")
+    data = FailurePairs(num_prompts=1, samples_per_prompt=1, sampler=DDIM1, reward="plain")
     with pytest.raises(ValueError, match="does not report per-sample correctness"):
         data.prepare(policy, {"plain": NoCorrectness()})
-    data = FailurePairs(num_prompts=1, samples_per_prompt=2, num_inference_steps=1, reward="easy")
+    data = FailurePairs(num_prompts=1, samples_per_prompt=2, sampler=DDIM1, reward="easy")
     with pytest.raises(ValueError, match="judged all 2 samples correct"):
         data.prepare(policy, {"easy": AllCorrect()})
 
@@ -115,7 +118,7 @@ def test_the_training_loop_refuses_fewer_pairs_than_one_batch(tmp_path):
     from diffalign.train.preference import train
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "data=failure_pairs", "data.num_prompts=2",
-                       "data.samples_per_prompt=1", "data.num_inference_steps=1", "data.losers=all", "trainer.batch_size=4",
+                       "data.samples_per_prompt=1", "data.sampler.num_inference_steps=1", "data.losers=all", "trainer.batch_size=4",
                        "trainer.max_steps=1", "trainer.log_with=none", "eval.enabled=false"])
     with pytest.raises(ValueError, match=r"holds 2 items, fewer than one global batch \(trainer.batch_size=4"):
         train(cfg)

@@ -209,8 +209,8 @@ def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(
     assert len(lines) == (4 + 2) * 2
     sampled = []
     original = generation_module.rollout
-    monkeypatch.setattr(generation_module, "rollout", lambda policy, prompts, **kw: (sampled.extend(prompts),
-                                                                                  original(policy, prompts, **kw))[1])
+    monkeypatch.setattr(generation_module, "rollout", lambda policy, prompts, sampler, **kw: (
+        sampled.extend(prompts), original(policy, prompts, sampler, **kw))[1])
     resumed = run("ev", KnownOutcomes())
     assert sampled == [rows[2]["prompt"]] * 2 + [rows[3]["prompt"]] * 2  # only ft's unfinished prompts
     assert resumed["variants"] == reference["variants"] and resumed["ft_vs_base"] == reference["ft_vs_base"]

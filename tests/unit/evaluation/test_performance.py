@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import perturb_lora_
+from conftest import perturb_lora_, step_sampler
 
 import diffalign.evaluation.evaluate as evaluate_module
 from diffalign.evaluation.evaluate import evaluate_policy
@@ -121,13 +121,13 @@ def test_rollout_skips_only_a_zero_adapter_unless_asked_to_fuse(monkeypatch):
 
         return Wrapped()
 
-    monkeypatch.setattr(sys.modules["diffalign.samplers.rollout"], "inference_lora", spy)
-    kwargs = {"num_inference_steps": 2, "guidance_scale": 2.0, "eta": 1.0}
-    a = rollout(policy, ["a red circle"], generator=torch.Generator().manual_seed(0), **kwargs)
+    monkeypatch.setattr(sys.modules["diffalign.samplers.base"], "inference_lora", spy)
+    sampler = step_sampler(policy, num_inference_steps=2, guidance_scale=2.0, noise=1.0)
+    a = rollout(policy, ["a red circle"], sampler, generator=torch.Generator().manual_seed(0))
     perturb_lora_(policy)
-    b = rollout(policy, ["a red circle"], generator=torch.Generator().manual_seed(0), **kwargs)
-    c = rollout(policy, ["a red circle"], generator=torch.Generator().manual_seed(0), fuse_lora=True, **kwargs)
-    rollout(policy, ["a red circle"], generator=torch.Generator().manual_seed(0), enable_grad=True, **kwargs)
+    b = rollout(policy, ["a red circle"], sampler, generator=torch.Generator().manual_seed(0))
+    c = rollout(policy, ["a red circle"], sampler, generator=torch.Generator().manual_seed(0), fuse_lora=True)
+    rollout(policy, ["a red circle"], sampler, generator=torch.Generator().manual_seed(0), enable_grad=True)
     assert seen == ["skipped", "unchanged", "fused"]  # no folding with gradients
     assert not torch.equal(a.images, b.images)
     torch.testing.assert_close(c.images, b.images, rtol=0, atol=1e-4)

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import compose_cfg, online_overrides
+from conftest import compose_cfg, online_overrides, step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
 from diffalign.models.flux import FluxFlowMatchScheduler, FluxPolicy, unpack_latents
@@ -48,8 +48,8 @@ def test_zero_noise_rollout_equals_flux_pipeline(variant):
         flow_shift = 3.0
     policy = FluxPolicy(pipe, height=32, width=32, flow_shift=flow_shift, max_sequence_length=MAX_LEN)
     w = 4.0 if variant == "true_cfg" else 3.5
-    traj = rollout(policy, PROMPTS, num_inference_steps=6, guidance_scale=w, eta=0.0, generator=_gens(),
-                   decode=True)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=6, guidance_scale=w, noise=0.0),
+                   generator=_gens(), decode=True)
     kwargs = {"true_cfg_scale": w, "negative_prompt": [""] * 2} if variant == "true_cfg" else {"guidance_scale": w}
     with policy.reference():  # a fresh LoRA is exactly zero, but compare against the bare transformer anyway
         packed = pipe(PROMPTS, height=32, width=32, num_inference_steps=6, generator=_gens(), output_type="latent",
@@ -169,8 +169,9 @@ def test_recomputed_log_probs_give_ratio_one_before_any_update(sde_type):
     policy = build_tiny_flux_policy(seed=0)
     _perturb(policy)
     prompts = ["a red circle", "a green triangle", "one yellow square"]
-    traj = rollout(policy, prompts, num_inference_steps=5, guidance_scale=3.5, eta=0.7 if sde_type == "flow_grpo"
-                   else 0.3, generator=_gens(3, 10), decode=False, sde_type=sde_type)
+    sampler = step_sampler(policy, num_inference_steps=5, guidance_scale=3.5,
+                           noise=0.7 if sde_type == "flow_grpo" else 0.3, sde_type=sde_type)
+    traj = rollout(policy, prompts, sampler, generator=_gens(3, 10), decode=False)
     assert traj.trainable[:-1].all()
     with torch.no_grad():
         new = recompute_log_probs(policy, traj, range(5))
@@ -188,8 +189,8 @@ def test_saved_lora_loads_in_flux_pipeline_and_reproduces_the_policy(tmp_path):
     the policy's own zero-noise samples, which differ from the base model's."""
     policy = build_tiny_flux_policy(seed=3)
     _perturb(policy, 0.2)
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=3.5, eta=0.0, generator=_gens(),
-                   decode=False)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=3.5, noise=0.0),
+                   generator=_gens(), decode=False)
     policy.save_lora_weights(tmp_path / "final")
     pipe = build_tiny_flux_pipeline(seed=3)
     call = {"height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 3.5, "output_type": "latent",
@@ -360,7 +361,10 @@ def test_real_size_flux_recipes_compose_and_validate(recipe, tmp_path):
     ViPO's DINOv2 folder replaced by the bundled backbone); their FLUX settings: Flow-GRPO's guidance 3.5 and 6 SDE
     steps, ViPO's fixed shift 3 with DanceGRPO's SDE, DiffusionNFT CFG-free with the embedded guidance fixed."""
     from diffalign.config.validation import validate_train_config
-    from diffalign.samplers.configs import noise_scale
+    from diffalign.samplers.base import build_sampler
+
+    def noise_scale(node):
+        return build_sampler(node).noise
 
     extra = ["method.backbone=tiny_clip"] if recipe == "vipo_flux" else []
     cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}", "online.prompts=heldout", *extra])

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CHILD_ENV, compose_cfg, online_overrides, perturb_lora_, smoke_overrides
+from conftest import CHILD_ENV, compose_cfg, online_overrides, perturb_lora_, smoke_overrides, step_sampler
 from diffusers import DDIMScheduler, StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
@@ -107,8 +107,8 @@ def test_guided_ddim_rollout_equals_the_sdxl_pipelines_own_sampling(prediction_t
     with torch.no_grad():
         expected = pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=3.0, latents=latents.clone(),
                         output_type="latent").images
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=3.0, eta=0.0, latents=latents.clone(),
-                   decode=False)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=3.0, noise=0.0),
+                   latents=latents.clone(), decode=False)
     torch.testing.assert_close(traj.latents[:, -1], expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(expected, latents, atol=1e-2)
 

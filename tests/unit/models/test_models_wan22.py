@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_cfg, online_overrides
+from conftest import compose_cfg, online_overrides, step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.models.tiny_video import build_tiny_wan22_pipeline, build_tiny_wan22_policy
@@ -34,7 +34,8 @@ def test_zero_noise_rollout_equals_the_two_expert_wan_pipeline(guidance_scale_2)
     pipe = build_tiny_wan22_pipeline(seed=0, boundary_ratio=0.6)
     policy = WanPolicy(pipe, num_frames=9, lora_rank=4, max_sequence_length=16, guidance_scale_2=guidance_scale_2)
     noise = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=3.0, eta=0.0, latents=noise, decode=False)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=3.0, noise=0.0),
+                   latents=noise, decode=False)
     t = traj.timesteps
     assert (t >= 600).any() and (t < 600).any()  # both experts take part
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=policy.scheduler.config.shift)
@@ -45,8 +46,8 @@ def test_zero_noise_rollout_equals_the_two_expert_wan_pipeline(guidance_scale_2)
     # and it is not the one-expert result
     policy_one = WanPolicy(build_tiny_wan22_pipeline(seed=0, boundary_ratio=0.0), num_frames=9, lora_rank=4,
                            max_sequence_length=16, guidance_scale_2=guidance_scale_2)
-    one = rollout(policy_one, PROMPTS, num_inference_steps=4, guidance_scale=3.0, eta=0.0, latents=noise,
-                  decode=False)
+    one = rollout(policy_one, PROMPTS, step_sampler(policy_one, num_inference_steps=4, guidance_scale=3.0, noise=0.0),
+                  latents=noise, decode=False)
     assert (one.latents[:, -1] - traj.latents[:, -1]).abs().max() > 1e-3
 
 
@@ -109,7 +110,8 @@ def test_recomputed_log_probs_give_ratio_one_across_the_boundary():
     policy = build_tiny_wan22_policy()
     _perturb(policy, 0.05)
     gens = [torch.Generator().manual_seed(10 + i) for i in range(2)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=3.0, eta=0.7, generator=gens, decode=False)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=3.0, noise=0.7),
+                   generator=gens, decode=False)
     with torch.no_grad():
         new = recompute_log_probs(policy, traj, range(4))
     ratio = torch.exp(new - traj.log_probs)

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import sd15_alphas_cumprod_f64
+from conftest import sd15_alphas_cumprod_f64, step_sampler
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
@@ -196,7 +196,8 @@ def test_saved_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path, perturb_lora
     policy.save_lora_weights(tmp_path)
     assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
     kwargs = {"num_inference_steps": 4, "guidance_scale": 4.0, "eta": 0.0}
-    ours = rollout(policy, PROMPTS, generator=[torch.Generator().manual_seed(s) for s in (0, 1)], **kwargs).images
+    ours = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.0, noise=0.0),
+                   generator=[torch.Generator().manual_seed(s) for s in (0, 1)]).images
 
     fresh = build_tiny_random_pipeline(seed=0)
     pipe = StableDiffusionPipeline(**fresh.components)

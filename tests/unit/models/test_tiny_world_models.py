@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import step_sampler
 
 from diffalign.config.compose import asset_path
 
@@ -45,7 +46,8 @@ def test_shipped_flow_pipeline_loads_and_the_policy_matches_it():
     expected = pipe(prompts, num_inference_steps=4, output_type="pt", generator=gens, max_sequence_length=8).images
     policy = StableDiffusion3Policy.from_pretrained(asset_path("tiny_sd3"), load_t5=False, max_sequence_length=8)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    out = rollout(policy, prompts, num_inference_steps=4, guidance_scale=7.0, eta=0.0, generator=gens).images
+    out = rollout(policy, prompts, step_sampler(policy, num_inference_steps=4, guidance_scale=7.0, noise=0.0),
+                  generator=gens).images
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # pipeline default CFG is 7.0
 
 
@@ -150,8 +152,8 @@ def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     rows = load_prompts("video_heldout")[::3][:8]
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
     with torch.no_grad():
-        traj = rollout(policy, [r["prompt"] for r in rows], num_inference_steps=20, guidance_scale=4.0, eta=0.0,
-                       generator=gens)
+        traj = rollout(policy, [r["prompt"] for r in rows],
+                       step_sampler(policy, num_inference_steps=20, guidance_scale=4.0, noise=0.0), generator=gens)
     assert traj.images.shape == (8, 8, 3, 32, 32)
     out = VideoMotion()(traj.images, [r["prompt"] for r in rows], rows)
     identity_failures = sum(any(f.startswith("identity") for f in fails) for fails in out.info["failed"])

@@ -9,6 +9,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
+from conftest import step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.models.tiny_video import build_tiny_t2v_policy, build_tiny_wan_pipeline, build_tiny_wan_policy
@@ -28,8 +29,8 @@ def build(family):
 def test_a_video_rollout_keeps_its_batch_axis_and_export_writes_one_file_per_video(family, tmp_path):
     policy, eta = build(family)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
-                   reduction="per_position")
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta),
+                   generator=gens, reduction="per_position")
     c, f_lat, h, w = policy.latent_shape
     frames = policy.num_frames
     assert traj.latents.shape == (3, 4, c, f_lat, h, w)
@@ -52,7 +53,8 @@ def test_wan_euler_rollout_equals_the_wan_pipeline():
     pipe = build_tiny_wan_pipeline(seed=0)
     policy = WanPolicy(pipe, num_frames=9, lora_rank=4, max_sequence_length=16)
     noise = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
-    traj = rollout(policy, PROMPTS[:2], num_inference_steps=4, guidance_scale=3.0, eta=0.0, latents=noise)
+    traj = rollout(policy, PROMPTS[:2], step_sampler(policy, num_inference_steps=4, guidance_scale=3.0, noise=0.0),
+                   latents=noise)
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=policy.scheduler.config.shift)
     out = pipe(prompt=PROMPTS[:2], height=32, width=32, num_frames=9, num_inference_steps=4, guidance_scale=3.0,
                latents=noise.clone(), output_type="latent", max_sequence_length=16).frames
@@ -91,8 +93,8 @@ def test_video_lora_saves_loads_and_the_reference_disables_it(family, tmp_path):
 def test_vipo_maps_on_video_latent_grids(family):
     policy, eta = build(family)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=2, guidance_scale=4.5, eta=eta, generator=gens,
-                   reduction="per_position")
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=2, guidance_scale=4.5, noise=eta),
+                   generator=gens, reduction="per_position")
     vipo = ViPO()
     adv = torch.tensor([1.0, -2.0, 0.5])
     vipo.prepare_epoch(policy, traj, adv)
@@ -148,8 +150,8 @@ def test_seppo_accepts_video_latents(family):
     latents = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
     batch = WinnerBatch(latents, PROMPTS[:2], policy.encode_prompts(PROMPTS[:2], do_classifier_free_guidance=False),
                         torch.arange(2))
-    seppo = SePPO(beta=5000.0, aaf_mode="sign", sample_num_inference_steps=2, sample_guidance_scale=2.0,
-                  sample_eta=0.0)
+    seppo = SePPO(beta=5000.0, aaf_mode="sign",
+                  sampler=step_sampler(policy, num_inference_steps=2, guidance_scale=2.0, noise=0.0))
     loss, _ = seppo(policy, batch, generator=torch.Generator().manual_seed(0), reference=pool)
     assert loss.item() == pytest.approx(math.log(2.0), abs=1e-5)
     loss.backward()
@@ -245,8 +247,8 @@ def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.denoiser.modules())
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     policy.denoiser.eval()
-    traj = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=1.0, generator=gens,
-                   reduction="per_position")
+    traj = rollout(policy, PROMPTS[:2], step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=1.0),
+                   generator=gens, reduction="per_position")
     policy.denoiser.train()  # as the online loop recomputes
     for k in range(3):
         step = recompute_step(policy, traj, k, reduction="per_position")

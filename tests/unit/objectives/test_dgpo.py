@@ -11,7 +11,9 @@ from diffalign.objectives.common import per_sample_mse
 from diffalign.objectives.dgpo import DGPO, group_noise, select_train_timesteps
 from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.reference.old_policy import EmaRolloutPolicy
+from diffalign.samplers.flow_sde import FlowSDESampler
 from diffalign.samplers.groups import group_initial_noise, group_rollout
+from diffalign.samplers.ode import DPMSolverSampler
 from diffalign.types import GroupBatch
 
 
@@ -95,19 +97,18 @@ def test_initial_noise_shared_inside_a_group_only_and_rollouts_reproduce_bit_for
     assert not any(torch.equal(a, b) for a in independent for b in other)
 
     policy = build_tiny_flow_policy(seed=0)
-    kwargs = {"group_indices": [5, 6], "seed": 1, "epoch": 3, "num_inference_steps": 3, "guidance_scale": 2.0}
-    a, ids = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
-                           rollout_batch_size=4, **kwargs)
-    b, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
-                         rollout_batch_size=4, **kwargs)
+    kwargs = {"group_indices": [5, 6], "seed": 1, "epoch": 3}
+    sde = FlowSDESampler(num_inference_steps=3, guidance_scale=2.0, noise_level=0.7)
+    a, ids = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler=sde, rollout_batch_size=4, **kwargs)
+    b, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler=sde, rollout_batch_size=4, **kwargs)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
     # another chunking draws the same noise streams; only float rounding of the batched forward differs
-    e, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="flow_sde", noise_level=0.7,
-                         rollout_batch_size=1, **kwargs)
+    e, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler=sde, rollout_batch_size=1, **kwargs)
     torch.testing.assert_close(e.latents, a.latents, rtol=1e-4, atol=1e-4)
     assert ids.tolist() == [5, 5, 6, 6]
-    c, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_ode", **kwargs)
-    d, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler="dpm_ode", **kwargs)
+    ode = DPMSolverSampler(num_inference_steps=3, guidance_scale=2.0)
+    c, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler=ode, **kwargs)
+    d, _ = group_rollout(policy, ["a red circle", "a blue square"], 2, sampler=ode, **kwargs)
     assert torch.equal(c.latents, d.latents)
 
 

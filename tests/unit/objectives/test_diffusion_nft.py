@@ -223,7 +223,7 @@ def _epoch(n=8, group_size=4, steps=10, batch_size=4, updates=2, inner=1) -> Onl
     traj = Trajectory(latents=torch.randn(n, steps + 1, 2, 4, 4), timesteps=torch.linspace(1000, 100, steps),
                       log_probs=torch.zeros(n, steps), trainable=torch.zeros(steps, dtype=torch.bool),
                       prompt_embeds=PromptEmbeds(torch.randn(n, 3, 8)), images=None,
-                      prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, eta=0.0)
+                      prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, noise=0.0)
     return OnlineEpoch(traj, torch.randn(n), torch.arange(n) // group_size, group_size, torch.ones(1), seed=0,
                        epoch=0, batch_size=batch_size, updates=updates, inner_epochs=inner, num_processes=1,
                        split="groups", note=print)

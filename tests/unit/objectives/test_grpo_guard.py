@@ -113,7 +113,7 @@ def test_loss_and_gradient_weights_match_the_hand_computation(monkeypatch, clip_
                       log_probs=torch.zeros(B, 3).index_put_((torch.arange(B), torch.full((B,), k)),
                                                                _gaussian_mean_log_prob(x_next, mu_old, s)),
                       trainable=torch.ones(3, dtype=torch.bool), prompt_embeds=None, images=None, prompts=[""] * B,
-                      guidance_scale=4.5, eta=0.7, sigmas=sigmas, sampler="flow_sde")
+                      guidance_scale=4.5, noise=0.7, sigmas=sigmas, sampler="flow_sde")
     _fake_step(monkeypatch, new_mean, x_next, s)
     method = GRPOGuard(clip_range=clip_range, beta_kl=0.0)
     loss, metrics = method(None, traj, adv, k, old_mean=mu_old)
@@ -148,7 +148,7 @@ def test_without_ratio_norm_and_reweighting_it_is_flow_grpo(monkeypatch):
     traj = Trajectory(latents=torch.zeros(B, 3, 4), timesteps=sigmas[:2] * 1000,
                       log_probs=torch.stack([_gaussian_mean_log_prob(x_next, mu_old, s)] * 2, 1),
                       trainable=torch.ones(2, dtype=torch.bool), prompt_embeds=None, images=None, prompts=[""] * B,
-                      guidance_scale=1.0, eta=0.7, sigmas=sigmas, sampler="flow_sde")
+                      guidance_scale=1.0, noise=0.7, sigmas=sigmas, sampler="flow_sde")
     _fake_step(monkeypatch, new_mean, x_next, s)
     adv = torch.tensor([1.0, -1.0, 0.5])
     loss, _ = GRPOGuard(clip_range=1e6, beta_kl=0.0, ratio_norm=False, grad_reweight="none")(None, traj, adv, 0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import step_sampler
 from safetensors.torch import load_file
 
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -26,7 +27,7 @@ from diffalign.types import PreferenceBatch, WinnerBatch
 
 LN2 = math.log(2.0)
 PROMPTS = ["a red circle", "two blue squares"]
-SAMPLE = {"sample_num_inference_steps": 3, "sample_guidance_scale": 2.0, "sample_eta": 0.0}
+SAMPLE = {"sampler": {"name": "ddim", "num_inference_steps": 3, "guidance_scale": 2.0, "eta": 0.0}}
 
 
 def winner_batch(policy, prompts=PROMPTS, seed: int = 0) -> WinnerBatch:
@@ -96,9 +97,9 @@ def test_anchor_flip_ties_and_modes():
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"beta": 0}, "method.beta"), ({"aaf_mode": "flip"}, "method.aaf_mode"), ({"aaf_tie": "x"}, "method.aaf_tie"),
-    ({"timestep_min": 10, "timestep_max": 5}, "method.timestep_max"), ({"sample_eta": -1}, "method.sample_eta"),
-    ({"sample_num_inference_steps": 0}, "method.sample_num_inference_steps"),
-    ({"sample_guidance_scale": 0.5}, "method.sample_guidance_scale"), ({"sample_cache": "id"}, "method.sample_cache"),
+    ({"timestep_min": 10, "timestep_max": 5}, "method.timestep_max"), ({"sampler": {"name": "ddim", "eta": -1}}, "sampler.eta"),
+    ({"sampler": {"name": "ddim", "num_inference_steps": 0}}, "sampler.num_inference_steps"),
+    ({"sampler": {"name": "ddim", "guidance_scale": 0.5}}, "sampler.guidance_scale"), ({"sample_cache": "id"}, "method.sample_cache"),
 ])
 def test_bad_config_raises_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -132,7 +133,8 @@ def test_flipper_forced_to_plus_one_equals_diffusion_dpo_with_reference_sample_a
     # the first 8 bytes of SHA-256("sample_seed/version/prompt") (the documented seed; version 1 = first stage)
     seeds = [int.from_bytes(hashlib.sha256(f"7/1/{p}".encode()).digest()[:8], "little") & (2**63 - 1) for p in PROMPTS]
     with pool.use(policy):
-        trajectory = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=2.0, eta=0.0, decode=False,
+        trajectory = rollout(policy, PROMPTS,
+                             step_sampler(policy, num_inference_steps=3, guidance_scale=2.0, noise=0.0), decode=False,
                              generator=[torch.Generator().manual_seed(s) for s in seeds])
     pairs = PreferenceBatch(batch.latents_w, trajectory.latents[:, -1], batch.prompts, batch.prompt_embeds, batch.ids)
     loss_d, metrics_d = DiffusionDPO(beta=500.0)(policy, pairs, generator=torch.Generator().manual_seed(3),

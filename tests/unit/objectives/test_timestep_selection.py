@@ -36,7 +36,7 @@ def make_epoch(n: int = 8, group_size: int = 4, steps: int = 10, batch_size: int
     latents = torch.arange(n, dtype=torch.float32).reshape(n, 1, 1, 1, 1).expand(n, steps + 1, 1, 2, 2).clone()
     traj = Trajectory(latents=latents, timesteps=torch.arange(steps, 0, -1) * 100, log_probs=torch.zeros(n, steps),
                       trainable=torch.ones(steps, dtype=torch.bool), prompt_embeds=PromptEmbeds(torch.zeros(n, 3, 8)),
-                      images=None, prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, eta=1.0)
+                      images=None, prompts=[f"p{i // group_size}" for i in range(n)], guidance_scale=1.0, noise=1.0)
     return OnlineEpoch(traj, torch.zeros(n) if advantages is None else advantages, torch.arange(n) // group_size,
                        group_size, torch.ones(1), seed=seed, epoch=0, batch_size=batch_size, updates=updates,
                        inner_epochs=inner, num_processes=1, split="groups", note=print)

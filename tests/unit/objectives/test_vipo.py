@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import step_sampler
 
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -45,13 +46,13 @@ def perturb(policy, scale=0.05):
 def test_per_position_log_probs_sum_over_channels_only(family):
     policy, eta = policy_for(family)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    traj = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
-                   decode=False, reduction="per_position")
+    traj = rollout(policy, PROMPTS[:2], step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta),
+                   generator=gens, decode=False, reduction="per_position")
     grid = tuple(traj.latents.shape[3:])
     assert traj.log_probs.shape == (2, 3, *grid)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    summed = rollout(policy, PROMPTS[:2], num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
-                     decode=False, reduction="sum")
+    summed = rollout(policy, PROMPTS[:2], step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta),
+                     generator=gens, decode=False, reduction="sum")
     torch.testing.assert_close(traj.log_probs.sum(dim=(2, 3)), summed.log_probs, rtol=1e-5, atol=1e-3)
     with torch.no_grad():
         step = recompute_step(policy, traj, 1, reduction="per_position")
@@ -195,7 +196,8 @@ def test_all_ones_map_with_scalar_reduction_equals_grpo_exactly(family):
     policy, eta = policy_for(family)
     perturb(policy)
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=4.5, eta=eta, generator=gens)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta),
+                   generator=gens)
     perturb(policy, 0.01)  # θ ≠ θ_old so the ratio and the clip are active
     adv = torch.tensor([1.2, -0.7, 0.3, -2.0])
     grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=0.0, detach_unconditional=True)
@@ -218,8 +220,8 @@ def test_all_ones_map_with_scalar_reduction_equals_grpo_exactly(family):
 def test_per_position_objective_before_any_update_is_minus_the_mean_advantage_map(family):
     policy, eta = policy_for(family)
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    traj = rollout(policy, PROMPTS, num_inference_steps=3, guidance_scale=4.5, eta=eta, generator=gens,
-                   reduction="per_position")
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta),
+                   generator=gens, reduction="per_position")
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     vipo = ViPO(clip_range=1e-4)
     vipo.prepare_epoch(policy, traj, adv)
@@ -234,7 +236,8 @@ def test_per_position_objective_before_any_update_is_minus_the_mean_advantage_ma
 def test_scalar_weighted_uses_the_mean_of_the_clipped_advantage_map():
     policy, eta = policy_for("flow")
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    traj = rollout(policy, PROMPTS[:2], num_inference_steps=2, guidance_scale=1.0, eta=eta, generator=gens)
+    traj = rollout(policy, PROMPTS[:2], step_sampler(policy, num_inference_steps=2, guidance_scale=1.0, noise=eta),
+                   generator=gens)
     vipo = ViPO(reduction="scalar_weighted")
     adv = torch.tensor([3.0, -3.0])
     vipo.prepare_epoch(policy, traj, adv)
@@ -274,10 +277,10 @@ def test_vipo_runs_in_the_online_loop(case, tmp_path):
 def test_vipo_recipes_compose(recipe, tmp_path):
     from conftest import compose_cfg
 
-    from diffalign.samplers.configs import noise_scale
+    from diffalign.samplers.base import build_sampler
 
     cfg = compose_cfg([f"recipe={recipe}", f"output_dir={tmp_path}"])
-    assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and noise_scale(cfg.sampler) > 0
+    assert cfg.method._target_ == "diffalign.objectives.vipo.ViPO" and build_sampler(cfg.sampler).noise > 0
     assert cfg.online.shared_initial_noise and cfg.method.clip_range == 1e-4 and cfg.method.timestep_fraction == 0.6
     assert cfg.method.smoothing_padding == "reflect" and cfg.method.smoothing_truncate == 4.0  # scipy's defaults
     if recipe == "tiny_vipo_image":
@@ -294,8 +297,9 @@ def test_per_reward_advantages_give_the_weighted_sum_of_single_reward_losses(red
     perturb(policy)
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     log_red = "per_position" if reduction == "per_position" else "mean"
-    traj = rollout(policy, PROMPTS, num_inference_steps=4, guidance_scale=4.5, eta=eta, generator=gens,
-                   reduction=log_red, sde_type="dance")
+    traj = rollout(policy, PROMPTS,
+                   step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta, sde_type="dance"),
+                   generator=gens, reduction=log_red)
     perturb(policy, 0.01)
     adv = torch.tensor([[1.2, -0.3], [-0.7, 0.8], [0.3, 0.1], [-2.0, 1.5]])
     coefficients = torch.tensor([1.0, 0.5])

@@ -273,7 +273,7 @@ def test_reference_unchanged_and_disjoint_from_the_policy_after_three_steps(pert
     pool.setup(policy)
     policy.unet.train()
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
-    objective = SePPO(beta=5000.0, sample_num_inference_steps=2, sample_guidance_scale=2.0)
+    objective = SePPO(beta=5000.0, sampler={"name": "ddim", "num_inference_steps": 2, "guidance_scale": 2.0, "eta": 0.0})
     gen = torch.Generator().manual_seed(0)
     prompts = ["a red circle", "two blue squares"]
     batch = WinnerBatch(torch.randn((2, *policy.latent_shape), generator=gen), prompts,

@@ -44,6 +44,7 @@ from diffalign.rewards.http import (
 )
 from diffalign.rewards.reward_set import CheckedReward, ChunkScorer, WeightedSum
 from diffalign.rewards.server import RewardServer, ServerLimits, main, parse_overrides
+from diffalign.samplers.base import build_sampler
 from diffalign.types import RewardOutput
 from diffalign.world.prompts import load_prompts
 from diffalign.world.render import caption, corrupt_spec, render_spec, to_tensor
@@ -355,7 +356,7 @@ def test_chunk_scorer_equals_one_weighted_sum_call_on_the_whole_epoch(serve):
 def test_on_policy_data_judged_by_a_server_equal_the_in_process_data(serve, tiny_policy):
     """The preference loop's data preparation sends batch k while sampling batch k + 1; the data are the same."""
     rows = load_prompts("train")[:3]
-    sampler = {"num_inference_steps": 2, "guidance_scale": 1.0, "eta": 0.0}
+    sampler = build_sampler({"name": "ddim", "num_inference_steps": 2, "guidance_scale": 1.0, "eta": 0.0})
     local = sample_and_judge(tiny_policy, rows, 2, GenevalShapes(), sampler=sampler, batch_size=4, seed=0)
     served = serve(GenevalShapes())
     remote = sample_and_judge(tiny_policy, rows, 2, CheckedReward("judge", HttpReward(served.url, max_batch_size=2)),

@@ -80,7 +80,7 @@ def test_nan_reward_stops_a_two_step_run_with_a_loadable_checkpoint(tmp_path):
     assert python_function.register_python_reward(spec) == "nan_on_second_row"
     cfg = compose_cfg(base_overrides(tmp_path) + [
         f"reward=[{spec}]", "data=ranked_pairs", "data.num_prompts=2", "data.samples_per_prompt=2",
-        "data.num_inference_steps=2", "data.batch_size=4", "data.reward=nan_on_second_row"])
+        "data.sampler.num_inference_steps=2", "data.batch_size=4", "data.reward=nan_on_second_row"])
     assert cfg.reward.nan_on_second_row.function == "test_reward_failures:nan_on_second_row"
     validate_train_config(cfg)
     from diffalign.train.preference import train

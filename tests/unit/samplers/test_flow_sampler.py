@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.models.tiny_flow import TINY_MAX_SEQUENCE_LENGTH, build_tiny_flow_pipeline, build_tiny_flow_policy
@@ -67,7 +68,8 @@ def test_flow_rollout_with_zero_noise_equals_the_sd3_pipeline():
     policy = StableDiffusion3Policy(pipe, lora_rank=4, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
     prompts = ["a red circle", "two blue squares"]
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    traj = rollout(policy, prompts, num_inference_steps=6, guidance_scale=4.5, eta=0.0, generator=gens, decode=False)
+    traj = rollout(policy, prompts, step_sampler(policy, num_inference_steps=6, guidance_scale=4.5, noise=0.0),
+                   generator=gens, decode=False)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     with policy.reference():  # a fresh LoRA is exactly zero, but compare against the bare transformer anyway
         expected = pipe(prompts, num_inference_steps=6, guidance_scale=4.5, generator=gens, output_type="latent",
@@ -78,7 +80,7 @@ def test_flow_rollout_with_zero_noise_equals_the_sd3_pipeline():
 
 @pytest.mark.parametrize("family", ["flow", "dance", "ddim"])
 def test_recomputed_log_probs_give_ratio_one_before_any_update(family):
-    kwargs = {"sde_type": "dance"} if family == "dance" else {}
+    sde_type = "dance" if family == "dance" else None
     if family in ("flow", "dance"):
         policy, eta = build_tiny_flow_policy(seed=0), 0.7 if family == "flow" else 0.3
     else:
@@ -90,8 +92,9 @@ def test_recomputed_log_probs_give_ratio_one_before_any_update(family):
         for p in policy.trainable_parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
-    traj = rollout(policy, ["a red circle", "a green triangle", "one yellow square"], num_inference_steps=5,
-                   guidance_scale=4.5, eta=eta, generator=gens, decode=False, **kwargs)
+    sampler = step_sampler(policy, num_inference_steps=5, guidance_scale=4.5, noise=eta, sde_type=sde_type)
+    traj = rollout(policy, ["a red circle", "a green triangle", "one yellow square"], sampler, generator=gens,
+                   decode=False)
     assert traj.sampler == {"flow": "flow_sde", "dance": "dance_sde", "ddim": "ddim"}[family]
     with torch.no_grad():
         new = recompute_log_probs(policy, traj, range(5))
@@ -108,7 +111,7 @@ def test_ode_rollouts_are_deterministic_and_flag_no_log_probs():
     noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     a = ode_rollout(policy, ["a red circle"] * 2, num_inference_steps=4, solver="dpm_solver", latents=noise)
     b = ode_rollout(policy, ["a red circle"] * 2, num_inference_steps=4, solver="dpm_solver", latents=noise)
-    assert torch.equal(a.latents, b.latents) and a.sampler == "dpm_solver" and not a.trainable.any()
+    assert torch.equal(a.latents, b.latents) and a.sampler == "dpm_ode" and not a.trainable.any()
     assert a.images.shape == (2, 3, 32, 32) and 0 <= a.images.min() and a.images.max() <= 1
     with pytest.raises(ValueError, match="deterministic"):
         recompute_log_probs(policy, a, [0])
@@ -121,15 +124,15 @@ def test_dance_sde_step_by_hand():
     hand: x̂₀ = 1 − 0.5·0.5 = 0.75; g = −(1 − 0.5·0.75)/0.25 = −2.5; Δ = −0.25;
     μ = 1 + (−0.25)(0.5) − ½(0.09)(−2.5)(−0.25) = 0.846875; s = 0.3·sqrt(0.25) = 0.15."""
     x, v = torch.ones(1, 1, 1, 1), torch.full((1, 1, 1, 1), 0.5)
-    out = dance_sde_step(v, 0.5, 0.25, x, eta=0.3, prev_sample=torch.full((1, 1, 1, 1), 0.846875 + 0.15))
+    out = dance_sde_step(v, 0.5, 0.25, x, noise_level=0.3, prev_sample=torch.full((1, 1, 1, 1), 0.846875 + 0.15))
     assert out.mean.item() == pytest.approx(0.846875, abs=1e-6)
     assert float(out.std) == pytest.approx(0.15, abs=1e-7)
     # one standard deviation from the mean: −½ − log 0.15 − ½ log 2π
     assert out.log_prob.item() == pytest.approx(-0.5 - math.log(0.15) - 0.5 * math.log(2 * math.pi), abs=1e-5)
     with pytest.raises(ValueError, match="sigma_next < sigma"):
-        dance_sde_step(v, 0.25, 0.5, x, eta=0.3)
+        dance_sde_step(v, 0.25, 0.5, x, noise_level=0.3)
     with pytest.raises(ValueError, match="sigma > 0"):
-        dance_sde_step(v, 0.0, 0.0, x, eta=0.3)
+        dance_sde_step(v, 0.0, 0.0, x, noise_level=0.3)
 
 
 def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
@@ -140,7 +143,7 @@ def test_dance_sde_step_with_zero_eta_equals_flow_match_euler_step():
     v = torch.randn(2, 4, 8, 8, generator=gen)
     for i, t in enumerate(scheduler.timesteps):
         expected = scheduler.step(v, t, x, return_dict=False)[0]
-        out = dance_sde_step(v, scheduler.sigmas[i], scheduler.sigmas[i + 1], x, eta=0.0)
+        out = dance_sde_step(v, scheduler.sigmas[i], scheduler.sigmas[i + 1], x, noise_level=0.0)
         torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)
         assert torch.all(out.log_prob == 0)
 
@@ -151,8 +154,9 @@ def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
     from diffalign.config.validation import validate_train_config
     from diffalign.models.tiny_random import build_tiny_random_policy
 
-    with pytest.raises(ValueError, match="sde_type='dance' is a flow-matching SDE"):
-        rollout(build_tiny_random_policy(seed=0), ["a red circle"], num_inference_steps=2, sde_type="dance")
+    with pytest.raises(ValueError, match="sampler=dance_sde steps rectified-flow models, but the policy is an eps"):
+        rollout(build_tiny_random_policy(seed=0), ["a red circle"],
+                step_sampler(build_tiny_random_policy(seed=0), num_inference_steps=2, sde_type="dance"))
     with pytest.raises(ValueError, match="sampler.model_family=flow.* is an eps/v-prediction model"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_random", "method=vipo",
                                            "sampler=dance_sde"]))
