@@ -27,7 +27,7 @@ def check_reward_overrides(argv: list[str]) -> None:
         ValueError: naming the unknown reward(s) and listing the installed ones.
         ImportError: a ``python:`` reward cannot be imported.
     """
-    from diffalign.config.registry import REWARD_GROUPS, entry_point_configs
+    from diffalign.config.registry import REWARD_GROUPS, reward_names
     from diffalign.rewards.python_function import PREFIX, load_function, register_python_reward
 
     for arg in argv:
@@ -35,16 +35,16 @@ def check_reward_overrides(argv: list[str]) -> None:
         if not sep or key.lstrip("+~") not in REWARD_GROUPS:
             continue
         names = [n.strip() for n in value.strip().strip("[]").split(",") if n.strip()]
-        known = sorted(entry_point_configs("diffalign.rewards"))
+        known = reward_names()
         for name in names:
             if name.startswith(PREFIX):
                 load_function(name)
                 register_python_reward(name)
         unknown = [n for n in names if n not in known and not n.startswith(PREFIX)]
         if unknown:
-            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; installed rewards (entry-point "
-                             f"group diffalign.rewards): {known}. Select e.g. reward=[{known[0]}], or a one-off "
-                             "function with reward=[python:<module>:<function>]")
+            raise ValueError(f"{key.lstrip('+~')}={value}: unknown reward(s) {unknown}; the rewards "
+                             f"(diffalign's and the entry-point group diffalign.rewards'): {known}. Select e.g. "
+                             f"reward=[{known[0]}], or a one-off function with reward=[python:<module>:<function>]")
 
 
 def _command_line_overrides() -> list[str]:
@@ -63,7 +63,7 @@ def _train_main(cfg: DictConfig) -> None:
 
     overrides = _command_line_overrides()
     try:
-        # every check once, before any model loads (old keys migrated, model.init_lora adopted; diffalign/train/prepare.py)
+        # every check once, before any model loads (model.init_lora adopted; diffalign/train/prepare.py)
         check_run(cfg, overrides, explicit_model_keys=command_line_model_keys())
         online = is_online(cfg)
     except (ValueError, FileNotFoundError) as err:
@@ -194,8 +194,7 @@ def _adopt_run_model(cfg: DictConfig, folders: list, overrides: list[str]) -> No
 
 
 def _eval_main(cfg: DictConfig) -> None:
-    from diffalign.config.checks import boolean, check_top_level_keys
-    from diffalign.config.deprecation import migrate_config
+    from diffalign.config.checks import boolean, check_structured_keys, check_top_level_keys
     from diffalign.config.validation import (
         check_output_dir,
         check_reward_nodes,
@@ -207,7 +206,7 @@ def _eval_main(cfg: DictConfig) -> None:
 
     try:
         check_top_level_keys(cfg, train_config_keys("evaluate"), "evaluate.yaml")  # +output=..., +checkpont=...
-        migrate_config(cfg, _command_line_overrides())  # old config keys → new ones (diffalign.config.deprecation)
+        check_structured_keys(cfg)  # a key added with + that no structured node has
         check_output_dir(cfg.output_dir)
         for key in ("include_base", "report", "resume"):
             boolean(cfg, key, "")

@@ -2,7 +2,7 @@
 random scores?
 
 Composes a run's config as ``diffalign-train`` would (recipe + overrides; the set-up, epoch sampling and gradient are
-``diffalign.probes``, shared with ``scripts/probe_one_step.py``) and, at the base weights, for each of
+``experiments/probes.py``, shared with ``scripts/probe_one_step.py``) and, at the base weights, for each of
 ``--epochs`` epochs (the online loop's prompts and seeds of that epoch): samples the epoch's groups, scores them, and
 takes the method's gradient over every trained transition twice — with the group advantages of the real reward, and
 with those of random scores (standard normal per rollout, normalised in each group the same way). It prints the
@@ -34,7 +34,7 @@ def main() -> int:
     if args.epochs < 2:
         raise SystemExit(f"--epochs {args.epochs}: at least 2 epochs are needed to compare gradients")
 
-    from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
+    from probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
 
     try:
         setup = build_probe_setup(compose_run_config(args.overrides, "/tmp/gradient_consistency"))

@@ -31,7 +31,6 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from diffalign.config.compose import CONFIG_DIR, setup_hydra
-    from diffalign.config.deprecation import migrate_config
     from diffalign.evaluation.generation import EvalConfig, generate, select_prompts
     from diffalign.lora.initial import build_policy
     from diffalign.rewards.geneval_shapes import GenevalShapes
@@ -40,7 +39,6 @@ def main() -> None:
     setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/fragility", *args.overrides])
-    migrate_config(cfg, args.overrides)
     policy = build_policy(cfg)
     rows = select_prompts(load_prompts("heldout"), args.prompts_per_tag or None)
     ecfg = EvalConfig(num_inference_steps=20, guidance_scale=4.0, eta=0.0, batch_size=64)

@@ -237,13 +237,15 @@ def asset_path(name: str):
 
 
 def migrate_config(cfg) -> None:
-    """What the loop's `train` does first: old config keys moved to their new names."""
-    _first_import(("diffalign.config.deprecation", "migrate_config"), ("diffalign.config.deprecation", "migrate_config"))(cfg)
+    """What the loop's `train` does first: old config keys moved to their new names (before the deprecation layer was
+    removed), else keys no structured node has refused."""
+    _first_import(("diffalign.config.deprecation", "migrate_config"), ("diffalign.deprecation", "migrate_config"),
+                  ("diffalign.config.checks", "check_structured_keys"))(cfg)
 
 
 def warning_counts():
     """A fresh `WarningCounts` (what the loop's `train` hands every run)."""
-    return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.runtime.console", "WarningCounts"))()
+    return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.console", "WarningCounts"))()
 
 
 def compose_config(overrides: list[str]):

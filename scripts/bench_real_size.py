@@ -469,7 +469,6 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     from hydra import compose, initialize_config_dir
 
     from diffalign.config.compose import CONFIG_DIR, setup_hydra
-    from diffalign.config.deprecation import migrate_config
     from diffalign.config.validation import validate_train_config
     from diffalign.runtime.console import WarningCounts
     from diffalign.runtime.faults import StopSignals
@@ -484,7 +483,6 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    migrate_config(cfg, overrides)
     validate_train_config(cfg, overrides=overrides)
     row = {"model": model, "method": method, "dtype": dtype, "size": size, "recipe": METHODS[model][method],
            "loading": "in memory" if in_memory else "from_pretrained",

@@ -1,9 +1,9 @@
 """One-step probe of an online method: does its first update point uphill on the reward?
 
 Composes a run's config exactly as ``diffalign-train`` would (recipe + overrides), samples one epoch of groups as the
-online loop does (with the probe's own fixed prompt draw, ``diffalign.probes.PROMPT_DRAWS``), scores them, computes
-the group advantages and the method's loss over every trained transition, and takes its gradient g
-(``diffalign.probes``, shared with ``experiments/gradient_consistency.py``). Then it measures the mean reward of
+online loop does (with the probe's own fixed prompt draw, ``experiments/probes.py``, ``PROMPT_DRAWS``), scores them,
+computes the group advantages and the method's loss over every trained transition, and takes its gradient g
+(``experiments/probes.py``, shared with ``experiments/gradient_consistency.py``). Then it measures the mean reward of
 fixed probe samples (deterministic sampler, fixed seeds, the monitor's convention) after one step θ − lr·d along two
 directions, each with its opposite:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -41,7 +42,9 @@ def main() -> None:
     if any(lr <= 0 for lr in args.lrs):
         raise SystemExit(f"--lrs {args.lrs}: every learning rate must be > 0")
 
-    from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # experiments/probes.py
+    from probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
+
     from diffalign.samplers.rollout import family_sampler, rollout
     from diffalign.world.prompts import load_prompts
 
@@ -51,7 +54,7 @@ def main() -> None:
         raise SystemExit(f"probe_one_step.py: error: {err}") from None
     cfg = setup.cfg
     policy, reward, sp = setup.policy, setup.reward, cfg.sampler
-    # the probe's own prompt draw (docs' figures use it), not the online loop's: diffalign.probes.PROMPT_DRAWS
+    # the probe's own prompt draw (docs' figures use it), not the online loop's: PROMPT_DRAWS of experiments/probes.py
     traj, group_ids, scores, _ = sample_epoch(setup, args.epoch, draw="probe")
     advantages, stats = run_advantages(setup, scores, group_ids)
     print(f"rollouts: {len(scores)}, reward {float(scores.mean()):.4f} ± {float(scores.std()):.4f} (std); "

@@ -106,7 +106,7 @@ def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path):
 
 def test_safetensors_files_are_written_only_through_save_safetensors():
     """safetensors writes 0600 whatever the umask; `diffalign.runtime.files.save_safetensors` restores the umask's mode
-    (tests/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
+    (tests/integration/test_file_modes.py). A direct ``save_file`` elsewhere would bring private run files back."""
     direct = [f"{path.relative_to(PACKAGE.parent)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
               if path.name != "files.py" or path.parent.name != "runtime"
               for number, line in enumerate(path.read_text().splitlines(), 1)

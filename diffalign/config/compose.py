@@ -33,7 +33,8 @@ def setup_hydra() -> None:
     composing a config of ``CONFIG_DIR`` needs, done once before Hydra starts (idempotent)."""
     if not OmegaConf.has_resolver("diffalign_asset"):
         OmegaConf.register_new_resolver("diffalign_asset", asset_path)
-    # default run folders: one per launch, not per process (docs/guides/field_cases.md#one-run-folder-for-all-processes)
+    # default run folders: one per launch, not per process
+    # (docs/guides/field_cases.md#one-run-folder-for-all-processes)
     if not OmegaConf.has_resolver("launch_time"):
         from diffalign.runtime.launch import launch_time
 

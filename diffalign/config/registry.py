@@ -1,14 +1,20 @@
-"""Entry-point discovery for rewards, models and methods, fed into Hydra's `ConfigStore`.
+"""The config options of rewards, models and methods, fed into Hydra's `ConfigStore`: diffalign's own and those of
+third-party packages (Python entry points).
 
-An entry point's value is a config *dataclass* (cheap to import) whose ``_target_`` names the component class; the
-class's module is imported only when the component is instantiated. Built-in components register the same way
-(see ``pyproject.toml``). Call `register_configs()` once before composing a config.
+diffalign's own components register themselves from their own files, with no list to edit and no re-install: a method
+or a reward decorates its config dataclass with `diffalign.config.schemas.config_schema` (``("method", "dgpo")``,
+``("reward", "brightness")``), found by importing every module of its package (`diffalign.config.schemas.discover`).
+A third-party package adds its rewards, models and methods through the entry-point groups of `GROUPS`
+(``[project.entry-points."diffalign.rewards"]``); an entry point's value is a config *dataclass* (cheap to import)
+whose ``_target_`` names the component class, imported only when the component is instantiated. Call
+`register_configs()` once before composing a config.
 
 Every reward option gets two extra fields besides its config's: ``weight`` (float, default 1.0) and ``normalize``
 (``"none"`` or ``"zscore"``), read by `build_rewards` to build the `WeightedSum` (``reward.clip_score.weight=0.5``).
 Rewards are stored twice: in the ``reward`` group (training, ``cfg.reward.<name>``) and in the ``eval_reward`` group
 (evaluation and hacking monitors, ``cfg.eval_reward.<name>``; when none is selected, evaluation uses ``cfg.reward``).
-A one-off reward ``python:<module>:<function>`` is stored by `register_python_reward` under the function's name.
+A one-off reward ``python:<module>:<function>`` is stored by `diffalign.rewards.python_function.register_python_reward`
+under the function's name.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import warnings
 
 from hydra.core.config_store import ConfigStore
 
-from diffalign.config.schemas import register_schemas
+from diffalign.config.schemas import discover, register_schemas
 
 GROUPS = {"diffalign.rewards": "reward", "diffalign.models": "model", "diffalign.methods": "method"}
 """Entry-point group → Hydra config group."""
@@ -69,6 +75,61 @@ def entry_point_configs(group: str = "diffalign.rewards") -> dict[str, type]:
     return {name: load_entry_point(group, name, eps) for name in sorted(eps)}
 
 
+def registered_reward_configs() -> dict[str, type]:
+    """The rewards registered from their own files, ``{name: config dataclass}``: every config decorated with
+    ``config_schema("reward", name)`` in a module of ``diffalign/rewards`` (diffalign's own; a new reward file is found
+    without an entry point or a re-install) or in a module imported some other way (e.g. a test module)."""
+    return discover().get("reward", {})
+
+
+def _names_the_same_config(ep: importlib.metadata.EntryPoint, config_class: type) -> bool:
+    """Whether entry point `ep` names `config_class` itself (an install made while diffalign still declared its own
+    rewards as entry points)."""
+    return ep.value.replace(" ", "") == f"{config_class.__module__}:{config_class.__qualname__}"
+
+
+def _third_party_rewards(builtin: dict[str, type]) -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``diffalign.rewards`` entry points that are not diffalign's own rewards.
+
+    Raises:
+        ValueError: an entry point takes the name of a built-in reward (both named).
+    """
+    eps = entry_points("diffalign.rewards")
+    for name, ep in list(eps.items()):
+        if name in builtin:
+            if not _names_the_same_config(ep, builtin[name]):
+                provider = ep.dist.name if ep.dist is not None else "<unknown distribution>"
+                raise ValueError(f"reward entry point '{name}' = '{ep.value}' of '{provider}' takes the name of "
+                                 f"diffalign's reward {builtin[name].__module__}.{builtin[name].__qualname__}; rename "
+                                 "the entry point")
+            eps.pop(name)
+    return eps
+
+
+def reward_names() -> list[str]:
+    """Every reward's name, diffalign's own (`registered_reward_configs`) and the third-party entry points', sorted
+    (without loading the entry points)."""
+    builtin = registered_reward_configs()
+    return sorted({*builtin, *_third_party_rewards(builtin)})
+
+
+def reward_config(name: str) -> type:
+    """The config dataclass of the reward `name`: diffalign's own, else a third-party entry point's (loaded now).
+
+    Raises:
+        ValueError: `name` is no reward (the message lists the available ones), or an entry point takes the name of a
+            built-in reward.
+        ImportError: the entry point cannot be loaded (named, with its value).
+    """
+    builtin = registered_reward_configs()
+    eps = _third_party_rewards(builtin)
+    if name in builtin:
+        return builtin[name]
+    if name not in eps:
+        raise ValueError(f"unknown reward '{name}'; available: {sorted({*builtin, *eps})}.")
+    return load_entry_point("diffalign.rewards", name, eps)
+
+
 def reward_node(config_class: type, name: str) -> type:
     """`config_class` extended by the `COMBINE_FIELDS` (a dataclass subclass, so Hydra still type-checks overrides).
 
@@ -86,7 +147,7 @@ def reward_node(config_class: type, name: str) -> type:
 
 def register_configs() -> dict[str, list[str]]:
     """Stores every reward, model and method config in Hydra's `ConfigStore` (and diffalign's own structured configs,
-    `diffalign.config.schemas.register_schemas`); returns `{config group: [names]}`.
+    `diffalign.config.schemas.register_schemas`, among them its own rewards); returns `{config group: [names]}`.
 
     Rewards are stored with ``package="reward.<name>"`` so that the multi-select ``reward=[a,b]`` composes to
     ``cfg.reward.a`` and ``cfg.reward.b`` (and likewise in the ``eval_reward`` group), each with the extra fields
@@ -94,27 +155,29 @@ def register_configs() -> dict[str, list[str]]:
     Calling it again re-stores the same nodes.
 
     Raises:
-        ValueError: if two distributions declare the same name in one group (both are named), or a reward config has
-            a field named ``weight`` or ``normalize``.
+        ValueError: if two distributions declare the same name in one group (both are named), an entry point takes
+            the name of one of diffalign's own rewards, or a reward config has a field named ``weight`` or
+            ``normalize``.
         ImportError: if one of diffalign's own entry points cannot be loaded (named, with its value). A third-party
             plugin that cannot be loaded is skipped with a warning naming it and the error, so one broken package
             does not stop runs that do not use it (selecting it then fails as an unknown option).
     """
-    register_schemas()
+    register_schemas()  # (imports every module of diffalign/rewards: the built-in rewards register themselves)
     store, stored = ConfigStore.instance(), {}
     for group, config_group in GROUPS.items():
-        eps = entry_points(group)
+        registered = registered_reward_configs() if config_group == "reward" else {}
+        nodes = {name: (config, config.__module__.split(".")[0]) for name, config in registered.items()}
+        eps = _third_party_rewards(registered) if config_group == "reward" else entry_points(group)
         for name in sorted(eps):
             provider = eps[name].dist.name if eps[name].dist is not None else None
             try:
-                node = load_entry_point(group, name, eps)
+                nodes[name] = (load_entry_point(group, name, eps), provider)
             except ImportError as err:
                 if provider == "diffalign":
                     raise
                 warnings.warn(f"skipping the {GROUPS.get(group, group)} plugin '{name}' from '{provider}': {err}",
                               stacklevel=2)
-                eps.pop(name)
-                continue
+        for name, (node, provider) in sorted(nodes.items()):
             if config_group == "reward":
                 node = reward_node(node, name)
                 for reward_group in REWARD_GROUPS:
@@ -122,6 +185,6 @@ def register_configs() -> dict[str, list[str]]:
                                 provider=provider)
             else:
                 store.store(group=config_group, name=name, node=node, package=config_group, provider=provider)
-        stored[config_group] = sorted(eps)
+        stored[config_group] = sorted(nodes)
     stored["eval_reward"] = stored["reward"]
     return stored

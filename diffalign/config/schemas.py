@@ -17,9 +17,6 @@ Discovery: `register_schemas` imports every module of `SCHEMA_PACKAGES` (so a ne
 a new method is its objective file and its YAML option, with no list to edit) and stores every schema registered so
 far, also those of modules imported some other way (a plugin, a test module). Plugins outside the package use the
 entry points of `diffalign.config.registry` instead.
-
-A field may be a deprecated alias (`deprecated`), kept for one release so that old config keys keep working
-(`diffalign.config.deprecation.migrate_config`).
 """
 
 from __future__ import annotations
@@ -28,10 +25,9 @@ import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable
-from typing import Any
 
 SCHEMA_PACKAGES = ("diffalign.objectives", "diffalign.data", "diffalign.reference", "diffalign.samplers",
-                   "diffalign.train", "diffalign.evaluation", "diffalign.models.checks", "diffalign.rewards.checks")
+                   "diffalign.train", "diffalign.evaluation", "diffalign.models.checks", "diffalign.rewards")
 """Packages (every module in them) and modules imported to find the `config_schema` registrations and the components'
 config checks (`diffalign.config.checks.node_check`)."""
 
@@ -80,26 +76,3 @@ def register_schemas() -> dict[str, dict[str, type]]:
         for name, cls in options.items():
             store.store(group=f"schema/{group}", name=name, node=cls, provider="diffalign")
     return found
-
-
-def deprecated(renamed_to: str | None = None, *, convert: Callable[[Any, dict, Any], Any] | None = None,
-               note: str = "", remove_in: str = "0.3") -> Any:
-    """A schema field that only keeps an old config key working (default None: not set), for
-    `diffalign.config.deprecation.migrate_config`.
-
-    Args:
-        renamed_to (`str`, *optional*): the field the value moves to; None for a key that is dropped (`note` says
-            why it has no effect).
-        convert (`Callable[[value, node, cfg], new value]`, *optional*): maps the old value to the new field's, given
-            the node's values (a dict) and the whole config (default: unchanged).
-        note (`str`): said in the warning.
-        remove_in (`str`): the release that removes the old key.
-    """
-    return dataclasses.field(default=None, metadata={"deprecated": {"renamed_to": renamed_to, "convert": convert,
-                                                                    "note": note, "remove_in": remove_in}})
-
-
-def deprecated_values(mapping: Callable[[Any, dict, Any], Any | None], default: Any) -> Any:
-    """A schema field some of whose old values are deprecated: ``mapping(value, node, cfg)`` returns the new value for
-    an old one, None for a current one (`diffalign.config.deprecation.migrate_config`)."""
-    return dataclasses.field(default=default, metadata={"deprecated_values": mapping})

@@ -50,7 +50,6 @@ from diffalign.config.checks import (
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, PREFERENCE_FLOWS, PREFERENCE_MEMBERS, check_method
 from diffalign.world.prompts import load_prompts
 
-MIXED_PRECISION = ("no", "fp16", "bf16")
 VIDEO_FORMATS = ("gif", "mp4")
 
 

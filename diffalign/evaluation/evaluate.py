@@ -7,8 +7,8 @@ noise, and any single image can be re-made alone. Seeds are written to ``samples
 `evaluate_policy` compares several variants of one policy (the adapter-disabled base, the policy as it is, LoRA
 folders) on the same prompts and seeds, and resumes: each finished (variant, prompt) is appended to
 ``samples.jsonl`` with its images saved, and a re-run with the same settings skips it. Statistics (definitions in
-``docs/guides/evaluation.md``): per-reward means with standard errors and prompt-level bootstrap intervals, GenEval-style
-accuracy overall and per tag, paired gains and win rates of every variant over the first one.
+``docs/guides/evaluation.md``): per-reward means with standard errors and prompt-level bootstrap intervals,
+GenEval-style accuracy overall and per tag, paired gains and win rates of every variant over the first one.
 """
 
 from __future__ import annotations

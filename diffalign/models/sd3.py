@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -216,16 +215,3 @@ class StableDiffusion3PolicyConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_SD3_LORA_TARGET_MODULES))
     lora_seed: int = 0
     max_sequence_length: int = 256
-
-
-def __getattr__(name: str):
-    """The names of diffalign 0.x, kept for one release: `FlowMatchingPolicy` (now `StableDiffusion3Policy`; the
-    shared rectified-flow members are `diffalign.models.pipeline_policy.RectifiedFlowMixin`) and
-    `FlowMatchingPolicyConfig`, so saved configs with ``_target_: diffalign.models.sd3.FlowMatchingPolicy...`` load."""
-    renamed = {"FlowMatchingPolicy": StableDiffusion3Policy, "FlowMatchingPolicyConfig": StableDiffusion3PolicyConfig}
-    if name in renamed:
-        warnings.warn(f"diffalign.models.sd3.{name} is deprecated; use {renamed[name].__name__} (model configs: "
-                      "_target_: diffalign.models.sd3.StableDiffusion3Policy.from_pretrained)", FutureWarning,
-                      stacklevel=2)
-        return renamed[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,8 @@ $$z_g = \frac{\beta}{G}\sum_{i\in g} A_i\,\mathrm{sg}[\ell_\theta(x^i)-\ell_{ref
 
 whose gradient is (1/N)·Σ_g σ(z_g) Σ_{i∈g} A_i ∇ℓ_θ(x^i). With βλ_t = β/G this is 1/β times the gradient of the boxed
 loss averaged over the groups of the batch (the factor is folded into the learning rate, as in the released code;
-tests/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly, against the boxed loss written out in the tests).
+tests/unit/objectives/test_dgpo.py checks β·∇L_sur = ∇ mean_g L_g exactly, against the boxed loss written out in the
+tests).
 
 Post-review options of the released code: the PPO-style clip of the denoising loss against θ⁻ (ρ_i =
 exp(ℓ_old − ℓ_θ); where A_i > 0 and ρ_i > 1 + ε_c, or A_i ≤ 0 and ρ_i < 1 − ε_c, ℓ_θ(x^i) is detached), and a KL
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from diffalign.config.schemas import config_schema, deprecated
+from diffalign.config.schemas import config_schema
 from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates, stream_seed
 from diffalign.objectives.common import per_sample_mse
 from diffalign.reference.frozen_base import FrozenBaseReference
@@ -121,8 +122,6 @@ class DGPOConfig:
     old_policy_decay: float = 0.3
     old_policy_ramp: float = 0.001
     kl_reference: str = "base"              # KL to the adapter-disabled base even with reference=ema [CODE] | reference
-    # the old name, until 0.3 (diffusers' num_train_timesteps is the 1000-step training schedule)
-    num_train_timesteps: int | None = deprecated("timesteps_per_epoch")
 
 
 class DGPO:
@@ -138,7 +137,7 @@ class DGPO:
             base, as the released code also with an EMA DPO reference) or "reference" (the DPO term's reference
             strategy).
         timesteps_per_epoch (`int`, defaults to 4): M, the timesteps trained per epoch (the released code's
-            ``num_train_timesteps``; the config key ``method.num_train_timesteps`` is accepted until 0.3).
+            ``num_train_timesteps``, renamed here: in diffusers that is the 1000-step training schedule).
         timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
         old_policy_switch_step (`int`, defaults to 200): updates during which θ⁻ = θ (`EmaRolloutPolicy`).
         old_policy_decay (`float`, defaults to 0.3): θ⁻'s EMA decay cap, in [0, 1).

@@ -32,8 +32,8 @@ $$\mathcal L_k=\delta_k\operatorname{mean}_i\max\big(-A_i\hat\rho_{ik},\,-A_i\op
 formulas are the paper's as two public implementations that cite it compute them: Flow-Factory
 (X-GenGroup/Flow-Factory, ``trainers/rl/grpo.py``, ``GRPOGuardTrainer._guard_ratio``: ``Δlogp · s + mse / (2 s)``
 per sample, one exponentiation, RatioNorm only) and TeleBoost (``recipe/teleboost/algorithms/grpo_guard.py``:
-``compute_ratio_norm_bias`` and ``δ = 1/Δt`` for Flow-GRPO). tests/test_grpo_guard.py checks ρ̂ and δ against an
-independent hand computation (ε recovered from the stored sample) on small tensors.
+``compute_ratio_norm_bias`` and ``δ = 1/Δt`` for Flow-GRPO). tests/unit/objectives/test_grpo_guard.py checks ρ̂ and δ
+against an independent hand computation (ε recovered from the stored sample) on small tensors.
 
 **μ_old.** The released implementations store the rollout's step mean μ_old with the trajectory; diffalign's
 rollouts store log-probs only, so `GRPOGuard.prepare` recomputes μ_old once per epoch, before the first update (θ is

@@ -340,7 +340,7 @@ class StoredTransitionMethod:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         worst = float(worst)
-        if math.isnan(worst):  # a non-finite log-prob: the non-finite guard (diffalign.runtime.faults) skips the update
+        if math.isnan(worst):  # a non-finite log-prob: the non-finite guard skips the update (runtime.faults)
             return
         self._worst = max(self._worst, worst)
         if self._worst > self.logprob_tolerance and self.logprob_check == "stop":

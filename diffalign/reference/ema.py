@@ -1,4 +1,5 @@
-"""An exponential moving average of the policy's LoRA as the reference (docs/methods/algorithms.md#dgpo-rollout-policy).
+"""An exponential moving average of the policy's LoRA as the reference
+(docs/methods/algorithms.md#dgpo-rollout-policy).
 """
 
 from __future__ import annotations

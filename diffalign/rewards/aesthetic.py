@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.loading import hub_file, load_open_clip
 from diffalign.rewards.preprocess import ImageInput, clip_preprocess, to_pixels
 from diffalign.types import RewardOutput
@@ -34,6 +35,7 @@ WHERE_CLIP = ("The head expects OpenAI CLIP ViT-L/14 embeddings: put open_clip's
               "clip_pretrained=openai with network access once (then HF_HUB_OFFLINE=1 reads the HF cache).")
 
 
+@config_schema("reward", "aesthetic")
 @dataclass
 class AestheticConfig:
     """Config of `Aesthetic` (fields mirror its ``__init__``)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, as PIL's convert("L")
@@ -64,6 +65,7 @@ class Brightness:
         return RewardOutput(scores=maps.flatten(1).mean(1), maps=maps)
 
 
+@config_schema("reward", "brightness")
 @dataclass
 class BrightnessConfig:
     """Config of `Brightness` (no settings)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.loading import load_open_clip
 from diffalign.rewards.preprocess import ImageInput, clip_preprocess, to_pixels
 from diffalign.types import RewardOutput
@@ -27,6 +28,7 @@ WHERE = ("Put an open_clip checkpoint as <folder>/open_clip_model.safetensors (e
          "tag such as pretrained=openai with network access once (then HF_HUB_OFFLINE=1 reads the HF cache).")
 
 
+@config_schema("reward", "clip_score")
 @dataclass
 class ClipScoreConfig:
     """Config of `ClipScore` (fields mirror its ``__init__``)."""

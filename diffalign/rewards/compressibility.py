@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 
 
@@ -99,6 +100,7 @@ class JpegCompressibility:
         return RewardOutput(scores=-size_kb, info={"size_kb": size_kb})
 
 
+@config_schema("reward", "jpeg_compressibility")
 @dataclass
 class JpegCompressibilityConfig:
     """Config of `JpegCompressibility`; the fields mirror its `__init__` arguments."""
@@ -140,6 +142,7 @@ class JpegIncompressibility:
         return RewardOutput(scores=size_kb.clone(), info={"size_kb": size_kb})
 
 
+@config_schema("reward", "jpeg_incompressibility")
 @dataclass
 class JpegIncompressibilityConfig:
     """Config of `JpegIncompressibility`; the fields mirror its `__init__` arguments."""

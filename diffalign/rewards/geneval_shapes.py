@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 from diffalign.world.verifier import parse_caption, verify
 
 
+@config_schema("reward", "geneval_shapes")
 @dataclass
 class GenevalShapesConfig:
     """Config of `GenevalShapes` (fields mirror its ``__init__``)."""

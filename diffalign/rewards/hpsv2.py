@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.loading import load_open_clip
 from diffalign.rewards.preprocess import ImageInput, clip_preprocess, to_pixels
 from diffalign.types import RewardOutput
@@ -25,6 +26,7 @@ WHERE = ("Download HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2, convert 
          "holding open_clip_model.safetensors).")
 
 
+@config_schema("reward", "hpsv2")
 @dataclass
 class Hpsv2Config:
     """Config of `Hpsv2` (fields mirror its ``__init__``)."""

@@ -42,6 +42,7 @@ import requests
 import torch
 from PIL import Image
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.reward_set import concat_outputs, gather
 from diffalign.runtime.console import literal, warn_repeated
 from diffalign.types import RewardOutput
@@ -283,6 +284,7 @@ def decode_output(answer: Any, count: int) -> RewardOutput:
 # ------------------------------------------------------------------------------------------------- the client
 
 
+@config_schema("reward", "http")
 @dataclass
 class HttpRewardConfig:
     """Config of `HttpReward` (fields mirror its ``__init__``; docs/guides/rewards.md#rewards-served-over-http)."""

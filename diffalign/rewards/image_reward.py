@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.preprocess import ImageInput, to_pixels
 from diffalign.runtime.text_context import TruncationWarner
 from diffalign.types import RewardOutput
@@ -32,6 +33,7 @@ EXTRA = ('reward \'image_reward\' needs the ImageReward package: pip install "di
          "those pins, or pick reward=[pickscore] / reward=[hpsv2]")
 
 
+@config_schema("reward", "image_reward")
 @dataclass
 class ImageRewardConfig:
     """Config of `ImageRewardScore` (fields mirror its ``__init__``)."""

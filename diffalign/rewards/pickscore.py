@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from diffalign.config.schemas import config_schema
 from diffalign.rewards.loading import looks_local, missing_weights_error
 from diffalign.rewards.preprocess import ImageInput, center_crop, resize_shorter_side, to_pixels
 from diffalign.runtime.text_context import TruncationWarner
@@ -33,6 +34,7 @@ WHERE = ("Save the model with transformers as a folder holding config.json and m
          "reward.pickscore.model=/models/pickscore reward.pickscore.processor=/models/pickscore.")
 
 
+@config_schema("reward", "pickscore")
 @dataclass
 class PickScoreConfig:
     """Config of `PickScore` (fields mirror its ``__init__``)."""

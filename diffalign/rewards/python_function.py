@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 
-from diffalign.config.registry import REWARD_GROUPS, entry_points, reward_node
+from diffalign.config.registry import REWARD_GROUPS, reward_names, reward_node
 from diffalign.types import RewardOutput
 
 PREFIX = "python:"
@@ -102,7 +102,7 @@ def register_python_reward(spec: str) -> str:
         ValueError: `spec` is malformed, or the function's name is already a registered reward.
     """
     function = parse_spec(spec)[1]
-    if function in entry_points("diffalign.rewards"):
+    if function in reward_names():
         raise ValueError(f"reward {spec!r} would be stored as '{function}', which is already an installed reward; "
                          "rename the function")
     node = reward_node(python_config(spec), spec)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 
 
@@ -66,6 +67,7 @@ class RandomControl:
         return RewardOutput(scores=hashed_uniform(images, self.seed))
 
 
+@config_schema("reward", "random_control")
 @dataclass
 class RandomControlConfig:
     """Config of `RandomControl`."""

@@ -11,7 +11,8 @@ background, asynchronous scoring). Nothing is silently replaced by zero.
   it saves a checkpoint, logs where and why, and re-raises; the CLI turns it into a clean exit with that message.
 - Combine: `WeightedSum`, the weighted sum of the multi-select ``reward=[a,b]`` (``reward.<name>.weight`` and
   ``reward.<name>.normalize``), and `reward_metrics` for the trackers.
-- Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts, metadata) ->
+- Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts,
+metadata) ->
   concurrent.futures.Future[RewardOutput]`` besides its call (`diffalign.rewards.http.HttpReward` does: the batch goes
   to a reward server in a background thread). `submit` starts scoring one batch (the reward's own ``submit``, else
   the reward is called now and the future is already done); `ChunkScorer` scores the rollout chunks of an online epoch
@@ -44,7 +45,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from diffalign.config.registry import COMBINE_FIELDS, entry_points, load_entry_point
+from diffalign.config.registry import COMBINE_FIELDS, reward_config
 from diffalign.rewards.base import Reward, RewardError
 from diffalign.rewards.python_function import PREFIX, PythonFunctionConfig, python_config
 from diffalign.types import RewardOutput
@@ -543,8 +544,7 @@ def build_reward(name: str, **kwargs: Any) -> Any:
         omegaconf.errors.ConfigKeyError: if a kwarg is not a field of the reward's config.
         hydra.errors.InstantiationException: wrapping any error of the reward's constructor (e.g. a bad value).
     """
-    config_class = python_config(name) if name.startswith(PREFIX) else load_entry_point(
-        "diffalign.rewards", name, entry_points("diffalign.rewards"))
+    config_class = python_config(name) if name.startswith(PREFIX) else reward_config(name)
     config = OmegaConf.merge(OmegaConf.structured(config_class), kwargs)
     return instantiate(config)
 

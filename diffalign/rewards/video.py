@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from diffalign.config.schemas import config_schema
 from diffalign.types import RewardOutput
 
 LAYOUTS = ("BFCHW", "BCFHW")
@@ -45,6 +46,7 @@ def frames_first(videos: torch.Tensor, layout: str = "BFCHW") -> torch.Tensor:
     return out
 
 
+@config_schema("reward", "per_frame")
 @dataclass
 class PerFrameConfig:
     """Config of `PerFrame` (fields mirror its ``__init__``)."""
@@ -103,6 +105,7 @@ class PerFrame:
         return RewardOutput(scores, info)
 
 
+@config_schema("reward", "temporal_consistency")
 @dataclass
 class TemporalConsistencyConfig:
     """Config of `TemporalConsistency` (fields mirror its ``__init__``)."""
@@ -156,6 +159,7 @@ class TemporalConsistency:
         return RewardOutput(per.mean(dim=1), {"per_frame": per})
 
 
+@config_schema("reward", "video_motion")
 @dataclass
 class VideoMotionConfig:
     """Config of `VideoMotion` (fields mirror its ``__init__``)."""

@@ -17,7 +17,7 @@ a = 0 is the deterministic DDIM-like step (for a flow model the Euler step x_k +
 predicted noise back (s = σ_{k+1}). The last step (σ_{k+1} = 0) has s = 0: it returns x̂₀ and has no log-prob
 (``Trajectory.trainable`` False there). The step is the ``sde_type="cps"`` branch of ``sde_step_with_logprob`` in
 Flow-GRPO's released code (``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``, default a = 0.8 in MixGRPO's copy),
-re-derived and pinned by tests/test_samplers.py.
+re-derived and pinned by tests/unit/samplers/test_samplers.py.
 
 One difference: the released code scores x_{k+1} with −‖x_{k+1} − μ_θ‖² averaged over elements ("remove all
 constants"), so its PPO ratio has no 1/(2 s²) factor; here, as for every other sampler, the log-prob is the Gaussian

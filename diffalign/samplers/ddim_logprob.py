@@ -1,5 +1,5 @@
 # Mirrors `diffusers.schedulers.scheduling_ddim.DDIMScheduler.step` (diffusers==0.42.1), written against the installed
-# package and pinned by tests/test_ddim_logprob.py, with these differences:
+# package and pinned by tests/unit/samplers/test_ddim_logprob.py, with these differences:
 # - It returns the Gaussian transition's mean, std and the log-probability of `prev_sample`
 # (docs/methods/algorithms.md#ddim-step; DDPO, arXiv:2305.13301, eq. 4 with the DDIM posterior of arXiv:2010.02502, eq.
 # 12 and 16).
@@ -238,7 +238,7 @@ class DDIMSampler(Sampler):
     """``sampler=ddim``: DDIM-η rollouts with per-step log-probs for ε/v models (`ddim_step`; η = 1: DDPO's ancestral
     rollouts, η = 0: deterministic DDIM, whose log-probs are 0). With η = 0 and the same steps, guidance and
     generators the images equal `StableDiffusionPipeline.__call__(..., eta=0.0)`'s, with η > 0 its ``eta=η`` output
-    (the per-step noise is drawn from the same generators in the same order; tests/test_rollout.py).
+    (the per-step noise is drawn from the same generators in the same order; tests/unit/samplers/test_rollout.py).
 
     Attributes:
         eta (`float`): DDIM's η ≥ 0 (default 1.0), as in diffusers' ``DDIMScheduler.step(eta=...)``.

@@ -10,7 +10,7 @@ flow ODE into an SDE with the same marginals. With t ≡ σ integrated from 1 to
     s   = σ_t · sqrt(−Δ),   x_{k+1} = μ_θ + s z.
 
 With a = 0 it is the deterministic Euler step x + Δ v̂ of `FlowMatchEulerDiscreteScheduler.step` (pinned by
-tests/test_flow_sampler.py). All arithmetic runs in float32.
+tests/unit/samplers/test_flow_sampler.py). All arithmetic runs in float32.
 
 `dance_sde_step` is DanceGRPO's parametrisation, the one ViPO's released code samples with
 (docs/methods/algorithms.md#dancegrpo-sde; DanceGRPO, arXiv:2505.07818; `ziqi-nox/ViPO`): with x̂₀ = x − σ_k v̂ and the
@@ -214,7 +214,7 @@ def dance_sde_step(
 class FlowSDESampler(FlowSampler):
     """``sampler=flow_sde``: Flow-GRPO's SDE for flow models with per-step log-probs (`flow_sde_step`), a =
     ``noise_level`` (Flow-GRPO config/grpo.py: 0.7, 10 steps, CFG 4.5); a = 0 is the Euler ODE, whose images equal
-    `StableDiffusion3Pipeline.__call__`'s with the same generators (tests/test_flow_sampler.py).
+    `StableDiffusion3Pipeline.__call__`'s with the same generators (tests/unit/samplers/test_flow_sampler.py).
 
     Attributes:
         noise_level (`float`): a ≥ 0 (Flow-GRPO's ``sample.noise_level``).

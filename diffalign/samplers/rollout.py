@@ -4,7 +4,7 @@
 denoising loop, which records the trajectory and per-step log-probs); `recompute_log_probs` / `recompute_step`
 re-evaluate stored transitions under the policy's current parameters with the step rule of the sampler that produced
 them (``trajectory.sampler``). With DDIM η = 0 and the same scheduler, steps, guidance and generators the images equal
-those of `StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/test_rollout.py); for flow
+those of `StableDiffusionPipeline.__call__(..., eta=0.0, generator=...)` (pinned by tests/unit/samplers/test_rollout.py); for flow
 models with ``sampler=flow_sde`` at noise_level 0 they equal `StableDiffusion3Pipeline.__call__`'s.
 """
 

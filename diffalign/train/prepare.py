@@ -1,8 +1,7 @@
 """One run, checked and built once: `prepare_run` (``diffalign-train`` and ``train(cfg)`` from Python both go through it).
 
-`check_run` runs every check of the config, before any model loads, exactly once: old config keys moved to their new
-names (`diffalign.config.deprecation.migrate_config`), ``model.init_lora``'s settings adopted (its file read and
-checked, `diffalign.lora.initial.adopt_init_lora`), every node checked (`diffalign.config.validation
+`check_run` runs every check of the config, before any model loads, exactly once: ``model.init_lora``'s settings
+adopted (its file read and checked, `diffalign.lora.initial.adopt_init_lora`), every node checked (`diffalign.config.validation
 .validate_train_config`, which runs each component's own checks beside its fields) and the launch
 (`diffalign.runtime.distributed.check_launch`). `build_run` then builds every component exactly once, in the order the
 loops always built them after seeding (so every random stream is unchanged): the method and the reference strategy
@@ -37,7 +36,7 @@ class PreparedRun:
     """A checked config and its built components, handed to a training loop.
 
     Attributes:
-        cfg (`DictConfig`): the checked config (old keys migrated, ``model.init_lora``'s settings adopted).
+        cfg (`DictConfig`): the checked config (``model.init_lora``'s settings adopted).
         online (`bool`): the method's ``data_flow`` is online (`diffalign.methods.ONLINE_FLOWS`).
         accelerator (`Accelerator`): made by `diffalign.train.common.make_accelerator` (RNGs seeded).
         method: the method object (``cfg.method``), set up on the policy.
@@ -71,7 +70,7 @@ def is_online(cfg: DictConfig) -> bool:
 
 def check_run(cfg: DictConfig, overrides: Iterable[str] = (), explicit_model_keys: Iterable[str] = ()) -> None:
     """Every check of a training config, once, before any model loads (see the module docstring); changes `cfg` in
-    place (old keys migrated, ``model.init_lora``'s settings adopted).
+    place (``model.init_lora``'s settings adopted).
 
     Args:
         overrides (`Iterable[str]`): the command line's overrides (Hydra's task overrides; empty from Python).
@@ -81,12 +80,10 @@ def check_run(cfg: DictConfig, overrides: Iterable[str] = (), explicit_model_key
     Raises:
         ValueError / FileNotFoundError: one line naming the field and the fix.
     """
-    from diffalign.config.deprecation import migrate_config
     from diffalign.lora.initial import adopt_init_lora
     from diffalign.runtime.distributed import check_launch
 
     overrides = list(overrides)
-    migrate_config(cfg, overrides)  # old config keys → new ones, a FutureWarning each
     adopt_init_lora(cfg, explicit=explicit_model_keys)  # its rank, alpha and targets, then checked with the rest
     validate_train_config(cfg, overrides=overrides)
     check_launch(cfg)  # a DeepSpeed launch, and what FSDP does not run (diffalign/runtime/distributed.py)

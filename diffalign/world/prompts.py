@@ -151,16 +151,6 @@ def load_prompts(split_or_path: str, field: str = "data.prompts") -> list[dict]:
     return rows
 
 
-def write_prompt_files(directory: Path = PROMPT_DIR) -> None:
-    """Writes ``train.jsonl``, ``heldout.jsonl`` and the video splits ``video_train.jsonl``, ``video_heldout.jsonl``
-    (the shipped files are made by this function)."""
-    from diffalign.world.video import all_video_prompts
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for split, rows in {**all_prompts(), **all_video_prompts()}.items():
-        (directory / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def sample_train_specs(n: int, seed: int, rows: list[dict] | None = None) -> list[dict]:
     """`n` train prompts drawn with `TRAIN_TAG_WEIGHTS` per tag, uniformly within a tag; deterministic in `seed`."""
     rows = rows if rows is not None else all_prompts()["train"]

@@ -20,7 +20,7 @@ for include entry ``i``:
 - ``no_extra`` — no frame holds more objects than the prompt names.
 
 The dense score is the fraction of constraints met, ``correct`` all of them (GenEval strictness). Accuracy on
-ground-truth renders is 100 % (tests/test_video_world.py).
+ground-truth renders is 100 % (tests/unit/world/test_video_world.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ SPEED = 1.5  # px per frame
 STILL_TOLERANCE = 2.0
 MIN_TRAVEL = 4.0
 BACKTRACK_TOLERANCE = 1.5
-VIDEO_TAGS = ("motion", "two_motion")
 
 
 def motion_phrase(motion: str) -> str:
@@ -74,13 +73,6 @@ def parse_video_caption(text: str) -> dict:
     if len(include) > 2:
         raise ValueError(f"{text!r}: at most two objects per video caption")
     return {"tag": "motion" if len(include) == 1 else "two_motion", "include": include}
-
-
-def _track_box(o: SceneObject, motion: str, num_frames: int) -> tuple[float, float, float, float]:
-    vx, vy = VELOCITY[motion]
-    d = SPEED * (num_frames - 1)
-    xs, ys = (o.cx, o.cx + vx * d), (o.cy, o.cy + vy * d)
-    return min(xs) - o.r, min(ys) - o.r, max(xs) + o.r, max(ys) + o.r
 
 
 def video_scene(spec: dict, seed: int, num_frames: int = NUM_FRAMES, size: int = VIDEO_SIZE

@@ -23,7 +23,7 @@ def _count(monkeypatch, owner, name: str, calls: dict, key: str) -> None:
 def _counters(monkeypatch) -> dict:
     """Counts the checks and the constructors a run goes through (patched where they are looked up)."""
     import diffalign.train.prepare as prepare_module
-    from diffalign.config import deprecation, validation
+    from diffalign.config import validation
     from diffalign.data import shapes_pairs
     from diffalign.lora import initial
     from diffalign.objectives import diffusion_dpo
@@ -32,7 +32,6 @@ def _counters(monkeypatch) -> dict:
     from diffalign.train import common
 
     calls: dict[str, int] = {}
-    _count(monkeypatch, deprecation, "migrate_config", calls, "migrate_config")
     _count(monkeypatch, prepare_module, "validate_train_config", calls, "validate_train_config")
     _count(monkeypatch, validation, "check_method_config", calls, "check_method_config")
     _count(monkeypatch, initial, "build_policy", calls, "build_policy")
@@ -54,7 +53,7 @@ def test_a_python_run_is_checked_built_and_locked_exactly_once(tmp_path, monkeyp
     calls = _counters(monkeypatch)
     results = train(cfg)
     assert results["global_step"] == 1
-    assert calls == {"migrate_config": 1, "validate_train_config": 1, "check_method_config": 1, "build_policy": 1,
+    assert calls == {"validate_train_config": 1, "check_method_config": 1, "build_policy": 1,
                      "build_reward_sets": 1, "make_accelerator": 1, "lock": 1, "method": 1, "reference": 1,
                      "data": 1}
 

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow  # each launch starts two processes (≈ 25-35 s o
 
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"
 QUIET = ["trainer.log_with=none", "eval.enabled=false"]
-# updates proportional to the gradient (adam_epsilon=1, as tests/test_multiprocess.py), clipped to a norm of 1e-6
-# (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm (what
-# accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
+# updates proportional to the gradient (adam_epsilon=1, as tests/integration/test_multiprocess.py), clipped to a norm
+# of 1e-6 (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm
+# (what accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
 DPO = ["model=tiny_random", "data=shapes_pairs", "data.num_pairs=16", "trainer.max_steps=2",
        "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.learning_rate=1000.0",
        "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=1e-6"]
@@ -160,13 +160,10 @@ def test_fsdp_flow_grpo_matches_one_process(runs):
 def test_fsdp_refuses_what_it_does_not_shard(tmp_path):
     """A reference strategy that snapshots the LoRA is refused during validation (before the model loads), naming
     the setting and the fix; so is a method that keeps its own copies of the weights."""
-    from diffalign.config.deprecation import migrate_config
     from diffalign.runtime.distributed import check_launch
 
     def cfg(*overrides):
-        composed = compose_cfg(["model=tiny_random", *overrides])
-        migrate_config(composed)  # (as the CLI does before its checks)
-        return composed
+        return compose_cfg(["model=tiny_random", *overrides])
 
     res = launch_fsdp([f"output_dir={tmp_path / 'run'}", "reference=ema", "trainer.batch_size=2", *DPO], tmp_path)
     assert res.returncode != 0

@@ -24,7 +24,7 @@ import requests
 import torch
 from conftest import CHILD_ENV, compose_cfg, online_overrides
 from PIL import Image
-from test_plugins import add_entry_points, fake_distribution, isolated_config_groups  # noqa: F401 - autouse
+from plugin_helpers import add_entry_points, fake_distribution, isolated_config_groups  # noqa: F401 - autouse
 
 from diffalign.config import registry
 from diffalign.data.onpolicy import sample_and_judge

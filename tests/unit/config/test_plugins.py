@@ -1,6 +1,5 @@
 """Entry-point plugins → Hydra ConfigStore, multi-select rewards, and a third-party reward end to end."""
 
-import copy
 import dataclasses
 import importlib.metadata
 import inspect
@@ -14,6 +13,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
+from plugin_helpers import REAL_ENTRY_POINTS, add_entry_points, fake_distribution, isolated_config_groups  # noqa: F401
 
 from diffalign.config import registry
 from diffalign.rewards import reward_set
@@ -21,7 +21,6 @@ from diffalign.rewards.base import Reward
 from diffalign.rewards.compressibility import JpegCompressibility, JpegCompressibilityConfig, JpegIncompressibility
 from diffalign.rewards.reward_set import CheckedReward, WeightedSum
 
-REAL_ENTRY_POINTS = importlib.metadata.entry_points
 # built-in rewards whose defaults need downloaded weights, and what their error says
 NEEDS_WEIGHTS = {
     "aesthetic": "reward.aesthetic.head is required",
@@ -62,40 +61,6 @@ PLUGIN_SOURCE = textwrap.dedent(
 )
 
 
-@pytest.fixture(autouse=True)
-def isolated_config_groups():
-    """Restores the ConfigStore's reward/model/method groups after each test, so fake plugins do not leak.
-
-    Only these groups are restored: Hydra registers its own nodes (``hydra/...``) lazily on first use.
-    """
-    store = ConfigStore.instance()
-    groups = [*registry.GROUPS.values(), *registry.REWARD_GROUPS]
-    saved = {group: copy.deepcopy(store.repo[group]) for group in groups if group in store.repo}
-    yield
-    for group in groups:
-        store.repo.pop(group, None)
-    store.repo.update(saved)
-
-
-def fake_distribution(tmp_path, dist_name: str, entry_points_txt: str) -> importlib.metadata.Distribution:
-    """A real `PathDistribution` (dist-info folder) so entry points carry their distribution name."""
-    info = tmp_path / "dists" / f"{dist_name}-0.1.dist-info"  # not on sys.path: found only via the monkeypatch
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(entry_points_txt)
-    return importlib.metadata.PathDistribution(info)
-
-
-def add_entry_points(monkeypatch, *dists):
-    """Makes `importlib.metadata.entry_points(group=...)` return the installed entry points plus those of `dists`."""
-
-    def entry_points(*, group):
-        extra = [ep for dist in dists for ep in dist.entry_points if ep.group == group]
-        return list(REAL_ENTRY_POINTS(group=group)) + extra
-
-    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-
-
 @pytest.fixture
 def config_dir(tmp_path):
     conf = tmp_path / "conf"
@@ -105,14 +70,15 @@ def config_dir(tmp_path):
 
 
 def test_builtin_rewards_are_discovered():
-    configs = registry.entry_point_configs("diffalign.rewards")
+    configs = registry.registered_reward_configs()
     assert configs["jpeg_compressibility"] is JpegCompressibilityConfig
     assert {"jpeg_compressibility", "jpeg_incompressibility"} <= set(configs)
 
 
-@pytest.mark.parametrize("name", sorted(ep.name for ep in REAL_ENTRY_POINTS(group="diffalign.rewards")))
+@pytest.mark.parametrize("name", sorted(n for n, c in registry.registered_reward_configs().items()
+                                        if c.__module__.startswith("diffalign.rewards.")))
 def test_config_fields_match_init_signature(name):
-    config_class = registry.entry_point_configs("diffalign.rewards")[name]
+    config_class = registry.reward_config(name)
     fields = {f.name: f for f in dataclasses.fields(config_class) if f.name != "_target_"}
     reward_class = get_class(config_class._target_)
     params = {n: p for n, p in inspect.signature(reward_class.__init__).parameters.items() if n != "self"}
@@ -227,7 +193,6 @@ def test_unloadable_entry_point_names_it(tmp_path, monkeypatch):
 
 
 def test_a_broken_third_party_plugin_is_skipped_with_a_warning(monkeypatch):
-    import importlib.metadata
 
     from diffalign.config import registry
 

@@ -1,14 +1,13 @@
-"""The model contract: every policy member the package uses is declared by `DiffusionPolicy`, every family implements
-it, and the names moved by the one-family-per-file split still load (with a deprecation warning)."""
+"""The model contract: every policy member the package uses is declared by `DiffusionPolicy`, and every family
+implements it."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg
+from conftest import REPO
 from torch import nn
 
 from diffalign.models.base import DiffusionPolicy, FlowDiffusionPolicy
@@ -93,7 +92,7 @@ def test_the_guided_prediction_is_the_cfg_combination_of_one_batched_call(family
 
     name, policy = family_policy
     if name == "flux":  # guidance-distilled: w is the transformer's guidance input, no CFG batch
-        pytest.skip("no CFG batch; tests/test_models_flux.py checks the guidance input")
+        pytest.skip("no CFG batch; tests/unit/models/test_models_flux.py checks the guidance input")
     embeds = policy.encode_prompts(["a red circle", "two blue squares"])
     negative = PromptEmbeds(embeds.negative_prompt_embeds, None, embeds.negative_pooled_prompt_embeds)
     x = torch.randn((2, *policy.latent_shape), generator=torch.Generator().manual_seed(0))
@@ -102,27 +101,3 @@ def test_the_guided_prediction_is_the_cfg_combination_of_one_batched_call(family
         guided = policy.predict(x, t, embeds, guidance_scale=3.0)
         cond, uncond = policy.predict(x, t, embeds), policy.predict(x, t, negative)
     torch.testing.assert_close(guided, uncond + 3.0 * (cond - uncond), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize(("module", "old", "new"), [
-    ("diffalign.models.sd3", "FlowMatchingPolicy", "diffalign.models.sd3.StableDiffusion3Policy"),
-    ("diffalign.models.video", "TextToVideoPolicy", "diffalign.models.text_to_video.TextToVideoPolicy"),
-    ("diffalign.models.video", "WanPolicy", "diffalign.models.wan.WanPolicy"),
-])
-def test_moved_model_names_still_load_with_a_deprecation_warning(module, old, new):
-    from hydra.utils import get_object
-
-    with pytest.warns(FutureWarning, match=new.rsplit(".", 1)[0]):
-        assert get_object(f"{module}.{old}") is get_object(new)
-
-
-def test_an_old_model_target_still_validates_and_names_its_class(tmp_path):
-    """A saved run config with the 0.x target (`diffalign.models.sd3.FlowMatchingPolicy.from_pretrained`) still
-    resolves: validation reads the class's `flow_matching` through it."""
-    from diffalign.config.checks import target_attribute
-
-    with pytest.warns(FutureWarning):
-        assert target_attribute("diffalign.models.sd3.FlowMatchingPolicy.from_pretrained", "flow_matching") is True
-    cfg = compose_cfg(["model=tiny_t2v"])
-    assert cfg.model._target_ == "diffalign.models.text_to_video.TextToVideoPolicy.from_pretrained"
-    assert Path(PACKAGE / "models" / "video.py").read_text().count("class ") == 0  # no family code left there

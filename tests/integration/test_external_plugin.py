@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN_DIR = Path(__file__).resolve().parent / "plugins" / "diffalign_example_reward"
-REPO = Path(__file__).resolve().parent.parent
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "diffalign_example_reward"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ class ProbeSetup:
 
 
 def compose_run_config(overrides: list[str], output_dir: str):
-    """The run config ``diffalign-train <overrides>`` would compose (deprecated fields migrated), with
+    """The run config ``diffalign-train <overrides>`` would compose (keys no structured node has refused), with
     ``output_dir`` set to a scratch folder.
 
     Raises:
@@ -49,8 +49,8 @@ def compose_run_config(overrides: list[str], output_dir: str):
     from hydra.errors import HydraException
 
     from diffalign.cli import check_reward_overrides
+    from diffalign.config.checks import check_structured_keys
     from diffalign.config.compose import CONFIG_DIR, setup_hydra
-    from diffalign.config.deprecation import migrate_config
 
     setup_hydra()
     check_reward_overrides(overrides)
@@ -59,7 +59,7 @@ def compose_run_config(overrides: list[str], output_dir: str):
             cfg = compose(config_name="train", overrides=[f"output_dir={output_dir}", *overrides])
         except HydraException as err:
             raise ValueError(str(err)) from err
-    migrate_config(cfg, overrides)
+    check_structured_keys(cfg)
     return cfg
 
 

@@ -19,7 +19,7 @@ from diffalign.models.text_to_video import TextToVideoPolicy
 from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
 from diffalign.world.tokenizer import build_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():

@@ -1,15 +1,26 @@
-"""`diffalign.probes`: the one-epoch set-up shared by scripts/probe_one_step.py and experiments/gradient_consistency.py."""
+"""experiments/probes.py: the one-epoch set-up shared by scripts/probe_one_step.py and
+experiments/gradient_consistency.py."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import ONLINE_CASES, compose_cfg, online_overrides
 
-from diffalign.probes import build_probe_setup, compose_run_config, epoch_gradient, epoch_prompt_rows, sample_epoch
 from diffalign.train.online import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))  # experiments/probes.py
+from probes import (
+    build_probe_setup,
+    compose_run_config,
+    epoch_gradient,
+    epoch_prompt_rows,
+    sample_epoch,
+)
 
 
 def test_the_online_draw_samples_and_scores_what_the_loop_samples(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 RATIO_TOLERANCE = 1e-5
 
-_spec = importlib.util.spec_from_file_location("logprob_gap", Path(__file__).resolve().parents[1] / "scripts" /
+_spec = importlib.util.spec_from_file_location("logprob_gap", Path(__file__).resolve().parents[2] / "scripts" /
                                                "logprob_gap.py")
 logprob_gap = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("logprob_gap", logprob_gap)  # (its dataclass resolves its module by name)

@@ -1,6 +1,6 @@
-"""Starting a run from a saved LoRA (``model.init_lora``, diffalign/lora/initial.py; docs/guides/lora.md) on the shipped
-tiny SD and SD3 models: each reference strategy with it, the settings taken from the file, resume winning over it, and
-the errors raised before any model loads."""
+"""Starting a run from a saved LoRA (``model.init_lora``, diffalign/lora/initial.py; docs/guides/lora.md) on the
+shipped tiny SD and SD3 models: each reference strategy with it, the settings taken from the file, resume winning over
+it, and the errors raised before any model loads."""
 
 from __future__ import annotations
 

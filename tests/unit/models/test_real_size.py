@@ -177,7 +177,7 @@ def test_wan22_a14b_experts_counted_by_hand():
     5120 — 14.3 B (Wan 2.1-14B's architecture), 28.6 B for the two experts, one of them active per step;
     `model=wan22_t2v_a14b`'s LoRA is r × 2d × 8 × 40 per expert, on both experts. Nothing
     of it runs on this CPU machine (57 GB of bfloat16 experts); the two-expert logic is tested on the tiny model
-    (tests/test_models_wan22.py)."""
+    (tests/unit/models/test_models_wan22.py)."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
