@@ -243,6 +243,17 @@ def migrate_config(cfg) -> None:
                   ("diffalign.config.checks", "check_structured_keys"))(cfg)
 
 
+def setup_run(loop, cfg):
+    """The loop's `_setup` on `cfg`: through `diffalign.train.prepare.prepare_run` (checked and built once) where this
+    diffalign has it, else on the config after `migrate_config` (older revisions, for ``--compare``)."""
+    try:
+        from diffalign.train.prepare import prepare_run
+    except ImportError:
+        migrate_config(cfg)
+        return loop._setup(cfg)
+    return loop._setup(prepare_run(cfg))
+
+
 def warning_counts():
     """A fresh `WarningCounts` (what the loop's `train` hands every run)."""
     return _first_import(("diffalign.runtime.console", "WarningCounts"), ("diffalign.console", "WarningCounts"))()
@@ -317,10 +328,9 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench-online-{recipe}-"))
     cfg = compose_config([*overrides, f"output_dir={out_dir}"] + ([f"trainer.cpu={device == 'cpu'}"] if device
                                                                   else []))
-    migrate_config(cfg)
     recorder = Recorder()
     originals = instrument(loop, recorder)
-    run = loop._setup(cfg)
+    run = setup_run(loop, cfg)
     run.warnings = warning_counts()
     prepare = run.objective.prepare
 

@@ -76,7 +76,7 @@ PUBLISHED = {
          "(huggingface.co/docs/diffusers/tutorials/fast_diffusion): 7.36 s fp32 → 4.63 s bf16 → 3.31 s with SDPA")),
 }
 
-MAIN_JOB_TINY = ["data.num_prompts=2", "data.samples_per_prompt=2", "data.num_inference_steps=3",
+MAIN_JOB_TINY = ["data.num_prompts=2", "data.samples_per_prompt=2", "data.sampler.num_inference_steps=3",
                  "trainer.max_steps=3", "trainer.batch_size=2", "eval.enabled=false"]
 
 

@@ -339,7 +339,7 @@ def quick(cfg: PeerConfig) -> PeerConfig:
 def diffalign_run(method: str, cfg: PeerConfig, out_dir: Path):
     """diffalign's loop on the same settings (its `_setup`; epochs through `_epoch`)."""
     sys.path.insert(0, str(REPO / "scripts"))
-    from bench_online import compose_config, migrate_config, warning_counts
+    from bench_online import compose_config, setup_run, warning_counts
 
     from diffalign.train import online as loop
 
@@ -348,10 +348,11 @@ def diffalign_run(method: str, cfg: PeerConfig, out_dir: Path):
                  f"online.groups_per_epoch={cfg.groups_per_epoch}", f"online.group_size={cfg.group_size}",
                  f"online.rollout_batch_size={cfg.rollout_batch_size}", f"trainer.batch_size={cfg.batch_size}",
                  f"sampler.num_inference_steps={cfg.num_inference_steps}",
-                 f"online.tracker_min_count={cfg.tracker_min_count}", f"output_dir={out_dir}"]
+                 f"output_dir={out_dir}"]
+    if cfg.tracker_min_count >= 1:  # DDPO's per-prompt tracker; Flow-GRPO's peer has none (0, which the config refuses)
+        overrides.append(f"online.tracker_min_count={cfg.tracker_min_count}")
     cfg = compose_config(overrides)
-    migrate_config(cfg)
-    run = loop._setup(cfg)
+    run = setup_run(loop, cfg)
     run.warnings = warning_counts()
 
     def epoch():

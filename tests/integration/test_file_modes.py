@@ -44,7 +44,7 @@ def test_save_safetensors_gives_the_umask_mode(tmp_path):
 def test_every_file_of_a_real_run_has_the_umask_mode(tmp_path):
     run = tmp_path / "run"
     overrides = [f"output_dir={run}", "data=ranked_pairs", "data.num_prompts=2", "data.samples_per_prompt=4",
-                 "data.batch_size=4", "data.num_inference_steps=2", "data.reward=geneval_shapes", "model=tiny_random",
+                 "data.batch_size=4", "data.sampler.num_inference_steps=2", "data.reward=geneval_shapes", "model=tiny_random",
                  "reference=ema", "trainer.max_steps=1", "trainer.batch_size=2", "trainer.checkpointing_steps=1",
                  "trainer.log_with=none", "eval.enabled=false"]
     code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"

@@ -163,7 +163,7 @@ def test_fsdp_refuses_what_it_does_not_shard(tmp_path):
     from diffalign.runtime.distributed import check_launch
 
     def cfg(*overrides):
-        return compose_cfg(["model=tiny_random", *overrides])
+        return compose_cfg(["model=tiny_random", "trainer.cpu=true", *overrides])
 
     res = launch_fsdp([f"output_dir={tmp_path / 'run'}", "reference=ema", "trainer.batch_size=2", *DPO], tmp_path)
     assert res.returncode != 0

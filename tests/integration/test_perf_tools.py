@@ -138,8 +138,7 @@ def test_bench_online_counts_the_denoiser_calls_of_each_phase_and_leaves_the_run
     assert loop._updates.__module__ == "diffalign.train.online"  # the timers were taken off again
     with tempfile.TemporaryDirectory() as tmp:
         cfg = bench.compose_config([*overrides, f"output_dir={tmp}"])
-        bench.migrate_config(cfg)
-        run = loop._setup(cfg)
+        run = bench.setup_run(loop, cfg)
         run.warnings = bench.warning_counts()
         for _ in range(2):
             loop._epoch(run)

@@ -13,7 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from safetensors.torch import load_file
 
 from diffalign.advantages import group_advantages
-from diffalign.config.validation import validate_train_config
+from diffalign.config.validation import construct, validate_train_config
 from diffalign.methods import ONLINE_FLOWS, ONLINE_MEMBERS, OnlineEpoch, check_method
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.objectives.diffusion_nft import (
@@ -178,8 +178,9 @@ def test_bad_method_fields_are_refused_naming_the_field(kwargs, field):
 ])
 def test_bad_run_configs_fail_before_any_model_loads(overrides, field, tmp_path):
     cfg = compose_cfg(["recipe=tiny_diffusion_nft", f"output_dir={tmp_path}"] + overrides)
-    with pytest.raises(ValueError, match=field):
-        validate_train_config(cfg)
+    with pytest.raises(ValueError, match=field):  # the config checks, then the method's constructor (build_run's first
+        validate_train_config(cfg)                  # step, before any model loads)
+        construct(cfg.method, "method")
 
 
 def test_recipes_validate_and_the_paper_recipe_carries_the_released_settings(tmp_path):

@@ -108,12 +108,14 @@ def test_the_cli_prints_the_alarm_without_a_traceback(tmp_path, monkeypatch):
 
 
 def test_the_alarm_settings_are_checked_before_any_model_loads(tmp_path):
-    from diffalign.config.validation import validate_train_config
+    from diffalign.config.validation import construct, validate_train_config
 
     for bad, match in (("method.logprob_check=maybe", "method.logprob_check='maybe' must be one of"),
                        ("method.logprob_tolerance=0", "method.logprob_tolerance=0.0 must be > 0")):
-        with pytest.raises(ValueError, match=match):
-            validate_train_config(compose_cfg(CASES["ddpo_sd"] + online_overrides(tmp_path) + [bad]))
+        cfg = compose_cfg(CASES["ddpo_sd"] + online_overrides(tmp_path) + [bad])
+        with pytest.raises(ValueError, match=match):  # the config checks, then the method's constructor (build_run's
+            validate_train_config(cfg)                # first step, before any model loads)
+            construct(cfg.method, "method")
 
 
 # -------------------------------------------------------------------------------- gradient accumulation per update
