@@ -103,6 +103,7 @@ def test_another_optimizer_is_selected_with_its_target(tmp_path):
     policy = _Policy()
     params, optimizer, scheduler = prepare_training(Accelerator(cpu=True), policy, cfg.trainer, total_updates=4)
     assert isinstance(optimizer.optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == 0.9
+    assert scheduler.get_last_lr() == [0.25]
     policy.denoiser(torch.tensor([[3.0, 1.0]])).sum().backward()  # d/dw (w · x) = x = (3, 1)
     optimizer.step()
     # warmup factor (0 + 1) / 2 on lr 0.5 → 0.25: w = (1, -2) - 0.25 · (3, 1)
