@@ -242,6 +242,36 @@ def registered_check(node: str) -> Callable:
     return _NODE_CHECKS[node]
 
 
+RENAMED_KEYS = {
+    "trainer.learning_rate": "trainer.optimizer.lr",
+    "trainer.adam_beta1": "trainer.optimizer.betas (the first of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_beta2": "trainer.optimizer.betas (the second of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_weight_decay": "trainer.optimizer.weight_decay",
+    "trainer.adam_epsilon": "trainer.optimizer.eps",
+}
+"""Removed keys and the key that replaced each (the optimizer became the ``trainer.optimizer`` node): refused with the
+new name (`check_renamed_keys`, `check_structured_keys`), never migrated."""
+
+
+def renamed_key_error(key: str) -> ConfigError:
+    """The error for a removed key of `RENAMED_KEYS`: one line naming the key that replaced it."""
+    return ConfigError(f"{key} was renamed: set {RENAMED_KEYS[key]} instead (the optimizer is the trainer.optimizer "
+                       "node; docs/guides/configuration.md#optimizer)")
+
+
+def check_renamed_keys(overrides) -> None:
+    """Refuses command-line overrides (``key=value``, ``+key=value``, ``~key``) of a removed key of `RENAMED_KEYS`
+    before Hydra composes (Hydra's own message would suggest adding the old key with ``+``).
+
+    Raises:
+        ConfigError: naming the new key.
+    """
+    for override in overrides:
+        key = str(override).lstrip("+~").partition("=")[0]
+        if key in RENAMED_KEYS:
+            raise renamed_key_error(key)
+
+
 def check_structured_keys(cfg: DictConfig) -> None:
     """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
     ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
@@ -262,6 +292,8 @@ def check_structured_keys(cfg: DictConfig) -> None:
                 continue
             fields = {f.name for f in dataclasses.fields(schema)}
             for key in sub:
+                if f"{name}.{key}" in RENAMED_KEYS:
+                    raise renamed_key_error(f"{name}.{key}")
                 if key not in fields:
                     close = difflib.get_close_matches(str(key), sorted(fields), n=3)
                     hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""

@@ -87,6 +87,10 @@ def train_cli(tmp_path, monkeypatch, capsys):
                               r"it takes \[.*'lora_rank'")),
     (["trainer.lr_scheduler=linear"], (r"trainer.lr_scheduler='linear' must be one of \('constant_with_warmup', "
                                       r"'cosine'\)")),
+    # the optimizer is the trainer.optimizer node: an old key names its new one, before Hydra composes
+    (["trainer.learning_rate=1e-3"], r"trainer.learning_rate was renamed: set trainer.optimizer.lr instead"),
+    (["trainer.optimizer._target_=torch.optim.SGD"], (r"trainer.optimizer.betas is not an argument of "
+                                                      r"torch.optim.SGD; drop it with ~trainer.optimizer.betas")),
     (["trainer.mixed_precision=fp8"], r"trainer.mixed_precision='fp8' must be one of \('no', 'fp16', 'bf16'\)"),
     (["trainer.log_with=tensorbord"], r"trainer.log_with='tensorbord' must be one of \('tensorboard', 'wandb'"),
     (["trainer.cpu=maybe"], r"Value 'maybe' is not a valid bool.*\s+full_key: trainer.cpu"),
