@@ -9,6 +9,11 @@ Stages (run in this order; ``all`` runs them in sequence):
   and saves a `StableDiffusionPipeline` folder.
 * ``clip`` — tiny open_clip model (custom config, the world's word-level tokenizer), contrastive loss on renders and
   captions.
+* ``flow`` — tiny SD3-format flow model (`SD3Transformer2DModel` + two tiny CLIP encoders), rectified flow.
+* ``flux`` — tiny FLUX.1-format model (`FluxTransformer2DModel` on packed latents + tiny CLIP pooled and T5 encoders,
+  no guidance embedding), rectified flow on tiny_sd3's VAE (run ``flow`` first, or have it in ``--out``). Resumable:
+  a checkpoint every ``--checkpoint-minutes`` in ``<work>/flux_checkpoint.pt``; rerun the same command with
+  ``--resume`` after an interruption and it continues bit for bit.
 
 Full reproduction of the shipped models (about 30 minutes on an idle 2-core CPU; measured: VAE 3000 steps,
 UNet 2800 steps in 8.8 min, CLIP 1200 steps; see diffalign/assets/pretrain_metrics.json)::
