@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.config.checks import refuse_renamed_overrides
 from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.runtime.console import quiet_on_broken_pipe
 
@@ -294,6 +295,7 @@ def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
     setup_hydra()
     try:
+        refuse_renamed_overrides(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
@@ -309,6 +311,7 @@ def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
     setup_hydra()
     try:
+        refuse_renamed_overrides(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")

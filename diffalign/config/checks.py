@@ -27,6 +27,46 @@ class ConfigError(ValueError):
     """A setting of the run config is wrong; the message names the field, what it got and the fix."""
 
 
+RENAMED_KEYS = {
+    "eval.num_inference_steps": "eval.sampler.num_inference_steps",
+    "eval.guidance_scale": "eval.sampler.guidance_scale",
+    "eval.eta": None,  # (no one key: the noise parameter is the sampler's own, `renamed_key_error`)
+    "monitor.num_inference_steps": "monitor.sampler.num_inference_steps",
+    "monitor.guidance_scale": "monitor.sampler.guidance_scale",
+}
+"""Keys that moved (0.1.0 is unreleased: no deprecation layer): the old key → the key to set instead. An old key is
+refused with one line naming its replacement (`renamed_key_error`): on the command line before Hydra composes
+(`refuse_renamed_overrides`), and where an unknown key is refused (`check_structured_keys`, `check_node_keys`)."""
+
+
+def renamed_key_error(key: str) -> ConfigError | None:
+    """The error for the moved key `key` (a dotted path, e.g. ``eval.num_inference_steps``), or None when it did not
+    move (`RENAMED_KEYS`)."""
+    if key not in RENAMED_KEYS:
+        return None
+    new = RENAMED_KEYS[key]
+    if new is None:  # eval.eta
+        fix = ("select the sampler with its noise: sampler@eval.sampler=ddim eval.sampler.eta=<eta> for an eps/v "
+               "model, sampler@eval.sampler=flow_sde eval.sampler.noise_level=<a> for a flow model (the default, "
+               "sampler@eval.sampler=ode, is eta 0 for both)")
+    else:
+        fix = f"set {new}=<value> instead"
+    return ConfigError(f"{key} has moved into the sampler node {key.split('.')[0]}.sampler; {fix}")
+
+
+def refuse_renamed_overrides(overrides) -> None:
+    """Refuses a command-line override of a moved key (``eval.num_inference_steps=50``, also with ``+``/``++``/``~``)
+    before Hydra composes: Hydra alone would say only that the key is not in the node.
+
+    Raises:
+        ConfigError: naming the old key and what to set instead.
+    """
+    for arg in overrides:
+        error = renamed_key_error(str(arg).partition("=")[0].lstrip("+~"))
+        if error is not None:
+            raise error
+
+
 def _absent(node, key: str) -> bool:
     return node is None or key not in node
 
@@ -206,6 +246,7 @@ def node_check(node: str) -> Callable[[Callable], Callable]:
     ``"overrides"``       ``check(overrides, online=...)``: command-line overrides a loop would ignore
     ``"online"``          ``check(cfg)``, online methods only
     ``"sampler"``         ``check(cfg, flow_matching=..., online=...)`` (`diffalign.samplers.checks`)
+    ``"sampler_node"``    ``check(node, where, flow_matching=..., model=...)``: ``eval.sampler``, ``monitor.sampler``
     ``"model"``           ``check(cfg)`` (`diffalign.models.checks`)
     ``"reward"``          ``check(node, prefix)``, once per selected reward (`diffalign.rewards.checks`)
     ====================  =========================================================================================
@@ -263,6 +304,9 @@ def check_structured_keys(cfg: DictConfig) -> None:
             fields = {f.name for f in dataclasses.fields(schema)}
             for key in sub:
                 if key not in fields:
+                    renamed = renamed_key_error(f"{name}.{key}")
+                    if renamed is not None:
+                        raise renamed
                     close = difflib.get_close_matches(str(key), sorted(fields), n=3)
                     hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
                     raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
@@ -347,6 +391,9 @@ def check_node_keys(node, name: str, schema: type) -> None:
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in node:
         if key not in fields:
+            renamed = renamed_key_error(f"{name}.{key}")
+            if renamed is not None:
+                raise renamed
             close = difflib.get_close_matches(str(key), sorted(fields), n=3)
             hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
             raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
