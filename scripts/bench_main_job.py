@@ -156,7 +156,8 @@ def sampling_speed(batch: int, steps: int, repeats: int, device: str, dtype: str
 
     from diffalign.config.compose import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
-    from diffalign.samplers.rollout import family_sampler, rollout
+    from diffalign.samplers.ode import PipelineODESampler
+    from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
     policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), torch_dtype=dtype).to(device)
@@ -172,7 +173,7 @@ def sampling_speed(batch: int, steps: int, repeats: int, device: str, dtype: str
     for k in range(repeats + 1):
         gens = [torch.Generator().manual_seed(k * batch + i) for i in range(batch)]
         t0 = time.perf_counter()
-        rollout(policy, prompts, family_sampler(policy, num_inference_steps=steps, guidance_scale=4.0), generator=gens)
+        rollout(policy, prompts, PipelineODESampler(num_inference_steps=steps, guidance_scale=4.0), generator=gens)
         sync()
         t1 = time.perf_counter()
         with torch.no_grad():
