@@ -199,11 +199,12 @@ def print_phases(info: dict, cfg: dict, floors: dict) -> None:
     fwd, fb = floors["forward"], floors["forward_backward"]
     data, ev, tr = cfg["data"], cfg["eval"], cfg["trainer"]
     rows = []
-    if info["data"] > 0 and data.get("batch_size") and data.get("num_inference_steps"):
+    data_steps = (data.get("sampler") or {}).get("num_inference_steps")
+    if info["data"] > 0 and data.get("batch_size") and data_steps:
         n_samples = info.get("data_samples") or 0
         if n_samples:
             b = data["batch_size"]
-            floor = n_samples / b * data["num_inference_steps"] * fwd[2 * b]
+            floor = n_samples / b * data_steps * fwd[2 * b]
             rows.append(("on-policy data", info["data"], floor, f"{n_samples} images, batch {b}"))
     b = tr["batch_size"]
     if 2 * b in fb:
@@ -211,7 +212,7 @@ def print_phases(info: dict, cfg: dict, floors: dict) -> None:
         rows.append(("training", info["train"], floor, f"{info['steps']} steps x {b} pairs"))
     if info["eval"] > 0 and info["eval_images"]:
         be = ev["batch_size"]
-        floor = info["eval_images"] / be * ev["num_inference_steps"] * fwd[2 * be]
+        floor = info["eval_images"] / be * ev["sampler"]["num_inference_steps"] * fwd[2 * be]
         rows.append(("evaluation", info["eval"], floor, f"{info['eval_images']} images, batch {be}"))
     print("phase            measured   floor   ratio   work")
     for name, measured, floor, work in rows:
