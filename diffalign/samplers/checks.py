@@ -72,7 +72,7 @@ def check_sampler_node(node, where: str, *, flow_matching: bool | None, model: s
     (`build_sampler`) and, when the model says its family, that the sampler steps it.
 
     Args:
-        node: the sampler node (None: not set, refused).
+        node (`DictConfig`, `dict` or `Sampler`): the sampler node (None: not set, refused).
         where (`str`): its path, e.g. ``eval.sampler``, named in the errors.
         flow_matching (`bool` or None): the model's ``flow_matching`` class attribute (None: not checked).
         model (`str`, *optional*): the model's ``_target_``, named in the error.
