@@ -88,7 +88,7 @@ def run_one(job: dict) -> dict:
     overrides = METHODS[job["method"]] + [
         f"output_dir={out}", f"seed={job['seed']}", f"trainer.max_steps={job['steps']}", "eval.enabled=false",
         "trainer.log_with=none", f"trainer.checkpointing_steps={job['steps']}", "trainer.keep_last=1",
-        f"trainer.lr_warmup_steps={max(1, job['steps'] // 10)}", f"trainer.learning_rate={job['learning_rate']}",
+        f"trainer.lr_warmup_steps={max(1, job['steps'] // 10)}", f"trainer.optimizer.lr={job['learning_rate']}",
     ]
     if job["method"].startswith("seppo"):
         overrides.append(f"reference.save_every={max(1, math.ceil(job['steps'] / 7))}")  # K = 7 snapshots per run

@@ -27,46 +27,6 @@ class ConfigError(ValueError):
     """A setting of the run config is wrong; the message names the field, what it got and the fix."""
 
 
-RENAMED_KEYS = {
-    "eval.num_inference_steps": "eval.sampler.num_inference_steps",
-    "eval.guidance_scale": "eval.sampler.guidance_scale",
-    "eval.eta": None,  # (no one key: the noise parameter is the sampler's own, `renamed_key_error`)
-    "monitor.num_inference_steps": "monitor.sampler.num_inference_steps",
-    "monitor.guidance_scale": "monitor.sampler.guidance_scale",
-}
-"""Keys that moved (0.1.0 is unreleased: no deprecation layer): the old key → the key to set instead. An old key is
-refused with one line naming its replacement (`renamed_key_error`): on the command line before Hydra composes
-(`refuse_renamed_overrides`), and where an unknown key is refused (`check_structured_keys`, `check_node_keys`)."""
-
-
-def renamed_key_error(key: str) -> ConfigError | None:
-    """The error for the moved key `key` (a dotted path, e.g. ``eval.num_inference_steps``), or None when it did not
-    move (`RENAMED_KEYS`)."""
-    if key not in RENAMED_KEYS:
-        return None
-    new = RENAMED_KEYS[key]
-    if new is None:  # eval.eta
-        fix = ("select the sampler with its noise: sampler@eval.sampler=ddim eval.sampler.eta=<eta> for an eps/v "
-               "model, sampler@eval.sampler=flow_sde eval.sampler.noise_level=<a> for a flow model (the default, "
-               "sampler@eval.sampler=ode, is eta 0 for both)")
-    else:
-        fix = f"set {new}=<value> instead"
-    return ConfigError(f"{key} has moved into the sampler node {key.split('.')[0]}.sampler; {fix}")
-
-
-def refuse_renamed_overrides(overrides) -> None:
-    """Refuses a command-line override of a moved key (``eval.num_inference_steps=50``, also with ``+``/``++``/``~``)
-    before Hydra composes: Hydra alone would say only that the key is not in the node.
-
-    Raises:
-        ConfigError: naming the old key and what to set instead.
-    """
-    for arg in overrides:
-        error = renamed_key_error(str(arg).partition("=")[0].lstrip("+~"))
-        if error is not None:
-            raise error
-
-
 def _absent(node, key: str) -> bool:
     return node is None or key not in node
 
@@ -283,6 +243,49 @@ def registered_check(node: str) -> Callable:
     return _NODE_CHECKS[node]
 
 
+RENAMED_KEYS = {
+    "trainer.learning_rate": "trainer.optimizer.lr",
+    "trainer.adam_beta1": "trainer.optimizer.betas (the first of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_beta2": "trainer.optimizer.betas (the second of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_weight_decay": "trainer.optimizer.weight_decay",
+    "trainer.adam_epsilon": "trainer.optimizer.eps",
+    "eval.num_inference_steps": "eval.sampler.num_inference_steps",
+    "eval.guidance_scale": "eval.sampler.guidance_scale",
+    "eval.eta": ("the sampler with its noise: sampler@eval.sampler=ddim eval.sampler.eta=<eta> for an eps/v model, "
+                 "sampler@eval.sampler=flow_sde eval.sampler.noise_level=<a> for a flow model (the default, "
+                 "sampler@eval.sampler=ode, is eta 0 for both)"),
+    "monitor.num_inference_steps": "monitor.sampler.num_inference_steps",
+    "monitor.guidance_scale": "monitor.sampler.guidance_scale",
+}
+"""Removed keys and what replaced each: refused with the new name (`check_renamed_keys`, `check_structured_keys`,
+`check_node_keys`), never migrated. The optimizer became the ``trainer.optimizer`` node; evaluation and the monitors
+sample with a sampler node (``eval.sampler``, ``monitor.sampler``)."""
+
+_RENAMED_WHY = {
+    "trainer": "the optimizer is the trainer.optimizer node; docs/guides/configuration.md#optimizer",
+    "eval": "evaluation samples with the sampler node eval.sampler; docs/guides/evaluation.md",
+    "monitor": "the monitors sample with the sampler node monitor.sampler; docs/guides/samplers.md",
+}
+
+
+def renamed_key_error(key: str) -> ConfigError:
+    """The error for a removed key of `RENAMED_KEYS`: one line naming what replaced it."""
+    return ConfigError(f"{key} was renamed: set {RENAMED_KEYS[key]} instead ({_RENAMED_WHY[key.split('.')[0]]})")
+
+
+def check_renamed_keys(overrides) -> None:
+    """Refuses command-line overrides (``key=value``, ``+key=value``, ``~key``) of a removed key of `RENAMED_KEYS`
+    before Hydra composes (Hydra's own message would suggest adding the old key with ``+``).
+
+    Raises:
+        ConfigError: naming the new key.
+    """
+    for override in overrides:
+        key = str(override).lstrip("+~").partition("=")[0]
+        if key in RENAMED_KEYS:
+            raise renamed_key_error(key)
+
+
 def check_structured_keys(cfg: DictConfig) -> None:
     """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
     ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
@@ -303,10 +306,9 @@ def check_structured_keys(cfg: DictConfig) -> None:
                 continue
             fields = {f.name for f in dataclasses.fields(schema)}
             for key in sub:
+                if f"{name}.{key}" in RENAMED_KEYS:
+                    raise renamed_key_error(f"{name}.{key}")
                 if key not in fields:
-                    renamed = renamed_key_error(f"{name}.{key}")
-                    if renamed is not None:
-                        raise renamed
                     close = difflib.get_close_matches(str(key), sorted(fields), n=3)
                     hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
                     raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
@@ -391,9 +393,8 @@ def check_node_keys(node, name: str, schema: type) -> None:
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in node:
         if key not in fields:
-            renamed = renamed_key_error(f"{name}.{key}")
-            if renamed is not None:
-                raise renamed
+            if f"{name}.{key}" in RENAMED_KEYS:
+                raise renamed_key_error(f"{name}.{key}")
             close = difflib.get_close_matches(str(key), sorted(fields), n=3)
             hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
             raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "

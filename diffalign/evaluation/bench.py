@@ -68,7 +68,7 @@ METHODS: dict[str, Method] = {
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
-    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.learning_rate=3e-4", "online.num_epochs=20"],
+    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.optimizer.lr=3e-4", "online.num_epochs=20"],
                       quick=ONLINE_QUICK),
     "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),
     "vipo_sd": Method("tiny_vipo_image", True, ["model=tiny_sd", "sampler=ddim", "sampler.eta=1.0"],
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the runs' overrides and exit")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Hydra overrides (key=value) may follow any option, e.g. `--seeds 0 1 2 trainer.learning_rate=5e-3`
+    # Hydra overrides (key=value) may follow any option, e.g. `--seeds 0 1 2 trainer.optimizer.lr=5e-3`
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = p.parse_args([a for a in argv if a not in overrides])
     args.overrides = [*args.overrides, *overrides]

@@ -29,12 +29,13 @@ FLUX_DEV_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dyn
 
 
 def build_tiny_flux_transformer(guidance_embeds: bool = True, num_layers: int = 1, num_single_layers: int = 2,
-                                latent_channels: int = 4) -> FluxTransformer2DModel:
-    """A tiny `FluxTransformer2DModel`: packed inputs of 4 × `latent_channels`, 2 heads of 16 (rotary axes 4+4+8),
-    text width 32, pooled width 32."""
+                                latent_channels: int = 4, num_attention_heads: int = 2) -> FluxTransformer2DModel:
+    """A tiny `FluxTransformer2DModel`: packed inputs of 4 × `latent_channels`, `num_attention_heads` heads of 16
+    (rotary axes 4+4+8; width 16 × heads), text width 32, pooled width 32."""
     return FluxTransformer2DModel(
         patch_size=1, in_channels=4 * latent_channels, out_channels=None, num_layers=num_layers,
-        num_single_layers=num_single_layers, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        num_single_layers=num_single_layers, attention_head_dim=16, num_attention_heads=num_attention_heads,
+        joint_attention_dim=32,
         pooled_projection_dim=32, guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8),
     )
 

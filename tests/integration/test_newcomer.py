@@ -45,7 +45,7 @@ def test_the_main_job_ends_with_its_headline_paired_gain(tmp_path, capsys):
 
     # the shipped tiny SD model (its verifier accuracy is neither 0 nor 1) with the main job's reward and evaluation
     overrides = [o for o in smoke_overrides(tmp_path) if not o.startswith(("model=", "eval."))]
-    train(compose_cfg([*overrides, "model=tiny_sd", "trainer.learning_rate=0.3", "eval.seeds=[0,1,2]", *SMALL_EVAL,
+    train(compose_cfg([*overrides, "model=tiny_sd", "trainer.optimizer.lr=0.3", "eval.seeds=[0,1,2]", *SMALL_EVAL,
                        "eval.sampler.num_inference_steps=10"]))
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == expected_headline(tmp_path / "eval")

@@ -37,7 +37,7 @@ def test_vipo_raises_held_out_brightness_within_six_epochs(tmp_path):
     ev = _train(tmp_path, "recipe=tiny_vipo_image", "online.checkpointing_epochs=null", "reward=[brightness]",
                 "eval_reward=[brightness]",
                 "online.num_epochs=6", "online.groups_per_epoch=8", "online.updates_per_epoch=1",
-                "trainer.learning_rate=1e-2",
+                "trainer.optimizer.lr=1e-2",
                 "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
     assert ev["variants"]["base"]["brightness/mean"] == pytest.approx(0.0634, abs=2e-3)
