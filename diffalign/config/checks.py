@@ -302,18 +302,8 @@ def check_structured_keys(cfg: DictConfig) -> None:
             if not isinstance(sub, DictConfig):
                 continue
             schema = OmegaConf.get_type(sub)
-            if not dataclasses.is_dataclass(schema):
-                continue
-            fields = {f.name for f in dataclasses.fields(schema)}
-            for key in sub:
-                if f"{name}.{key}" in RENAMED_KEYS:
-                    raise renamed_key_error(f"{name}.{key}")
-                if key not in fields:
-                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
-                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
-                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
-                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
-                                      f"{', '.join(sorted(fields))}")
+            if dataclasses.is_dataclass(schema):
+                check_node_keys(sub, name, schema)
 
 
 def target_modality(target: str | None) -> str | None:
@@ -382,8 +372,9 @@ def check_top_level_keys(cfg: DictConfig, known, source: str = "train.yaml") -> 
 
 
 def check_node_keys(node, name: str, schema: type) -> None:
-    """Refuses a key of a plain (unstructured) config node `name` that its dataclass `schema` does not have, e.g.
-    ``+monitor.evry=1`` (it would otherwise crash or be ignored after the model loads).
+    """Refuses a key of config node `name` that its dataclass `schema` does not have, e.g. ``+monitor.evry=1`` on a
+    plain node (it would otherwise crash or be ignored after the model loads) or a key added with ``+`` to a structured
+    one (`check_structured_keys`); a key of `RENAMED_KEYS` names its new key.
 
     Raises:
         ConfigError: naming the key, the closest real ones and the fix.
@@ -392,6 +383,8 @@ def check_node_keys(node, name: str, schema: type) -> None:
         return
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in node:
+        if f"{name}.{key}" in RENAMED_KEYS:
+            raise renamed_key_error(f"{name}.{key}")
         if key not in fields:
             if f"{name}.{key}" in RENAMED_KEYS:
                 raise renamed_key_error(f"{name}.{key}")
