@@ -314,6 +314,7 @@ def evaluate() -> None:
     shared_machine_defaults()  # before torch loads (runtime/openmp.py)
     setup_hydra()
     try:
+        check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")

@@ -66,8 +66,9 @@ def evaluate(lora_dir: str | None, prompts_per_tag: int | None, seeds: list[int]
     if lora_dir is not None:
         policy.load_lora_weights(lora_dir)
     policy.unet.eval()
-    ecfg = EvalConfig(prompts="heldout", prompts_per_tag=prompts_per_tag, seeds=seeds, num_inference_steps=steps,
-                      guidance_scale=cfg.eval.guidance_scale, eta=0.0, batch_size=64)
+    ecfg = EvalConfig(prompts="heldout", prompts_per_tag=prompts_per_tag, seeds=seeds, batch_size=64,
+                      sampler={"name": "ode", "num_inference_steps": steps,
+                               "guidance_scale": cfg.eval.sampler.guidance_scale})
     rows = select_prompts(load_prompts("heldout"), prompts_per_tag)
     images, records = generate(policy, rows, seeds, ecfg)
     scored = score({"geneval_shapes": build_reward("geneval_shapes")}, images, rows, records)

@@ -149,7 +149,7 @@ def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantage
                      group_size: int) -> torch.Tensor:
     """DGPO's per-group loss as the paper writes it, −log σ(−(β/G) Σ_i A_i (ℓθ_i − ℓref_i)) (arXiv:2510.08425 Eq. 17
     with βλ_t = β/G), for one group given as `(G,)` tensors: the oracle the production surrogate's gradient is checked
-    against (tests/unit/objectives/test_dgpo.py; its values by hand in tests/unit/test_dgpo_by_hand.py)."""
+    against (tests/unit/objectives/test_dgpo.py; its values by hand in tests/unit/objectives/test_dgpo_by_hand.py)."""
     return -torch.nn.functional.logsigmoid(-(beta / group_size) * (advantages * (loss_theta - loss_ref)).sum())
 
 

@@ -59,7 +59,8 @@ class Method:
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
 OFFLINE_QUICK = ["trainer.max_steps=10", "trainer.checkpointing_steps=null"]
 # the sampler of the benchmark's data and evaluation, which the main job's recipe (tiny_dpo) lowers to 10 steps
-TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.num_inference_steps=20", "eval.batch_size=64"]
+TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.sampler.num_inference_steps=20",
+                         "eval.batch_size=64"]
 
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
@@ -106,8 +107,8 @@ EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "t
 QUICK_METHODS = {"online_trajectories": "flow_grpo", "online_groups": "dgpo", "pairs": "diffusion_dpo",
                  "winners": "seppo"}
 QUICK_REWARDS = ["brightness"]
-QUICK_EVAL = ["eval.prompts_per_tag=2", "eval.seeds=[0,1]", "eval.num_inference_steps=10", "eval.reuse_base=true",
-              "trainer.log_with=none"]
+QUICK_EVAL = ["eval.prompts_per_tag=2", "eval.seeds=[0,1]", "eval.sampler.num_inference_steps=10",
+              "eval.reuse_base=true", "trainer.log_with=none"]
 
 
 TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"

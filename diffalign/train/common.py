@@ -408,8 +408,8 @@ def evaluation_hint(cfg: DictConfig) -> str:
     run starts, whose default evaluation can take longer than a short run's training)."""
     prompts, seeds = evaluation_size(cfg)
     return (f"[diffalign] the run ends with an evaluation of the base and the fine-tuned model on {prompts} prompts × "
-            f"{seeds} seeds = {2 * prompts * seeds} images at {cfg.eval.num_inference_steps} sampler steps; for a "
-            "smoke run pass eval.enabled=false (or shorten it: eval.prompts_per_tag=1 eval.seeds=[0])")
+            f"{seeds} seeds = {2 * prompts * seeds} images at {cfg.eval.sampler.num_inference_steps} sampler steps; for "
+            "a smoke run pass eval.enabled=false (or shorten it: eval.prompts_per_tag=1 eval.seeds=[0])")
 
 
 def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rewards: dict, step: int,

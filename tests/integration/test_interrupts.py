@@ -27,7 +27,7 @@ def slow(*args, **kwargs):
     return sample_images(*args, **kwargs)
 evaluate.sample_images = slow
 """
-EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
+EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2",
         "eval.batch_size=1", "report=false"]
 
 

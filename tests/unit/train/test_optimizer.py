@@ -26,10 +26,11 @@ HAND = {
 }
 
 
-def _lrs(kind: str, warmup: int, total: int, base_lr: float = 2.0) -> list[float]:
-    """The LR before each of `total` updates of a fresh AdamW with `base_lr`, as the loops step it."""
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
-    scheduler = build_lr_scheduler(optimizer, warmup, total, kind)
+def _lrs(kind: str, warmup: int, total: int, build=build_lr_scheduler) -> list[float]:
+    """The LR before each of `total` updates of a fresh AdamW with lr 2, as the loops step it, under the scheduler
+    ``build(optimizer, warmup, total, kind)``."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = build(optimizer, warmup, total, kind)
     seen = []
     for _ in range(total):
         seen.append(optimizer.param_groups[0]["lr"])
@@ -50,14 +51,8 @@ def test_diffusers_get_scheduler_starts_the_warmup_at_zero():
     from diffusers.optimization import get_scheduler
 
     def diffusers_lrs(kind, warmup, total):
-        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-        scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-        seen = []
-        for _ in range(total):
-            seen.append(optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-        return seen
+        return _lrs(kind, warmup, total, lambda optimizer, warmup, total, kind: get_scheduler(
+            kind, optimizer, num_warmup_steps=warmup, num_training_steps=total))
 
     assert diffusers_lrs("constant_with_warmup", 3, 6) == pytest.approx([0.0, 2 / 3, 4 / 3, 2.0, 2.0, 2.0])
     for kind, warmup, total in (("constant_with_warmup", 0, 4), ("cosine", 0, 4)):
