@@ -4,7 +4,8 @@ independent count by hand from the config; the LoRA of each ``model=`` config (i
 out) parameters over the targeted layers, counted by hand; SD1.5 (the one that fits in a few GiB) is wrapped by the
 project's policy and runs one forward at its minimum size, and FLUX.1-dev (33 GB in bfloat16, more than this machine
 has) runs as a real-width slice, one block of each kind. The step of every method at real size is
-``scripts/bench_real_size.py`` (docs/guides/real_size.md; FLUX.1-dev is not in it yet)."""
+``scripts/bench_real_size.py`` (docs/guides/real_size.md; FLUX.1-dev and Wan 2.2 as real-width, reduced-depth
+stand-ins)."""
 
 from __future__ import annotations
 
