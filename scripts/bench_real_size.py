@@ -4,8 +4,8 @@ Wan2.2-T2V-A14B, with random weights.
 
 Each architecture is built from its published configs (``configs/arch/*.json``, copied from the hub repos they name;
 nothing is downloaded), randomly initialised, written once as a diffusers folder with ``save_pretrained`` (bfloat16
-on disk) and loaded back by the run exactly as ``diffalign-train model=<sd15|sdxl|sd35_medium|wan21_t2v|flux1_dev|wan22_t2v_a14b>
-model.pretrained_model_name_or_path=<folder>`` would: the config is composed from the method's paper recipe (or the
+on disk) and loaded back by the run exactly as ``diffalign-train model=<sd15|sdxl|sd35_medium|wan21_t2v|flux1_dev|
+wan22_t2v_a14b> model.pretrained_model_name_or_path=<folder>`` would: the config is composed from the method's paper recipe (or the
 model config), validated, and the training loop's own set-up runs (`diffalign.train.preference` /
 `diffalign.train.online`), followed by one optimizer step (preference methods) or one epoch of rollouts + one update
 (online methods), each (model, method, dtype) in its own subprocess. Two stand-ins, so the machine's memory suffices:
@@ -24,9 +24,10 @@ estimate (``--estimate``) leaves these models out. The published sizes (meta dev
 
 The smallest valid resolution: 8x8 latents for the UNets (64 px; SD1.5's UNet halves three times), 2x2 for SD3.5
 (16 px, one 2x2 patch), 5 frames of 16x16 px for Wan (latents 16x2x2x2, two patches), 16 px for FLUX (latents
-16x2x2, one packed token; set with ``model.height/width``, FLUX's transformer has no default size). The folder's denoiser
-``config.json`` carries that size as ``sample_size`` (the default resolution the loops read; it sizes no weight).
-Rollouts take 2 sampler steps (Wan 2.2: 6, so that the trained transitions reach the low-noise expert), groups 2 samples, batches 1 pair / 1 winner; rewards are the toy ``brightness``
+16x2x2, one packed token; set with ``model.height/width``: FLUX's transformer has no default size). The folder's
+denoiser ``config.json`` carries that size as ``sample_size`` (the default resolution the loops read; it sizes no
+weight). Rollouts take 2 sampler steps (Wan 2.2: 6, so that the trained transitions reach the low-noise expert),
+groups 2 samples, batches 1 pair / 1 winner; rewards are the toy ``brightness``
 (images) and ``per_frame`` brightness + ``temporal_consistency`` (video), since the step's cost is the method's.
 
 Printed: a markdown table with parameters (denoiser / all loaded), LoRA parameters, times (set-up; the online
@@ -122,8 +123,8 @@ def run_arch(model: str) -> dict:
     if not depth:
         return arch
     denoiser_class = arch["components"][arch["denoiser"]]["class"]
-    components = {name: {**spec, "config": {**spec["config"], **depth}} if spec.get("class") == denoiser_class else spec
-                  for name, spec in arch["components"].items()}
+    components = {name: {**spec, "config": {**spec["config"], **depth}} if spec.get("class") == denoiser_class
+                  else spec for name, spec in arch["components"].items()}
     return {**arch, "components": components}
 
 

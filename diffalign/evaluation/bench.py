@@ -65,9 +65,10 @@ TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.sampler.nu
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
     "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK),
-    # the Flow-GRPO recipe with another rollout sampler (docs/guides/samplers.md), all else equal: CPS (noise_level 0.8,
-    # its released default) and MixGRPO's windowed SDE at the recipe's 10 steps (a 4-step window over positions 0-7
-    # that moves every 2 epochs, so 20 epochs visit each position; MixGRPO: 25 steps, every 25 iterations)
+    # the Flow-GRPO recipe with another rollout sampler (docs/guides/samplers.md), all else equal: CPS (noise_level
+    # 0.8, its released default) and MixGRPO's windowed SDE at the recipe's 10 steps (a 4-step window starting at
+    # steps 0-7, moved by 1 every 2 epochs: the 20 epochs visit every start, 0 and 1 twice; MixGRPO: 25 steps, moved
+    # every 25 iterations)
     "flow_grpo_cps": Method("tiny_flow_grpo", True, ["sampler=cps_sde"], quick=ONLINE_QUICK),
     "flow_grpo_window": Method("tiny_flow_grpo", True, ["sampler=window_sde", "sampler.num_inference_steps=10",
                                                         "sampler.shift_interval=2"], quick=ONLINE_QUICK),

@@ -254,9 +254,9 @@ def test_the_real_size_benchmark_sizes_flux_and_wan22_as_published_and_runs_thei
 @pytest.mark.parametrize("model", ["flux1_dev", "wan22_t2v_a14b"])
 def test_the_real_size_rows_of_flux_and_wan22_compose_and_pass_the_checks(model, tmp_path):
     """The training config a FLUX.1-dev / Wan 2.2 row's child composes (its overrides, with the weightless folder of
-    ``--in-memory``: model_index.json and the configs) passes ``check_run``: FLUX at 16 px through the policy's height/width, Wan 2.2 with 6 steps so
-    that flow_grpo's 5 trained transitions reach the low-noise expert (shift 12: σ = 1/3 maps to t = 12σ / (1 + 11σ)
-    = 0.857 < the boundary 0.875; the 4th step, σ = 1/2, to 0.923)."""
+    ``--in-memory``: model_index.json and the configs) passes ``check_run``: FLUX at 16 px through the policy's
+    height/width, Wan 2.2 with 6 steps so that flow_grpo's 5 trained transitions reach the low-noise expert (shift
+    12: σ = 1/3 maps to t = 12σ / (1 + 11σ) = 0.857 < the boundary 0.875; the 4th step, σ = 1/2, to 0.923)."""
     from conftest import compose_cfg
 
     from diffalign.train.prepare import check_run
