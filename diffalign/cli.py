@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.config.checks import check_renamed_keys
 from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.runtime.console import quiet_on_broken_pipe
 from diffalign.runtime.openmp import shared_machine_defaults
@@ -296,6 +297,7 @@ def train() -> None:
     shared_machine_defaults()  # before torch loads: OMP_WAIT_POLICY=PASSIVE beside busy CPUs (runtime/openmp.py)
     setup_hydra()
     try:
+        check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
@@ -312,6 +314,7 @@ def evaluate() -> None:
     shared_machine_defaults()  # before torch loads (runtime/openmp.py)
     setup_hydra()
     try:
+        check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
