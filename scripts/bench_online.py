@@ -1,5 +1,5 @@
-"""Benchmark of the online loops (DGPO, Flow-GRPO on SD3 and FLUX, DDPO, ViPO, DiffusionNFT), phase by phase, against the denoiser's
-floor — the online counterpart of ``scripts/bench_main_job.py``.
+"""Benchmark of the online loops (DGPO, Flow-GRPO on SD3 and FLUX, DDPO, ViPO, DiffusionNFT), phase by phase, against
+the denoiser's floor — the online counterpart of ``scripts/bench_main_job.py``.
 
 For each tiny online recipe it runs epochs of `diffalign.train.online` (its own ``_setup`` and ``_epoch``, unchanged)
 and times, from outside, the four phases of an epoch: **rollout** (``group_rollout``), **reward** (the rewards'
