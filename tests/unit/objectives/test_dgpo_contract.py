@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from diffalign.methods import NOISE, OnlineEpoch, stream_seed
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, stream_seed
 from diffalign.objectives import dgpo as dgpo_module
 from diffalign.objectives.dgpo import DGPO, DGPOConfig, group_noise, group_sums, select_train_timesteps
 from diffalign.reference.frozen_base import FrozenBaseReference
@@ -201,13 +201,16 @@ def test_defaults_are_the_released_configs():
     assert method.kl_reference == "base"
 
 
+KL_REFERENCE_MESSAGE = (r"method.kl_reference='ema' must be one of \('base', 'reference'\): 'base' \(the "
+                        r"adapter-disabled base, released code\) or 'reference' \(the reference strategy\)")
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"beta": 0.0}, r"method.beta=0.0 must be > 0 \(DGPO: 100\)"),
     ({"beta_kl": -0.1}, r"method.beta_kl=-0.1 must be >= 0"),
     ({"clip_range": 0.0}, r"method.clip_range=0.0 must be > 0, or null to disable the clip"),
     ({"reference_guidance_scale": 0.5}, r"method.reference_guidance_scale=0.5 must be >= 1"),
-    ({"kl_reference": "ema"}, r"method.kl_reference='ema' must be one of \('base', 'reference'\): 'base' \(the "
-                              r"adapter-disabled base, released code\) or 'reference' \(the reference strategy\)"),
+    ({"kl_reference": "ema"}, KL_REFERENCE_MESSAGE),
 ])
 def test_bad_arguments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -221,7 +224,7 @@ def test_small_positive_arguments_are_accepted():
 
 def test_clip_without_a_rollout_policy_is_refused():
     policy = RecordingPolicy([1.0, 2.0], r=[1.0, 1.0])
-    with pytest.raises(ValueError, match=r"method.clip_range is set but the loop passed no rollout policy θ⁻"):
+    with pytest.raises(ValueError, match=r"^method.clip_range is set but the loop passed no rollout policy θ⁻.$"):
         DGPO(clip_range=0.01)(policy, batch_of([1.0, -1.0], [0, 0]), timesteps=torch.tensor(1.0),
                               noise=column([0.0, 0.0]), reference=FrozenBaseReference())
 
@@ -236,22 +239,31 @@ def run_config(**overrides):
     return OmegaConf.create(cfg)
 
 
+CONFIG_ERRORS = {
+    "best_of_n": (r"online.best_of_n selects samples for the policy-gradient methods \(DanceGRPO/ViPO\); DGPO trains "
+                  r"on whole groups: set online.best_of_n=null"),
+    "stochastic": (r"method=dgpo samples its groups with a deterministic ODE solver \(arXiv:2510.08425 §4; "
+                   r"docs/methods/algorithms.md#dgpo\), but sampler=flow_sde noise_level=0.7 is stochastic. Use "
+                   r"sampler=dpm_ode \(or sampler=euler_ode for flow models\), or sampler=ddim sampler.eta=0 for "
+                   r"deterministic DDIM$"),
+    "max_index": (r"method.timestep_max_index=10 must index the 10-step rollout schedule; lower it below "
+                  r"sampler.num_inference_steps"),
+    "timesteps": r"method.timesteps_per_epoch=6 must be in \[1, method.timestep_max_index \+ 1 = 5\]",
+    "no_timestep": r"method.timesteps_per_epoch=0 must be in \[1,",
+    "groups": r"trainer.batch_size=6 must be a multiple of online.group_size=4 for DGPO \(a micro-batch holds whole groups\)",
+    "members": (r"online.split=members: trainer.batch_size=3 must be a multiple of each process's share of a group "
+                r"\(2\) so a micro-batch holds whole shares"),
+}
+
+
 @pytest.mark.parametrize(("overrides", "num_processes", "message"), [
-    ({"online__best_of_n": 2}, None, r"online.best_of_n selects samples for the policy-gradient methods "
-                                     r"\(DanceGRPO/ViPO\); DGPO trains on whole groups: set online.best_of_n=null"),
-    ({"sampler__name": "flow_sde"}, None, r"method=dgpo samples its groups with a deterministic ODE solver "
-                                          r"\(arXiv:2510.08425 §4; docs/methods/algorithms.md#dgpo\), but "
-                                          r"sampler=flow_sde noise_level=0.7 is stochastic. Use sampler=dpm_ode"),
-    ({"method__timestep_max_index": 10}, None, r"method.timestep_max_index=10 must index the 10-step rollout "
-                                               r"schedule; lower it below sampler.num_inference_steps"),
-    ({"method__timesteps_per_epoch": 6}, None, r"method.timesteps_per_epoch=6 must be in \[1, "
-                                               r"method.timestep_max_index \+ 1 = 5\]"),
-    ({"method__timesteps_per_epoch": 0}, None, r"method.timesteps_per_epoch=0 must be in \[1,"),
-    ({"trainer__batch_size": 6}, None, r"trainer.batch_size=6 must be a multiple of online.group_size=4 for DGPO "
-                                       r"\(a micro-batch holds whole groups\)"),
-    ({"online__split": "members", "trainer__batch_size": 3}, 2,
-     r"online.split=members: trainer.batch_size=3 must be a multiple of each process's share of a group \(2\) so a "
-     r"micro-batch holds whole shares"),
+    ({"online__best_of_n": 2}, None, CONFIG_ERRORS["best_of_n"]),
+    ({"sampler__name": "flow_sde"}, None, CONFIG_ERRORS["stochastic"]),
+    ({"method__timestep_max_index": 10}, None, CONFIG_ERRORS["max_index"]),
+    ({"method__timesteps_per_epoch": 6}, None, CONFIG_ERRORS["timesteps"]),
+    ({"method__timesteps_per_epoch": 0}, None, CONFIG_ERRORS["no_timestep"]),
+    ({"trainer__batch_size": 6}, None, CONFIG_ERRORS["groups"]),
+    ({"online__split": "members", "trainer__batch_size": 3}, 2, CONFIG_ERRORS["members"]),
 ])
 def test_config_checks_name_the_field_and_the_fix(overrides, num_processes, message):
     with pytest.raises(ValueError, match=message):
@@ -280,7 +292,8 @@ def test_config_without_a_split_means_whole_groups():
 
 class EmbedPolicy(RecordingPolicy):
     """A `RecordingPolicy` on `(N, 1, 1, 1)` latents with x_t = x_0 + ε·t/1000, predicting v·x_t (θ), r·x_t
-    (reference) or o·x_t (θ⁻); it encodes prompts, with negatives when asked (recorded)."""
+    (reference) or o·x_t (θ⁻) plus the mean of the row's prompt embedding; it encodes prompts, with negatives when
+    asked (recorded)."""
 
     def __init__(self):
         super().__init__([1.5], r=[1.0], o=[1.2])
@@ -296,7 +309,7 @@ class EmbedPolicy(RecordingPolicy):
         return x0 + noise * t.reshape(-1, 1, 1, 1) / 1000
 
     def predict(self, x_t, t, cond, guidance_scale=1.0):
-        return super().predict(x_t, t, cond, guidance_scale) * x_t
+        return super().predict(x_t, t, cond, guidance_scale) * x_t + cond.prompt_embeds.mean(dim=(1, 2)).view(-1, 1, 1, 1)
 
 
 def online_epoch(n=8, group_size=4, steps=5, batch_size=4, updates=2, negatives=True):
@@ -321,8 +334,14 @@ def test_plan_draws_the_epochs_timesteps_once_and_covers_every_micro_batch():
     chosen = units[0].timesteps
     assert all(torch.equal(u.timesteps, chosen) for u in units)
     assert len(set(chosen.tolist())) == 2 and set(chosen.tolist()) <= {500, 400, 300}  # indices 0..2
-    again = [u for update in method.plan(EmbedPolicy(), epoch) for u in update]
-    assert torch.equal(again[0].timesteps, chosen)  # the epoch's own stream (seed, epoch, TIMESTEPS)
+    # the epoch's own stream (seed, epoch, TIMESTEPS), whatever the global RNG
+    torch.manual_seed(123)
+    wide = DGPO(timesteps_per_epoch=2, timestep_max_index=4)
+    drawn = next(iter(next(iter(wide.plan(EmbedPolicy(), epoch))))).timesteps
+    torch.manual_seed(321)
+    again = next(iter(next(iter(wide.plan(EmbedPolicy(), epoch))))).timesteps
+    stream = select_train_timesteps(epoch.trajectory.timesteps, 2, 4, generator=epoch_generator(3, 1, TIMESTEPS))
+    assert torch.equal(drawn, stream) and torch.equal(again, stream)
     assert all(u.x0 is not None and torch.equal(u.x0, epoch.trajectory.latents[:, -1]) for u in units)
     assert units[0].embeds is epoch.trajectory.prompt_embeds and units[0].epoch is epoch
 
@@ -333,6 +352,9 @@ def test_plan_encodes_the_negatives_only_for_a_guided_reference_that_lacks_them(
              for u in update]
     assert policy.encoded == [([f"p{i // 4}" for i in range(8)], True)]
     assert units[0].embeds.negative_prompt_embeds is not None
+    policy = EmbedPolicy()
+    list(DGPO(reference_guidance_scale=1.5).plan(policy, online_epoch(negatives=False)))
+    assert [cfg for _, cfg in policy.encoded] == [True]  # any guided reference (> 1)
     for scale, negatives in ((4.5, True), (1.0, False)):
         policy = EmbedPolicy()
         list(DGPO(reference_guidance_scale=scale).plan(policy, online_epoch(negatives=negatives)))
@@ -340,18 +362,20 @@ def test_plan_encodes_the_negatives_only_for_a_guided_reference_that_lacks_them(
 
 
 def test_loss_of_a_unit_is_the_objective_on_its_rows_timestep_and_group_noise():
-    epoch = online_epoch()
+    epoch = online_epoch(group_size=2, batch_size=2)
     method = DGPO(beta=3.0, timesteps_per_epoch=2, timestep_max_index=2, clip_range=0.05)
     policy = EmbedPolicy()
     method.rollout_policy = OldPolicy()
-    unit = [u for update in method.plan(policy, epoch) for u in update][3]  # timestep 1, rows 4..7
+    units = [u for update in method.plan(policy, epoch) for u in update]
+    unit = units[5]  # timestep 1, rows 2..3 (micro-batches of 2 rows start at 0, 2, 4, 6)
+    assert (unit.timestep_index, unit.start) == (1, 2)
     loss, metrics = method.loss(policy, unit, reference=FrozenBaseReference())
 
-    rows = slice(4, 8)
+    rows = slice(2, 4)
     gids = epoch.group_ids[rows]
     noise = group_noise((1, 1, 1), gids, seed=3, epoch=1, timestep_index=1)
     batch = GroupBatch(epoch.trajectory.latents[rows, -1], epoch.trajectory.prompts[rows],
-                       epoch.trajectory.prompt_embeds.index(torch.arange(4, 8)), epoch.advantages[rows], gids, 4)
+                       epoch.trajectory.prompt_embeds.index(torch.arange(2, 4)), epoch.advantages[rows], gids, 2)
     expected, expected_metrics = method(policy, batch, timesteps=unit.timesteps[1], noise=noise,
                                         reference=FrozenBaseReference(), old_policy=OldPolicy())
     assert float(loss) == pytest.approx(float(expected), rel=1e-6) and float(loss) != 0.0
