@@ -140,7 +140,8 @@ def test_kl_to_the_base_uses_the_reference_guidance_and_is_skipped_without_beta_
 
 def test_group_sums_add_the_other_processes_members(monkeypatch):
     """Two processes hold members of groups 3 and 5; this one's partial sums are 1 + 2 (group 3) and 4 (group 5), the
-    other's 10 (group 5) and 20 (group 9, absent here): each row gets its group's total over both, in `values`' dtype."""
+    other's 10 (group 5) and 20 (group 9, absent here): each row gets its group's total over both, in the dtype of
+    `values`."""
     other = ([5, 9], [10.0, 20.0])
 
     def all_gather_object(gathered, mine):
@@ -180,7 +181,8 @@ def test_timestep_selection_bounds_and_its_own_generator():
         select_train_timesteps(schedule, 1, 10)
     with pytest.raises(ValueError, match=r"method.timestep_max_index=-1"):
         select_train_timesteps(schedule, 1, -1)
-    with pytest.raises(ValueError, match=r"method.timesteps_per_epoch=0 must be in \[1, timestep_max_index \+ 1 = 5\]"):
+    with pytest.raises(ValueError, match=r"method.timesteps_per_epoch=0 must be in \[1, timestep_max_index \+ 1 = 5\]"
+                       ):
         select_train_timesteps(schedule, 0, 4)
     torch.manual_seed(0)
     a = select_train_timesteps(schedule, 4, 9, generator=torch.Generator().manual_seed(3))
@@ -250,7 +252,8 @@ CONFIG_ERRORS = {
                   r"sampler.num_inference_steps"),
     "timesteps": r"method.timesteps_per_epoch=6 must be in \[1, method.timestep_max_index \+ 1 = 5\]",
     "no_timestep": r"method.timesteps_per_epoch=0 must be in \[1,",
-    "groups": r"trainer.batch_size=6 must be a multiple of online.group_size=4 for DGPO \(a micro-batch holds whole groups\)",
+    "groups": (r"trainer.batch_size=6 must be a multiple of online.group_size=4 for DGPO \(a micro-batch holds whole "
+               r"groups\)"),
     "members": (r"online.split=members: trainer.batch_size=3 must be a multiple of each process's share of a group "
                 r"\(2\) so a micro-batch holds whole shares"),
 }
@@ -309,7 +312,8 @@ class EmbedPolicy(RecordingPolicy):
         return x0 + noise * t.reshape(-1, 1, 1, 1) / 1000
 
     def predict(self, x_t, t, cond, guidance_scale=1.0):
-        return super().predict(x_t, t, cond, guidance_scale) * x_t + cond.prompt_embeds.mean(dim=(1, 2)).view(-1, 1, 1, 1)
+        prompt = cond.prompt_embeds.mean(dim=(1, 2)).view(-1, 1, 1, 1)
+        return super().predict(x_t, t, cond, guidance_scale) * x_t + prompt
 
 
 def online_epoch(n=8, group_size=4, steps=5, batch_size=4, updates=2, negatives=True):
