@@ -45,7 +45,7 @@ MODULES: dict[str, list[str]] = {
                         "tests/unit/objectives/test_dgpo_contract.py", "-k", "not online and not loop"],
     "objectives/diffusion_dpo": ["tests/unit/objectives/test_diffusion_dpo.py",
                                  "tests/unit/objectives/test_diffusion_dpo_contract.py", "-k", "not cli and not train"],
-    "samplers/ddim_logprob": ["tests/unit/samplers/test_ddim_logprob.py"],
+    "samplers/ddim_logprob": ["tests/unit/samplers/test_ddim_logprob.py", "tests/unit/samplers/test_ddim_sampler.py"],
     "samplers/flow_sde": ["tests/unit/samplers/test_flow_sampler.py", "-k", "not online and not loop"],
     "objectives/flow_grpo": ["tests/unit/test_clip_binding.py", "tests/unit/test_policy_gradient_kl.py",
                              "tests/unit/objectives/test_timestep_selection.py", "-k", "not online and not loop"],
