@@ -30,7 +30,8 @@ def test_defaults_are_ddpos_ancestral_rollouts():
 
 def test_check_names_eta_and_the_fix():
     DDIMSampler(eta=0.0)  # the boundary is allowed
-    with pytest.raises(ConfigError, match=r"^eta must be a number >= 0, got -0.1; DDIM's eta; 0 is deterministic DDIM$"):
+    message = r"^eta must be a number >= 0, got -0.1; DDIM's eta; 0 is deterministic DDIM$"
+    with pytest.raises(ConfigError, match=message):
         DDIMSampler(eta=-0.1)
 
 
@@ -81,5 +82,6 @@ def test_step_is_ddim_step_with_the_samplers_eta():
     other_k = ddim_step(scheduler, out, schedule.timesteps[4], sample, eta=0.7, prev_sample=prev, reduction="sum")
     assert not torch.allclose(got.log_prob, other_k.log_prob)
     drawn = sampler.step(schedule, 3, out, sample, generator=torch.Generator().manual_seed(5))
-    again = ddim_step(scheduler, out, schedule.timesteps[3], sample, eta=0.7, generator=torch.Generator().manual_seed(5))
+    again = ddim_step(scheduler, out, schedule.timesteps[3], sample, eta=0.7,
+                      generator=torch.Generator().manual_seed(5))
     assert torch.equal(drawn.prev_sample, again.prev_sample) and drawn.log_prob.shape == (2,)
