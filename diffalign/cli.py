@@ -14,8 +14,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from diffalign.config.checks import check_renamed_keys
 from diffalign.config.compose import CONFIG_DIR, setup_hydra
 from diffalign.runtime.console import quiet_on_broken_pipe
+from diffalign.runtime.openmp import shared_machine_defaults
 
 
 def check_reward_overrides(argv: list[str]) -> None:
@@ -292,8 +294,10 @@ def _say_interrupted() -> None:
 @quiet_on_broken_pipe
 def train() -> None:
     """``diffalign-train``: fine-tune with a preference objective, then evaluate base vs fine-tuned."""
+    shared_machine_defaults()  # before torch loads: OMP_WAIT_POLICY=PASSIVE beside busy CPUs (runtime/openmp.py)
     setup_hydra()
     try:
+        check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
@@ -307,8 +311,10 @@ def train() -> None:
 @quiet_on_broken_pipe
 def evaluate() -> None:
     """``diffalign-eval``: evaluate the base model and checkpoints on a prompt set; write metrics and a report."""
+    shared_machine_defaults()  # before torch loads (runtime/openmp.py)
     setup_hydra()
     try:
+        check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")

@@ -66,8 +66,9 @@ def evaluate(lora_dir: str | None, prompts_per_tag: int | None, seeds: list[int]
     if lora_dir is not None:
         policy.load_lora_weights(lora_dir)
     policy.unet.eval()
-    ecfg = EvalConfig(prompts="heldout", prompts_per_tag=prompts_per_tag, seeds=seeds, num_inference_steps=steps,
-                      guidance_scale=cfg.eval.guidance_scale, eta=0.0, batch_size=64)
+    ecfg = EvalConfig(prompts="heldout", prompts_per_tag=prompts_per_tag, seeds=seeds, batch_size=64,
+                      sampler={"name": "ode", "num_inference_steps": steps,
+                               "guidance_scale": cfg.eval.sampler.guidance_scale})
     rows = select_prompts(load_prompts("heldout"), prompts_per_tag)
     images, records = generate(policy, rows, seeds, ecfg)
     scored = score({"geneval_shapes": build_reward("geneval_shapes")}, images, rows, records)
@@ -87,7 +88,7 @@ def run_one(job: dict) -> dict:
     overrides = METHODS[job["method"]] + [
         f"output_dir={out}", f"seed={job['seed']}", f"trainer.max_steps={job['steps']}", "eval.enabled=false",
         "trainer.log_with=none", f"trainer.checkpointing_steps={job['steps']}", "trainer.keep_last=1",
-        f"trainer.lr_warmup_steps={max(1, job['steps'] // 10)}", f"trainer.learning_rate={job['learning_rate']}",
+        f"trainer.lr_warmup_steps={max(1, job['steps'] // 10)}", f"trainer.optimizer.lr={job['learning_rate']}",
     ]
     if job["method"].startswith("seppo"):
         overrides.append(f"reference.save_every={max(1, math.ceil(job['steps'] / 7))}")  # K = 7 snapshots per run

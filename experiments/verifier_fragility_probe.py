@@ -41,7 +41,7 @@ def main() -> None:
         cfg = compose(config_name="train", overrides=["output_dir=/tmp/fragility", *args.overrides])
     policy = build_policy(cfg)
     rows = select_prompts(load_prompts("heldout"), args.prompts_per_tag or None)
-    ecfg = EvalConfig(num_inference_steps=20, guidance_scale=4.0, eta=0.0, batch_size=64)
+    ecfg = EvalConfig(sampler={"name": "ode", "num_inference_steps": 20, "guidance_scale": 4.0}, batch_size=64)
     verifier = GenevalShapes()
 
     def run(use_reference: bool):

@@ -156,7 +156,8 @@ def sampling_speed(batch: int, steps: int, repeats: int, device: str, dtype: str
 
     from diffalign.config.compose import asset_path
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
-    from diffalign.samplers.rollout import family_sampler, rollout
+    from diffalign.samplers.ode import PipelineODESampler
+    from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
     policy = StableDiffusionPolicy.from_pretrained(asset_path("tiny_sd"), torch_dtype=dtype).to(device)
@@ -172,7 +173,7 @@ def sampling_speed(batch: int, steps: int, repeats: int, device: str, dtype: str
     for k in range(repeats + 1):
         gens = [torch.Generator().manual_seed(k * batch + i) for i in range(batch)]
         t0 = time.perf_counter()
-        rollout(policy, prompts, family_sampler(policy, num_inference_steps=steps, guidance_scale=4.0), generator=gens)
+        rollout(policy, prompts, PipelineODESampler(num_inference_steps=steps, guidance_scale=4.0), generator=gens)
         sync()
         t1 = time.perf_counter()
         with torch.no_grad():
@@ -198,11 +199,12 @@ def print_phases(info: dict, cfg: dict, floors: dict) -> None:
     fwd, fb = floors["forward"], floors["forward_backward"]
     data, ev, tr = cfg["data"], cfg["eval"], cfg["trainer"]
     rows = []
-    if info["data"] > 0 and data.get("batch_size") and data.get("num_inference_steps"):
+    data_steps = (data.get("sampler") or {}).get("num_inference_steps")
+    if info["data"] > 0 and data.get("batch_size") and data_steps:
         n_samples = info.get("data_samples") or 0
         if n_samples:
             b = data["batch_size"]
-            floor = n_samples / b * data["num_inference_steps"] * fwd[2 * b]
+            floor = n_samples / b * data_steps * fwd[2 * b]
             rows.append(("on-policy data", info["data"], floor, f"{n_samples} images, batch {b}"))
     b = tr["batch_size"]
     if 2 * b in fb:
@@ -210,7 +212,7 @@ def print_phases(info: dict, cfg: dict, floors: dict) -> None:
         rows.append(("training", info["train"], floor, f"{info['steps']} steps x {b} pairs"))
     if info["eval"] > 0 and info["eval_images"]:
         be = ev["batch_size"]
-        floor = info["eval_images"] / be * ev["num_inference_steps"] * fwd[2 * be]
+        floor = info["eval_images"] / be * ev["sampler"]["num_inference_steps"] * fwd[2 * be]
         rows.append(("evaluation", info["eval"], floor, f"{info['eval_images']} images, batch {be}"))
     print("phase            measured   floor   ratio   work")
     for name, measured, floor, work in rows:

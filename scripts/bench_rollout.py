@@ -20,7 +20,8 @@ import torch
 
 from diffalign.models.stable_diffusion import StableDiffusionPolicy
 from diffalign.models.tiny_random import build_tiny_random_policy
-from diffalign.samplers.rollout import family_sampler, rollout
+from diffalign.samplers.ddim_logprob import DDIMSampler
+from diffalign.samplers.rollout import rollout
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow square", "three yellow circles"]
 
@@ -66,7 +67,7 @@ def main() -> None:
     common = {"num_inference_steps": args.steps, "guidance_scale": args.guidance, "eta": args.eta}
 
     def run_diffalign():
-        sampler = family_sampler(policy, num_inference_steps=args.steps, guidance_scale=args.guidance, noise=args.eta)
+        sampler = DDIMSampler(num_inference_steps=args.steps, guidance_scale=args.guidance, eta=args.eta)
         return rollout(policy, prompts, sampler, generator=generators()).images
 
     def run_diffusers():

@@ -153,7 +153,8 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
     """One family in this process: policy from random weights, sampling and one training step; returns its row."""
     import torch
 
-    from diffalign.samplers.rollout import family_sampler, rollout
+    from diffalign.samplers.ode import PipelineODESampler
+    from diffalign.samplers.rollout import rollout
 
     sys.path.insert(0, str(SCRIPTS))
     from bench_online import compose_config
@@ -190,12 +191,12 @@ def real_size_child(family: str, device: str, tiny: bool, work: Path, dtype: str
     prompts = ["a red circle left of a blue square"] * batch
     # sampling: a 1-step warm-up, then `steps` steps with CFG, decode included
     policy.denoiser.eval()
-    rollout(policy, prompts, family_sampler(policy, num_inference_steps=1, guidance_scale=spec["cfg"]),
+    rollout(policy, prompts, PipelineODESampler(num_inference_steps=1, guidance_scale=spec["cfg"]),
             generator=[torch.Generator().manual_seed(i) for i in range(batch)])
     sync()
     reset_peak(device)
     start = time.perf_counter()
-    rollout(policy, prompts, family_sampler(policy, num_inference_steps=steps, guidance_scale=spec["cfg"]),
+    rollout(policy, prompts, PipelineODESampler(num_inference_steps=steps, guidance_scale=spec["cfg"]),
             generator=[torch.Generator().manual_seed(i) for i in range(batch)])
     sync()
     row["sample_s"] = time.perf_counter() - start

@@ -122,7 +122,8 @@ def measure(policy, family: str, guidance_scale: float, precision: str = "fp32",
     """
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from diffalign.samplers.rollout import family_sampler, recompute_log_probs, rollout
+    from diffalign.samplers.base import build_sampler
+    from diffalign.samplers.rollout import recompute_log_probs, rollout
 
     if precision not in PRECISIONS:
         raise ValueError(f"--precisions: unknown precision {precision!r}; pass some of {PRECISIONS}")
@@ -131,8 +132,9 @@ def measure(policy, family: str, guidance_scale: float, precision: str = "fp32",
     is_flow = isinstance(policy.scheduler, FlowMatchEulerDiscreteScheduler)
     generator = [torch.Generator().manual_seed(seed + i) for i in range(len(PROMPTS))]
     with _autocast(precision == "bf16"):
-        sampler = family_sampler(policy, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                 noise=0.7 if is_flow else 1.0)
+        option = {"name": "flow_sde", "noise_level": 0.7} if is_flow else {"name": "ddim", "eta": 1.0}
+        sampler = build_sampler({**option, "num_inference_steps": num_inference_steps,
+                                 "guidance_scale": guidance_scale})
         traj = rollout(policy, PROMPTS, sampler, generator=generator, decode=False)
     steps = [k for k in range(num_inference_steps) if bool(traj.trainable[k])]
     with torch.no_grad(), _autocast(precision in ("bf16", "mixed")):

@@ -69,7 +69,8 @@ def encode_videos(vae, rows, n: int, seed: int, frames: int):
 
 def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
     from diffalign.rewards.video import VideoMotion
-    from diffalign.samplers.rollout import family_sampler, rollout
+    from diffalign.samplers.ode import PipelineODESampler
+    from diffalign.samplers.rollout import rollout
 
     reward, correct, tags, dense, sign = VideoMotion(), [], [], [], []
     for seed in seeds:
@@ -77,7 +78,7 @@ def evaluate(policy, rows, seeds, steps: int = 20, cfg: float = 4.0) -> dict:
             chunk = rows[s:s + 32]
             gens = [torch.Generator().manual_seed(10_000 * seed + s + k) for k in range(len(chunk))]
             with torch.no_grad():
-                sampler = family_sampler(policy, num_inference_steps=steps, guidance_scale=cfg)
+                sampler = PipelineODESampler(num_inference_steps=steps, guidance_scale=cfg)
                 traj = rollout(policy, [r["prompt"] for r in chunk], sampler, generator=gens)
             out = reward(traj.images, [r["prompt"] for r in chunk], chunk)
             correct += out.info["correct"].tolist()

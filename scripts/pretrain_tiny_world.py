@@ -9,6 +9,11 @@ Stages (run in this order; ``all`` runs them in sequence):
   and saves a `StableDiffusionPipeline` folder.
 * ``clip`` — tiny open_clip model (custom config, the world's word-level tokenizer), contrastive loss on renders and
   captions.
+* ``flow`` — tiny SD3-format flow model (`SD3Transformer2DModel` + two tiny CLIP encoders), rectified flow.
+* ``flux`` — tiny FLUX.1-format model (`FluxTransformer2DModel` on packed latents + tiny CLIP pooled and T5 encoders,
+  no guidance embedding), rectified flow on tiny_sd3's VAE (run ``flow`` first, or have it in ``--out``). Resumable:
+  a checkpoint every ``--checkpoint-minutes`` in ``<work>/flux_checkpoint.pt``; rerun the same command with
+  ``--resume`` after an interruption and it continues bit for bit.
 
 Full reproduction of the shipped models (about 30 minutes on an idle 2-core CPU; measured: VAE 3000 steps,
 UNet 2800 steps in 8.8 min, CLIP 1200 steps; see diffalign/assets/pretrain_metrics.json)::
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -327,6 +333,207 @@ def eval_flow(pipe, n_prompts: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# FLUX-format model (resumable)
+# ----------------------------------------------------------------------------------------------------------------------
+FLUX_MODULES = ("transformer", "text_encoder", "text_encoder_2")
+
+
+def shipped_flow_vae(args):
+    """The tiny world's VAE as tiny_sd3 ships it (float16 file, loaded as float32, ``shift_factor`` 0): the FLUX stage
+    trains and evaluates on exactly the VAE its shipped config loads (``model.vae``, no copy in tiny_flux)."""
+    from diffusers import AutoencoderKL
+
+    for folder in (Path(args.work) / "tiny_sd3" / "vae", Path(args.out) / "tiny_sd3" / "vae"):
+        if folder.exists():
+            return AutoencoderKL.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    raise FileNotFoundError(f"no tiny_sd3/vae in --work {args.work} or --out {args.out}: run the flow stage first")
+
+
+def save_atomic(obj, path: Path) -> None:
+    """`torch.save` to a temporary file in the same folder, then `os.replace`: a reader (or a resume after a kill)
+    sees the old checkpoint or the new one, never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train_flux(args) -> None:
+    """Rectified-flow training of a tiny FLUX.1-format pipeline from scratch: `FluxTransformer2DModel` on packed 2×2
+    latents, with its CLIP (pooled) and T5 (token states) encoders from `diffalign.models.tiny_flux`, trained jointly;
+    the SD3 recipe of `train_flow` (logit-normal σ, velocity target ε − x0, 10 % caption dropout, EMA 0.999) on the
+    shipped tiny VAE.
+
+    No guidance embedding (``guidance_embeds=False``): FLUX.1-dev's embedded guidance is distilled from a CFG teacher;
+    a model trained from scratch has no teacher, and feeding it random guidance values would teach it nothing about
+    them, so it is trained as a plain conditional/unconditional model and sampled with true CFG
+    (``FluxPipeline(true_cfg_scale=w, negative_prompt="")``), the FLUX.1-schnell / de-distilled layout.
+
+    Resumable bit for bit: every ``--checkpoint-minutes`` (and at ``--flux-stop-at``) the model, EMA, optimizer, LR
+    schedule, both RNG states (the batch generator and torch's global one, used by T5's dropout) and the step are
+    written atomically to ``<work>/flux_checkpoint.pt``; ``--resume`` continues from it with the same batches.
+    """
+    from diffusers import FluxPipeline
+    from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
+
+    from diffalign.models.tiny_flux import (
+        TINY_FLUX_MAX_SEQUENCE_LENGTH,
+        build_tiny_flux_pipeline,
+        build_tiny_flux_transformer,
+    )
+
+    torch.manual_seed(0)
+    work = Path(args.work)
+    vae = shipped_flow_vae(args)
+    transformer = build_tiny_flux_transformer(guidance_embeds=False, num_layers=args.flux_layers,
+                                              num_single_layers=args.flux_single_layers,
+                                              num_attention_heads=args.flux_heads,
+                                              latent_channels=vae.config.latent_channels)
+    pipe = build_tiny_flux_pipeline(seed=0, guidance_embeds=False, vae=vae, transformer=transformer)
+    modules = [getattr(pipe, n).train() for n in FLUX_MODULES]
+    log("flux params " + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M"
+                                   for n, m in zip(FLUX_MODULES, modules)))
+    # 1. latents (cached: a resume must not depend on re-encoding, and skips it)
+    cache = work / "flux_latents.pt"
+    if cache.exists() and torch.load(cache)["n"] == args.num_latents:
+        data = torch.load(cache)
+    else:
+        t0 = time.time()
+        means, stds, _ = encode_train_latents(vae, pipe.tokenizer, args.num_latents)
+        prompts = [s["prompt"] for s in sample_train_specs(args.num_latents, seed=1)]
+        data = {"n": args.num_latents, "means": means, "stds": stds, "prompts": prompts}
+        save_atomic(data, cache)
+        log(f"encoded {len(means)} latents in {time.time() - t0:.0f}s")
+    means, stds, prompts = data["means"], data["stds"], data["prompts"]
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    # 2. optimisation state, fresh or resumed
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.flux_lr, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(200, args.flux_steps, floor=0.1))
+    emas = [EMAModel(m.parameters(), decay=0.999) for m in modules]
+    gen = torch.Generator().manual_seed(0)
+    sizes = {"steps": args.flux_steps, "batch": args.unet_batch, "lr": args.flux_lr, "layers": args.flux_layers,
+             "single_layers": args.flux_single_layers, "heads": args.flux_heads, "num_latents": args.num_latents}
+    ckpt_path = work / "flux_checkpoint.pt"
+    start, running, elapsed, evals = 0, None, 0.0, []
+    if args.resume and ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["sizes"] != sizes:
+            raise SystemExit(f"--resume: {ckpt_path} was written with {ckpt['sizes']}, this run has {sizes}; pass "
+                             "the same --flux-* / --unet-batch / --num-latents options, or drop --resume")
+        for m, state in zip(modules, ckpt["modules"]):
+            m.load_state_dict(state)
+        for ema, state in zip(emas, ckpt["emas"]):
+            ema.load_state_dict(state)
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        gen.set_state(ckpt["generator"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        start, running, elapsed, evals = ckpt["step"], ckpt["running"], ckpt["elapsed"], ckpt["evals"]
+        log(f"resumed from {ckpt_path} at step {start}")
+
+    def checkpoint(step: int) -> None:
+        save_atomic({"step": step, "sizes": sizes, "modules": [m.state_dict() for m in modules],
+                     "emas": [e.state_dict() for e in emas], "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
+                     "running": running, "elapsed": elapsed + time.time() - t0, "evals": evals}, ckpt_path)
+        log(f"checkpoint at step {step} -> {ckpt_path}")
+
+    def evaluate_ema(step: int) -> None:
+        for ema, m in zip(emas, modules):
+            ema.store(m.parameters())
+            ema.copy_to(m.parameters())
+            m.eval()
+        with torch.random.fork_rng(devices=[]):
+            acc = eval_flux(pipe, args.flux_eval_prompts)
+        for ema, m in zip(emas, modules):
+            ema.restore(m.parameters())
+            m.train()
+        evals.append({"step": step, "heldout_accuracy": acc})
+        log(f"flux step {step} EMA held-out verifier accuracy {acc:.3f}")
+
+    # 3. train
+    img_ids = None
+    t0, last_ckpt = time.time(), time.time()
+    for step in range(start, args.flux_steps):
+        idx = torch.randint(len(means), (args.unet_batch,), generator=gen)
+        lat = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen) - shift) * scale
+        drop = (torch.rand(len(idx), generator=gen) < 0.1).tolist()
+        noise = torch.randn(lat.shape, generator=gen)
+        sigma = compute_density_for_timestep_sampling("logit_normal", len(idx), logit_mean=0.0, logit_std=1.0,
+                                                      generator=gen).clamp(1e-3, 1.0)
+        s = sigma.view(-1, 1, 1, 1)
+        text = ["" if d else prompts[i] for i, d in zip(idx.tolist(), drop)]
+        states, pooled, text_ids = pipe.encode_prompt(prompt=text, prompt_2=None,
+                                                      max_sequence_length=TINY_FLUX_MAX_SEQUENCE_LENGTH)
+        b, c, h, w = lat.shape
+        if img_ids is None:
+            img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, lat.device, lat.dtype)
+        pred = transformer(hidden_states=FluxPipeline._pack_latents((1 - s) * lat + s * noise, b, c, h, w),
+                           timestep=sigma, pooled_projections=pooled, encoder_hidden_states=states,
+                           txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]
+        loss = F.mse_loss(pred, FluxPipeline._pack_latents(noise - lat, b, c, h, w))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        for ema, m in zip(emas, modules):
+            ema.step(m.parameters())
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        done = step + 1
+        if step % 100 == 0 or done == args.flux_steps:
+            log(f"flux step {step} loss {running:.4f} ({(done - start) / (time.time() - t0):.2f} it/s)")
+        if args.flux_eval_every and done % args.flux_eval_every == 0 and done < args.flux_steps:
+            evaluate_ema(done)
+        if done == args.flux_stop_at:
+            checkpoint(done)
+            log(f"stopped at step {done} (--flux-stop-at); continue with --resume")
+            return False
+        if time.time() - last_ckpt > 60 * args.checkpoint_minutes and done < args.flux_steps:
+            checkpoint(done)
+            last_ckpt = time.time()
+    minutes = (elapsed + time.time() - t0) / 60
+    # 4. EMA weights, rounded to float16 as shipped, evaluated, saved (without the VAE: it is tiny_sd3's)
+    for ema, m in zip(emas, modules):
+        ema.copy_to(m.parameters())
+        m.to(torch.float16).to(torch.float32).eval()
+    acc = eval_flux(pipe, args.flux_eval_prompts)
+    evals.append({"step": args.flux_steps, "heldout_accuracy": acc})
+    log(f"flux held-out verifier accuracy {acc:.3f} (20 Euler steps, true CFG 4.5, 1 seed per prompt)")
+    out = work / "tiny_flux"
+    shutil.rmtree(out, ignore_errors=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    shutil.rmtree(out / "vae")
+    for name in FLUX_MODULES:  # float16 files (they load as float32 with torch_dtype=float32): the 30 MB budget
+        getattr(pipe, name).to(torch.float16).save_pretrained(out / name, safe_serialization=True)
+        getattr(pipe, name).to(torch.float32)
+    (work / "flux_metrics.json").write_text(json.dumps(
+        {"steps": args.flux_steps, "batch": args.unet_batch, "minutes": minutes, "final_loss": running,
+         "heldout_accuracy_20_steps_true_cfg4.5": acc, "heldout_accuracy_by_step": evals}, indent=2))
+    log(f"saved pipeline to {out} (load it with vae=AutoencoderKL.from_pretrained(<tiny_sd3>/vae))")
+    return True
+
+
+@torch.no_grad()
+def eval_flux(pipe, n_prompts: int) -> float:
+    """Held-out verifier accuracy of `FluxPipeline` samples with true CFG 4.5 (negative prompt ""), 20 steps, one
+    image per prompt, seed = prompt index (as `eval_flow`)."""
+    from diffalign.models.tiny_flux import TINY_FLUX_MAX_SEQUENCE_LENGTH
+
+    rows = all_prompts()["heldout"][:n_prompts]
+    correct = []
+    for i in range(0, len(rows), 32):
+        chunk = rows[i:i + 32]
+        gens = [torch.Generator().manual_seed(i + j) for j in range(len(chunk))]
+        images = pipe([r["prompt"] for r in chunk], negative_prompt=[""] * len(chunk), true_cfg_scale=4.5,
+                      num_inference_steps=20, height=32, width=32, generator=gens,
+                      max_sequence_length=TINY_FLUX_MAX_SEQUENCE_LENGTH, output_type="np").images
+        imgs = (images * 255 + 0.5).astype(np.uint8)
+        correct += [verify(im, r).correct for im, r in zip(imgs, chunk)]
+    return float(np.mean(correct))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # CLIP
 # ----------------------------------------------------------------------------------------------------------------------
 def train_clip(args) -> None:
@@ -435,7 +642,7 @@ def eval_clip(model, tokenizer, n: int, by_kind: bool = False, random_negative: 
 # ----------------------------------------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["vae", "unet", "clip", "flow", "all"])
+    p.add_argument("stage", choices=["vae", "unet", "clip", "flow", "flux", "all"])
     p.add_argument("--out", default="diffalign/assets", help="where the finished models are copied")
     p.add_argument("--work", default="runs/pretrain", help="scratch folder for stage outputs")
     p.add_argument("--vae-steps", type=int, default=3000)
@@ -452,22 +659,38 @@ def main() -> None:
     p.add_argument("--flow-width", type=int, default=96)
     p.add_argument("--flow-layers", type=int, default=4)
     p.add_argument("--flow-eval-prompts", type=int, default=117)
+    p.add_argument("--flux-steps", type=int, default=3000)
+    p.add_argument("--flux-lr", type=float, default=1e-3)
+    p.add_argument("--flux-heads", type=int, default=4, help="attention heads of 16 (width 16 x heads)")
+    p.add_argument("--flux-layers", type=int, default=1, help="double-stream blocks")
+    p.add_argument("--flux-single-layers", type=int, default=2, help="single-stream blocks")
+    p.add_argument("--flux-eval-prompts", type=int, default=117)
+    p.add_argument("--flux-eval-every", type=int, default=500, help="steps between EMA held-out evaluations")
+    p.add_argument("--flux-stop-at", type=int, default=0, help="checkpoint and stop after this step (0: never)")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--resume", action="store_true", help="continue from <work>/flux_checkpoint.pt")
     p.add_argument("--eval-images", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    stages = ["vae", "unet", "clip", "flow"] if args.stage == "all" else [args.stage]
+    stages = ["vae", "unet", "clip", "flow", "flux"] if args.stage == "all" else [args.stage]
     for stage in stages:
-        {"vae": train_vae, "unet": train_unet, "clip": train_clip, "flow": train_flow}[stage](args)
+        finished = {"vae": train_vae, "unet": train_unet, "clip": train_clip, "flow": train_flow,
+                    "flux": train_flux}[stage](args)
+        if finished is False:
+            return  # stopped early (--flux-stop-at): nothing finished to copy
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, stage in (("tiny_sd", "unet"), ("tiny_clip", "clip"), ("tiny_sd3", "flow")):
+    for name, stage in (("tiny_sd", "unet"), ("tiny_clip", "clip"), ("tiny_sd3", "flow"), ("tiny_flux", "flux")):
         if (Path(args.work) / name).exists() and stage in stages:
             shutil.rmtree(out / name, ignore_errors=True)
             shutil.copytree(Path(args.work) / name, out / name)
             log(f"copied {name} to {out / name}")
-    metrics = {f.stem: json.loads(f.read_text()) for f in Path(args.work).glob("*_metrics.json")}
+    # stages run in another --work folder keep their figures: this run's stages update the file, others stay
+    previous = out / "pretrain_metrics.json"
+    metrics = json.loads(previous.read_text()) if previous.exists() else {}
+    metrics.update({f.stem: json.loads(f.read_text()) for f in Path(args.work).glob("*_metrics.json")})
     (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=2))
 
 

@@ -45,7 +45,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # experiments/probes.py
     from probes import build_probe_setup, compose_run_config, epoch_gradient, run_advantages, sample_epoch
 
-    from diffalign.samplers.rollout import family_sampler, rollout
+    from diffalign.samplers.ode import PipelineODESampler
+    from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
     try:
@@ -72,7 +73,7 @@ def main() -> None:
     @torch.no_grad()
     def probe() -> float:
         gens = [torch.Generator().manual_seed(s * 1_000_003 + i) for s, i in jobs]
-        sampler = family_sampler(policy, num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale)
+        sampler = PipelineODESampler(num_inference_steps=sp.num_inference_steps, guidance_scale=sp.guidance_scale)
         images = rollout(policy, [probe_rows[i]["prompt"] for _, i in jobs], sampler, generator=gens,
                          fuse_lora=True).images
         return float(reward(images, [probe_rows[i]["prompt"] for _, i in jobs],

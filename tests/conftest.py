@@ -119,14 +119,14 @@ def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
     """A `steps`-update preference run of the tiny random model on 16 renderer pairs into `tmp_path`, no evaluation."""
     return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
             "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
-            "data=shapes_pairs", "data.num_pairs=16", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+            "data=shapes_pairs", "data.num_pairs=16", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1"]
 
 
 def online_overrides(tmp_path, epochs: int = 2) -> list[str]:
     """A short online run into `tmp_path`: `epochs` epochs of 2 groups of 4, 4 sampler steps, no evaluation."""
     return [f"output_dir={tmp_path}", f"online.num_epochs={epochs}", "online.groups_per_epoch=2",
             "online.group_size=4", "online.checkpointing_epochs=1", "trainer.keep_last=-1", "trainer.batch_size=8",
-            "trainer.log_with=none", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=0", "eval.enabled=false",
+            "trainer.log_with=none", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=0", "eval.enabled=false",
             "sampler.num_inference_steps=4"]
 
 
@@ -149,7 +149,7 @@ def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantage
                      group_size: int) -> torch.Tensor:
     """DGPO's per-group loss as the paper writes it, −log σ(−(β/G) Σ_i A_i (ℓθ_i − ℓref_i)) (arXiv:2510.08425 Eq. 17
     with βλ_t = β/G), for one group given as `(G,)` tensors: the oracle the production surrogate's gradient is checked
-    against (tests/unit/objectives/test_dgpo.py; its values by hand in tests/unit/test_dgpo_by_hand.py)."""
+    against (tests/unit/objectives/test_dgpo.py; its values by hand in tests/unit/objectives/test_dgpo_by_hand.py)."""
     return -torch.nn.functional.logsigmoid(-(beta / group_size) * (advantages * (loss_theta - loss_ref)).sum())
 
 

@@ -206,6 +206,7 @@ def node_check(node: str) -> Callable[[Callable], Callable]:
     ``"overrides"``       ``check(overrides, online=...)``: command-line overrides a loop would ignore
     ``"online"``          ``check(cfg)``, online methods only
     ``"sampler"``         ``check(cfg, flow_matching=..., online=...)`` (`diffalign.samplers.checks`)
+    ``"sampler_node"``    ``check(node, where, flow_matching=..., model=...)``: ``eval.sampler``, ``monitor.sampler``
     ``"model"``           ``check(cfg)`` (`diffalign.models.checks`)
     ``"reward"``          ``check(node, prefix)``, once per selected reward (`diffalign.rewards.checks`)
     ====================  =========================================================================================
@@ -242,6 +243,49 @@ def registered_check(node: str) -> Callable:
     return _NODE_CHECKS[node]
 
 
+RENAMED_KEYS = {
+    "trainer.learning_rate": "trainer.optimizer.lr",
+    "trainer.adam_beta1": "trainer.optimizer.betas (the first of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_beta2": "trainer.optimizer.betas (the second of the two, e.g. trainer.optimizer.betas=[0.9,0.999])",
+    "trainer.adam_weight_decay": "trainer.optimizer.weight_decay",
+    "trainer.adam_epsilon": "trainer.optimizer.eps",
+    "eval.num_inference_steps": "eval.sampler.num_inference_steps",
+    "eval.guidance_scale": "eval.sampler.guidance_scale",
+    "eval.eta": ("the sampler with its noise: sampler@eval.sampler=ddim eval.sampler.eta=<eta> for an eps/v model, "
+                 "sampler@eval.sampler=flow_sde eval.sampler.noise_level=<a> for a flow model (the default, "
+                 "sampler@eval.sampler=ode, is eta 0 for both)"),
+    "monitor.num_inference_steps": "monitor.sampler.num_inference_steps",
+    "monitor.guidance_scale": "monitor.sampler.guidance_scale",
+}
+"""Removed keys and what replaced each: refused with the new name (`check_renamed_keys`, `check_structured_keys`,
+`check_node_keys`), never migrated. The optimizer became the ``trainer.optimizer`` node; evaluation and the monitors
+sample with a sampler node (``eval.sampler``, ``monitor.sampler``)."""
+
+_RENAMED_WHY = {
+    "trainer": "the optimizer is the trainer.optimizer node; docs/guides/configuration.md#optimizer",
+    "eval": "evaluation samples with the sampler node eval.sampler; docs/guides/evaluation.md",
+    "monitor": "the monitors sample with the sampler node monitor.sampler; docs/guides/samplers.md",
+}
+
+
+def renamed_key_error(key: str) -> ConfigError:
+    """The error for a removed key of `RENAMED_KEYS`: one line naming what replaced it."""
+    return ConfigError(f"{key} was renamed: set {RENAMED_KEYS[key]} instead ({_RENAMED_WHY[key.split('.')[0]]})")
+
+
+def check_renamed_keys(overrides) -> None:
+    """Refuses command-line overrides (``key=value``, ``+key=value``, ``~key``) of a removed key of `RENAMED_KEYS`
+    before Hydra composes (Hydra's own message would suggest adding the old key with ``+``).
+
+    Raises:
+        ConfigError: naming the new key.
+    """
+    for override in overrides:
+        key = str(override).lstrip("+~").partition("=")[0]
+        if key in RENAMED_KEYS:
+            raise renamed_key_error(key)
+
+
 def check_structured_keys(cfg: DictConfig) -> None:
     """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
     ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
@@ -258,16 +302,8 @@ def check_structured_keys(cfg: DictConfig) -> None:
             if not isinstance(sub, DictConfig):
                 continue
             schema = OmegaConf.get_type(sub)
-            if not dataclasses.is_dataclass(schema):
-                continue
-            fields = {f.name for f in dataclasses.fields(schema)}
-            for key in sub:
-                if key not in fields:
-                    close = difflib.get_close_matches(str(key), sorted(fields), n=3)
-                    hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
-                    raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "
-                                      f"+{name}.{key}=... (a + adds a key the run would ignore). Its settings: "
-                                      f"{', '.join(sorted(fields))}")
+            if dataclasses.is_dataclass(schema):
+                check_node_keys(sub, name, schema)
 
 
 def target_modality(target: str | None) -> str | None:
@@ -336,8 +372,9 @@ def check_top_level_keys(cfg: DictConfig, known, source: str = "train.yaml") -> 
 
 
 def check_node_keys(node, name: str, schema: type) -> None:
-    """Refuses a key of a plain (unstructured) config node `name` that its dataclass `schema` does not have, e.g.
-    ``+monitor.evry=1`` (it would otherwise crash or be ignored after the model loads).
+    """Refuses a key of config node `name` that its dataclass `schema` does not have, e.g. ``+monitor.evry=1`` on a
+    plain node (it would otherwise crash or be ignored after the model loads) or a key added with ``+`` to a structured
+    one (`check_structured_keys`); a key of `RENAMED_KEYS` names its new key.
 
     Raises:
         ConfigError: naming the key, the closest real ones and the fix.
@@ -346,7 +383,11 @@ def check_node_keys(node, name: str, schema: type) -> None:
         return
     fields = {f.name for f in dataclasses.fields(schema)}
     for key in node:
+        if f"{name}.{key}" in RENAMED_KEYS:
+            raise renamed_key_error(f"{name}.{key}")
         if key not in fields:
+            if f"{name}.{key}" in RENAMED_KEYS:
+                raise renamed_key_error(f"{name}.{key}")
             close = difflib.get_close_matches(str(key), sorted(fields), n=3)
             hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
             raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "

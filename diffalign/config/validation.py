@@ -15,7 +15,8 @@ node                        where it is checked
 ``sampler``                 `diffalign.samplers.checks` (ranges, and a sampler of the model's family)
 ``data``, ``reference``     the component class's ``check_config`` (`check_component`)
 ``reward.*``                `diffalign.rewards.checks` (+ the reward class's ``check_config``), modality here
-``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`)
+``eval``, ``monitor``       here (`validate_eval_config`, `check_monitor_config`); their sampler nodes in
+                            `diffalign.samplers.checks.check_sampler_node`
 unknown keys, every node    here (`check_unknown_keys`)
 ==========================  ================================================================================
 
@@ -249,8 +250,7 @@ def check_monitor_config(cfg: DictConfig) -> None:
     int_list(monitor, "seeds", p, ge=0, unique=True)
     boolean(monitor, "diversity", p)
     text(monitor, "diversity_model", p)
-    integer(monitor, "num_inference_steps", p, ge=1)
-    number(monitor, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
+    check_sampler_node(cfg, monitor.get("sampler"), "monitor.sampler")
     integer(monitor, "batch_size", p, ge=1)
     boolean(monitor, "save_samples", p)
     choice(monitor, "video_format", p, VIDEO_FORMATS)
@@ -263,6 +263,14 @@ def check_monitor_config(cfg: DictConfig) -> None:
         raise ValueError(f"monitor.seeds={list(monitor.get('seeds') or [])}: diversity needs >= 2 seeds per prompt; "
                          "pass e.g. monitor.seeds=[0,1,2,3] or monitor.diversity=false")
     load_prompts(monitor.get("prompts", "heldout"), field="monitor.prompts")
+
+
+def check_sampler_node(cfg: DictConfig, node, where: str) -> None:
+    """The sampler node `node` at `where` (``eval.sampler``, ``monitor.sampler``): its fields, and a sampler of the
+    model's family (`diffalign.samplers.checks.check_sampler_node`)."""
+    target = (cfg.get("model") or {}).get("_target_")
+    registered_check("sampler_node")(node, where, flow_matching=target_attribute(target, "flow_matching"),
+                                     model=target)
 
 
 def check_component(cfg: DictConfig, group: str) -> None:
@@ -327,12 +335,10 @@ def validate_eval_config(cfg: DictConfig) -> None:
     """
     e, p = cfg.eval, "eval"
     boolean(e, "enabled", p)
-    integer(e, "num_inference_steps", p, ge=1)
+    check_sampler_node(cfg, e.get("sampler"), "eval.sampler")
     if not e.seeds:
         raise ValueError("eval.seeds is empty; pass at least one seed, e.g. eval.seeds=[0,1]")
     int_list(e, "seeds", p, ge=0, min_length=1, unique=True)
-    number(e, "guidance_scale", p, ge=1, hint="classifier-free guidance w >= 1; 1 turns guidance off")
-    number(e, "eta", p, ge=0)
     integer(e, "batch_size", p, ge=1)
     integer(e, "grid_images", p, ge=0)
     integer(e, "prompts_per_tag", p, ge=1, nullable=True, hint="null: every prompt")

@@ -59,7 +59,8 @@ class Method:
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
 OFFLINE_QUICK = ["trainer.max_steps=10", "trainer.checkpointing_steps=null"]
 # the sampler of the benchmark's data and evaluation, which the main job's recipe (tiny_dpo) lowers to 10 steps
-TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.num_inference_steps=20", "eval.batch_size=64"]
+TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.sampler.num_inference_steps=20",
+                         "eval.batch_size=64"]
 
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
@@ -67,7 +68,7 @@ METHODS: dict[str, Method] = {
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
-    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.learning_rate=3e-4", "online.num_epochs=20"],
+    "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.optimizer.lr=3e-4", "online.num_epochs=20"],
                       quick=ONLINE_QUICK),
     "vipo": Method("tiny_vipo_image", True, quick=ONLINE_QUICK),
     "vipo_sd": Method("tiny_vipo_image", True, ["model=tiny_sd", "sampler=ddim", "sampler.eta=1.0"],
@@ -106,8 +107,8 @@ EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "t
 QUICK_METHODS = {"online_trajectories": "flow_grpo", "online_groups": "dgpo", "pairs": "diffusion_dpo",
                  "winners": "seppo"}
 QUICK_REWARDS = ["brightness"]
-QUICK_EVAL = ["eval.prompts_per_tag=2", "eval.seeds=[0,1]", "eval.num_inference_steps=10", "eval.reuse_base=true",
-              "trainer.log_with=none"]
+QUICK_EVAL = ["eval.prompts_per_tag=2", "eval.seeds=[0,1]", "eval.sampler.num_inference_steps=10",
+              "eval.reuse_base=true", "trainer.log_with=none"]
 
 
 TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the runs' overrides and exit")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Hydra overrides (key=value) may follow any option, e.g. `--seeds 0 1 2 trainer.learning_rate=5e-3`
+    # Hydra overrides (key=value) may follow any option, e.g. `--seeds 0 1 2 trainer.optimizer.lr=5e-3`
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = p.parse_args([a for a in argv if a not in overrides])
     args.overrides = [*args.overrides, *overrides]

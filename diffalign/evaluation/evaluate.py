@@ -14,6 +14,7 @@ GenEval-style accuracy overall and per tag, paired gains and win rates of every 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from collections import defaultdict
@@ -30,7 +31,7 @@ from diffalign.evaluation.files import (
     variant_fingerprint,
     write_samples,
 )
-from diffalign.evaluation.generation import EvalConfig, sample_images, sampler_description
+from diffalign.evaluation.generation import EvalConfig, eval_sampler, sample_images, sampler_description
 from diffalign.evaluation.metrics import write_metrics
 from diffalign.evaluation.scoring import score_batch
 from diffalign.runtime.console import console_summary, write
@@ -56,7 +57,7 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         policy: a `DiffusionPolicy` with ``reference()`` and, for LoRA folders, ``load_lora_weights(dir)``.
         rows: prompt rows (``prompt`` and optional GenEval metadata / ``tag``), non-empty.
         rewards: ``{name: reward}``; every reward scores every image.
-        cfg: the sampler, seeds and statistics settings.
+        cfg: the sampler (``cfg.sampler``, `eval_sampler`), seeds and statistics settings.
         variants: ``{label: spec}`` in order, the first one being the baseline of gains and win rates. ``True``:
             the adapter-disabled base (``policy.reference()``); ``False``: the policy as it is at that point;
             a folder (`str`/`Path`): its LoRA is loaded into the policy (which keeps it afterwards) and sampled.
@@ -91,10 +92,11 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
     if len(set(slugs.values())) != len(labels):
         raise ValueError(f"variant labels {labels} map to the same folder names {list(slugs.values())}; rename them")
     seeds = list(cfg.seeds)
+    cfg = dataclasses.replace(cfg, sampler=eval_sampler(cfg))  # (a bad node fails here, before any sampling)
 
     # resume: the key says which earlier samples are valid, the fingerprints which variants they came from
     key = {"prompts": hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16], "seeds": seeds,
-           "num_inference_steps": cfg.num_inference_steps, "guidance_scale": cfg.guidance_scale, "eta": cfg.eta,
+           "sampler": dataclasses.asdict(cfg.sampler),
            "rewards": sorted(rewards), "video_format": cfg.video_format, "context": context}
     state_path, samples_path = out_dir / "eval_state.json", out_dir / "samples.jsonl"
     state, samples = earlier_state(out_dir, key, resume, log)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from diffalign.config.schemas import config_schema
-from diffalign.samplers.rollout import family_sampler, rollout
+from diffalign.samplers.base import Sampler, build_sampler
+from diffalign.samplers.rollout import rollout
 
 
 @dataclass
@@ -27,7 +29,10 @@ class EvalConfig:
             jsonl, DrawBench / PartiPrompts-style csv or tsv, or plain txt (`diffalign.world.prompts.load_prompts`).
         prompts_per_tag: at most this many prompts per GenEval tag (all when None), chosen evenly through the file.
         seeds: seeds per prompt; the image seed is ``image_seed(seed, prompt_index)``.
-        num_inference_steps, guidance_scale, eta: sampler settings (DDIM).
+        sampler: the sampler of every image, a `Sampler` or a ``sampler`` config node (``eval.sampler``; the
+            config's default is ``sampler=ode``: DDIM with η = 0 for ε/v models, the Euler ODE for flow models, 20
+            steps, CFG 4.0, as the diffusers pipelines sample; ``sampler@eval.sampler=<option>`` selects another,
+            ``eval.sampler.num_inference_steps=50`` changes a field). None: ``sampler=ode``'s defaults.
         batch_size: images per sampling batch.
         grid_images: how many images go into each variant's overview grid PNG.
         bootstrap_resamples, confidence, bootstrap_seed: the prompt-level bootstrap of every interval
@@ -42,9 +47,7 @@ class EvalConfig:
     prompts: str = "heldout"
     prompts_per_tag: int | None = None
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.0
-    eta: float = 0.0
+    sampler: Any = None
     batch_size: int = 64
     grid_images: int = 64
     bootstrap_resamples: int = 1000
@@ -68,10 +71,26 @@ class EvalGroupConfig(EvalConfig):
 
 
 def eval_config_from(node) -> EvalConfig:
-    """`EvalConfig` from the Hydra ``eval`` node (its ``enabled`` switch belongs to the training loop)."""
+    """`EvalConfig` from the Hydra ``eval`` node (its ``enabled`` switch belongs to the training loop), with its
+    sampler built (`eval_sampler`).
+
+    Raises:
+        ConfigError: a bad ``eval.sampler`` node, naming ``eval.sampler.<field>``.
+    """
     from omegaconf import OmegaConf
 
-    return EvalConfig(**{k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "enabled"})
+    cfg = EvalConfig(**{k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "enabled"})
+    cfg.sampler = eval_sampler(cfg)
+    return cfg
+
+
+def eval_sampler(cfg: EvalConfig) -> Sampler:
+    """The `Sampler` of ``cfg.sampler`` (``sampler=ode``'s defaults when None).
+
+    Raises:
+        ConfigError: naming ``eval.sampler.<field>``, the value and the fix.
+    """
+    return build_sampler({"name": "ode"} if cfg.sampler is None else cfg.sampler, "eval.sampler")
 
 
 def image_seed(seed: int, prompt_index: int) -> int:
@@ -116,8 +135,7 @@ def sample_images(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: Ev
     """Images for the (prompt_index, seed) `jobs`, each from its own generator; float32 on the CPU."""
     gens = [torch.Generator(device="cpu").manual_seed(image_seed(s, p)) for p, s in jobs]
     prompts = [rows[p]["prompt"] for p, _ in jobs]
-    sampler = family_sampler(policy, num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-                             noise=cfg.eta)
+    sampler = eval_sampler(cfg)
     if use_reference:
         with policy.reference():
             traj = rollout(policy, prompts, sampler, generator=gens, fuse_lora=True)
@@ -127,12 +145,16 @@ def sample_images(policy, jobs: list[tuple[int, int]], rows: list[dict], cfg: Ev
 
 
 def sampler_description(policy, cfg: EvalConfig) -> str:
-    """The evaluation's sampler in words, for the report's header: ``"20 DDIM steps, η 0.0"`` for a `DDIMScheduler`
-    policy, ``"20 Euler ODE steps"`` (η = 0) or ``"20 flow SDE steps (Flow-GRPO's, a = 0.7)"`` for a rectified-flow one
-    (`rollout`'s choice of sampler)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    steps = cfg.num_inference_steps
-    if isinstance(getattr(policy, "scheduler", None), FlowMatchEulerDiscreteScheduler):
-        return f"{steps} Euler ODE steps" if cfg.eta == 0 else f"{steps} flow SDE steps (Flow-GRPO's, a = {cfg.eta})"
-    return f"{steps} DDIM steps, η {cfg.eta}"
+    """The evaluation's sampler in words, for the report's header, as it steps `policy` (`Sampler.for_policy`):
+    ``"20 DDIM steps, η 0.0"``, ``"20 Euler ODE steps"`` (``flow_sde`` at noise_level 0, which ``sampler=ode`` runs on
+    a flow model), ``"20 flow SDE steps (Flow-GRPO's, a = 0.7)"``, otherwise ``"<K> <option> steps"`` and its noise
+    parameter (e.g. ``"10 dance_sde steps, noise_level 0.3"``)."""
+    sampler = eval_sampler(cfg).for_policy(policy)
+    steps = sampler.num_inference_steps
+    if sampler.name == "ddim":
+        return f"{steps} DDIM steps, η {sampler.eta}"
+    if sampler.name == "flow_sde":
+        a = sampler.noise_level
+        return f"{steps} Euler ODE steps" if a == 0 else f"{steps} flow SDE steps (Flow-GRPO's, a = {a})"
+    noise = f", {sampler.noise_field} {sampler.noise}" if sampler.noise_field else ""
+    return f"{steps} {sampler.name} steps{noise}"

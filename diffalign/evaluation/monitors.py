@@ -4,7 +4,8 @@ A policy that hacks its training reward raises that reward while something else 
 visible in the logs before it ruins a run (docs/guides/rewards.md#reward-hacking-monitors):
 
 - **gold reward**: held-out rewards (by default the evaluation reward set, ``eval_reward=[...]`` or else
-  ``reward=[...]``) on fixed prompts and fixed per-image seeds, with deterministic DDIM (η = 0), so two log points
+  ``reward=[...]``) on fixed prompts and fixed per-image seeds, with a deterministic sampler (``monitor.sampler``,
+  by default ``sampler=ode``: DDIM with η = 0 for ε/v models, the Euler ODE for flow models), so two log points
   differ only by the policy. A training reward that climbs while the gold reward falls is the classic sign.
 - **group diversity**: for each prompt, the mean pairwise cosine distance ``1 − cos(e_i, e_j)`` of the CLIP image
   embeddings of its images under the different seeds, averaged over prompts. Mode collapse (every seed giving the
@@ -28,8 +29,7 @@ Config (``monitor:`` in ``configs/train.yaml``)::
       diversity: true
       diversity_model: diffalign-tiny-clip   # open_clip model for the embeddings (see reward clip_score)
       diversity_pretrained: null
-      num_inference_steps: 20
-      guidance_scale: 4.0
+      sampler: ...             # a sampler node (train.yaml's defaults list: sampler@monitor.sampler=ode)
       batch_size: 64
       save_samples: true       # one sample per prompt to logs/samples/step-<N>/ (PNG; GIF/MP4 for videos)
       video_format: gif
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from diffalign.config.checks import check_node_keys, node_check
 from diffalign.rewards.base import Reward
 from diffalign.rewards.reward_set import score_or_raise
+from diffalign.samplers.base import Sampler, build_sampler
 
 
 @dataclass
@@ -62,8 +63,7 @@ class MonitorConfig:
     diversity: bool = True
     diversity_model: str = "diffalign-tiny-clip"
     diversity_pretrained: str | None = None
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.0
+    sampler: Any = None
     batch_size: int = 64
     save_samples: bool = True
     video_format: str = "gif"
@@ -108,16 +108,19 @@ class HackingMonitor:
         every (`int`): optimizer steps between measurements (`maybe_log` measures when ``step % every == 0``); ≥ 1.
         embedder (*optional*): an object with ``embed_images(images (N, 3, H, W) in [0, 1]) -> (N, D)`` (e.g.
             `diffalign.rewards.clip_score.ClipScore`); `None` skips diversity.
-        num_inference_steps (`int`, defaults to 20), guidance_scale (`float`, defaults to 4.0): DDIM settings (η = 0).
+        sampler (`Sampler` or a ``sampler`` config node, *optional*): the sampler of the monitor images
+            (``monitor.sampler``); None: ``sampler=ode``'s defaults (DDIM with η = 0 for ε/v models, the Euler ODE
+            for flow models, 20 steps, CFG 4.0).
         batch_size (`int`, defaults to 64): images per sampling batch.
 
     Raises:
-        ValueError: `every` < 1, no rows, no seeds, or an embedder with fewer than 2 seeds.
+        ValueError: `every` < 1, no rows, no seeds, or an embedder with fewer than 2 seeds; a bad `sampler`
+            (`ConfigError` naming ``monitor.sampler.<field>``).
     """
 
     def __init__(self, rewards: Mapping[str, Reward], rows: list[dict], seeds: list[int], *, every: int,
-                 embedder: Any | None = None, num_inference_steps: int = 20, guidance_scale: float = 4.0,
-                 batch_size: int = 64, samples_dir: str | Path | None = None, video_format: str = "gif"):
+                 embedder: Any | None = None, sampler: Sampler | Any = None, batch_size: int = 64,
+                 samples_dir: str | Path | None = None, video_format: str = "gif"):
         if every < 1:
             raise ValueError(f"monitor.every must be >= 1 (0 turns the monitors off), got {every}")
         if not rows or not seeds:
@@ -130,7 +133,7 @@ class HackingMonitor:
             raise ValueError(f"monitor.video_format must be gif or mp4, got {video_format!r}")
         self.embedder, self.batch_size = embedder, batch_size
         self.samples_dir, self.video_format = (Path(samples_dir) if samples_dir is not None else None), video_format
-        self.sampler = {"num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale, "noise": 0.0}
+        self.sampler = build_sampler({"name": "ode"} if sampler is None else sampler, "monitor.sampler")
         self.history: list[dict[str, float]] = []
 
     @torch.no_grad()
@@ -140,7 +143,7 @@ class HackingMonitor:
         Raises:
             RewardError: a gold reward raised or returned NaN/inf (named, with the step and the batch).
         """
-        from diffalign.samplers.rollout import family_sampler, rollout
+        from diffalign.samplers.rollout import rollout
 
         jobs = [(s, p) for p in range(len(self.rows)) for s in self.seeds]  # grouped by prompt
         was_training = policy.denoiser.training
@@ -151,7 +154,7 @@ class HackingMonitor:
                 chunk = jobs[start:start + self.batch_size]
                 gens = [torch.Generator().manual_seed(s * 1_000_003 + p) for s, p in chunk]
                 traj = rollout(policy, [self.rows[p]["prompt"] for _, p in chunk],
-                               family_sampler(policy, **self.sampler), generator=gens, fuse_lora=True)
+                               self.sampler, generator=gens, fuse_lora=True)
                 images.append(traj.images.float().cpu())
         finally:
             policy.denoiser.train(was_training)
@@ -274,6 +277,5 @@ def build_monitor(node: Mapping[str, Any] | None, eval_rewards: Mapping[str, Rew
 
         embedder = ClipScore(model_name=cfg.diversity_model, pretrained=cfg.diversity_pretrained)
     return HackingMonitor({n: eval_rewards[n] for n in names}, rows, cfg.seeds, every=cfg.every, embedder=embedder,
-                          num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-                          batch_size=cfg.batch_size, samples_dir=samples_dir if cfg.save_samples else None,
-                          video_format=cfg.video_format)
+                          sampler=cfg.sampler, batch_size=cfg.batch_size,
+                          samples_dir=samples_dir if cfg.save_samples else None, video_format=cfg.video_format)

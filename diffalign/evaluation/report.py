@@ -255,14 +255,16 @@ def write_report(eval_dir: str | Path, run_dir: str | Path | None = None, title:
     eval_plots = plot_eval_curves(metrics, plots_dir)
     title = title or f"diffalign evaluation — {eval_dir.resolve().name}"
     cfg = metrics.get("config", {})
-    # metrics.json of an older version has no "sampler": its header named DDIM for every model
+    # metrics.json of an older version has no "sampler": its header named DDIM for every model; before eval.sampler
+    # the config held num_inference_steps, guidance_scale and eta itself
     sampler = metrics.get("sampler") or f"{cfg.get('num_inference_steps')} DDIM steps, η {cfg.get('eta')}"
+    guidance = (cfg.get("sampler") or {}).get("guidance_scale", cfg.get("guidance_scale"))
 
     out = [(f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>")]
     out.append(f"<p class=meta>prompts <b>{html.escape(str(metrics['prompts']))}</b>: {metrics['num_prompts']} "
                f"prompts × seeds {metrics['seeds']} = {metrics['num_prompts'] * len(metrics['seeds'])} images per "
-               f"checkpoint; {html.escape(sampler)}, guidance {cfg.get('guidance_scale')}; intervals: {cfg.get('confidence', 0.95):.0%} prompt-level bootstrap "
+               f"checkpoint; {html.escape(sampler)}, guidance {guidance}; intervals: {cfg.get('confidence', 0.95):.0%} prompt-level bootstrap "
                f"({cfg.get('bootstrap_resamples')} resamples, seed {cfg.get('bootstrap_seed')}); win rate: 1 per "
                f"(prompt, seed) where the checkpoint scores higher than {html.escape(metrics['labels'][0])}, 0.5 per "
                f"tie, 0 per loss (wins/ties/losses in brackets). Checkpoints: "

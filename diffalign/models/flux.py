@@ -35,6 +35,7 @@ kohya / ComfyUI names (``lora_unet_double_blocks_<i>_img_attn_qkv`` ...), whose 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ from diffalign.models.pipeline_policy import (
     cfg_batch,
     check_lora_arguments,
     load_pipeline,
+    resolve_dtype,
 )
 from diffalign.types import PromptEmbeds
 
@@ -192,16 +194,34 @@ class FluxPolicy(RectifiedFlowMixin, PipelinePolicy):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, *, revision: str | None = None,
                         variant: str | None = None, torch_dtype: str | torch.dtype = "float32",
-                        local_files_only: bool | None = None, **kwargs) -> FluxPolicy:
+                        local_files_only: bool | None = None, vae: str | os.PathLike | None = None,
+                        **kwargs) -> FluxPolicy:
         """Loads a `FluxPipeline` folder or hub id (e.g. "black-forest-labs/FLUX.1-dev", gated: accept the licence
         on the hub and log in first); `kwargs` go to the constructor.
 
+        Args:
+            vae (`str`, *optional*): a local `AutoencoderKL` folder (with `config.json`) loaded, in `torch_dtype`,
+                instead of the pipeline's ``vae/`` — as ``FluxPipeline.from_pretrained(path, vae=AutoencoderKL
+                .from_pretrained(vae))``. The shipped tiny FLUX (`model=tiny_flux`) has no VAE of its own and uses
+                tiny_sd3's (``${diffalign_asset:tiny_sd3/vae}``).
+
         Raises:
-            ValueError: for an unknown `torch_dtype` or a local path that is not a pipeline folder (before loading).
+            ValueError: for an unknown `torch_dtype`, a local path that is not a pipeline folder, or a `vae` that is
+                not a VAE folder (before loading).
         """
+        components = {}
+        if vae is not None:
+            from diffusers import AutoencoderKL
+
+            if not os.path.isfile(os.path.join(os.path.expanduser(os.fspath(vae)), "config.json")):
+                raise ValueError(f"model.vae={os.fspath(vae)!r} is not a VAE folder (no config.json); point it at an "
+                                 "AutoencoderKL folder such as <pipeline>/vae, or set model.vae=null to load the "
+                                 "pipeline's own")
+            components["vae"] = AutoencoderKL.from_pretrained(os.path.expanduser(os.fspath(vae)),
+                                                              torch_dtype=resolve_dtype(torch_dtype))
         pipe = load_pipeline(FluxPipeline, pretrained_model_name_or_path, revision=revision, variant=variant,
                              torch_dtype=torch_dtype, local_files_only=local_files_only, kind="FLUX",
-                             example_hub_id="black-forest-labs/FLUX.1-dev")
+                             example_hub_id="black-forest-labs/FLUX.1-dev", **components)
         return cls(pipe, **kwargs)
 
     def to_pipeline(self) -> FluxPipeline:
@@ -326,6 +346,7 @@ class FluxPolicyConfig:
     variant: str | None = None
     torch_dtype: str = "bfloat16"
     local_files_only: bool | None = None
+    vae: str | None = None
     height: int | None = None
     width: int | None = None
     flow_shift: float | None = None

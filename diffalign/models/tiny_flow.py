@@ -16,6 +16,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from diffalign.models.sd3 import DEFAULT_SD3_LORA_TARGET_MODULES, StableDiffusion3Policy
+from diffalign.models.tiny_random import build_tiny_vae
 from diffalign.world.tokenizer import build_tokenizer
 
 TINY_MAX_SEQUENCE_LENGTH = 8
@@ -54,12 +55,7 @@ def build_tiny_flow_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, wi
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if vae is None:
-            vae = AutoencoderKL(
-                in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                latent_channels=4, norm_num_groups=4, sample_size=32, mid_block_add_attention=False,
-                shift_factor=0.0,
-            )
+            vae = build_tiny_vae(shift_factor=0.0)
         if vae.config.shift_factor is None:
             vae.register_to_config(shift_factor=0.0)
         torch.manual_seed(seed)

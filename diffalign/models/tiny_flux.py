@@ -19,6 +19,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from diffalign.models.flux import DEFAULT_FLUX_LORA_TARGET_MODULES, FluxPolicy
+from diffalign.models.tiny_random import build_tiny_vae
 from diffalign.world.tokenizer import build_tokenizer
 
 TINY_FLUX_MAX_SEQUENCE_LENGTH = 12
@@ -29,12 +30,13 @@ FLUX_DEV_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dyn
 
 
 def build_tiny_flux_transformer(guidance_embeds: bool = True, num_layers: int = 1, num_single_layers: int = 2,
-                                latent_channels: int = 4) -> FluxTransformer2DModel:
-    """A tiny `FluxTransformer2DModel`: packed inputs of 4 × `latent_channels`, 2 heads of 16 (rotary axes 4+4+8),
-    text width 32, pooled width 32."""
+                                latent_channels: int = 4, num_attention_heads: int = 2) -> FluxTransformer2DModel:
+    """A tiny `FluxTransformer2DModel`: packed inputs of 4 × `latent_channels`, `num_attention_heads` heads of 16
+    (rotary axes 4+4+8; width 16 × heads), text width 32, pooled width 32."""
     return FluxTransformer2DModel(
         patch_size=1, in_channels=4 * latent_channels, out_channels=None, num_layers=num_layers,
-        num_single_layers=num_single_layers, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        num_single_layers=num_single_layers, attention_head_dim=16, num_attention_heads=num_attention_heads,
+        joint_attention_dim=32,
         pooled_projection_dim=32, guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8),
     )
 
@@ -55,12 +57,7 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, vae: A
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if vae is None:
-            vae = AutoencoderKL(
-                in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                latent_channels=4, norm_num_groups=4, sample_size=32, mid_block_add_attention=False,
-                shift_factor=0.1159, scaling_factor=0.3611,  # FLUX.1's VAE normalisation
-            )
+            vae = build_tiny_vae(shift_factor=0.1159, scaling_factor=0.3611)  # FLUX.1's VAE normalisation
         if vae.config.shift_factor is None:
             vae.register_to_config(shift_factor=0.0)
         torch.manual_seed(seed)

@@ -35,6 +35,23 @@ SD15_SCHEDULER_CONFIG = {
 VAE_FACTOR = 4  # three encoder blocks -> two downsamplings
 
 
+def build_tiny_vae(sample_size: int = 32, norm_num_groups: int = 4, **config) -> AutoencoderKL:
+    """The tiny models' `AutoencoderKL`, initialised from the current torch RNG: RGB ↔ 4 latent channels at factor
+    `VAE_FACTOR` (three encoder blocks of widths 8, 16, 16, one layer each, no mid-block attention).
+
+    Args:
+        sample_size (`int`): image side in pixels.
+        norm_num_groups (`int`): GroupNorm groups.
+        config: the family's latent normalisation (``scaling_factor``, ``shift_factor``, ``force_upcast``), passed on.
+    """
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=norm_num_groups, sample_size=sample_size, mid_block_add_attention=False,
+        **config,
+    )
+
+
 def build_tiny_random_pipeline(seed: int = 0, sample_size_px: int = 32) -> StableDiffusionPipeline:
     """Builds a tiny randomly initialised SD-architecture `StableDiffusionPipeline`.
 
@@ -60,18 +77,7 @@ def build_tiny_random_pipeline(seed: int = 0, sample_size_px: int = 32) -> Stabl
     tokenizer = build_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(8, 16, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=sample_size_px,
-            mid_block_add_attention=False,
-        )
+        vae = build_tiny_vae(sample_size=sample_size_px)
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
             sample_size=sample_size_px // VAE_FACTOR,

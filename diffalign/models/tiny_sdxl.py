@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from diffalign.models.sdxl import DEFAULT_SDXL_LORA_TARGET_MODULES, NUM_TIME_IDS, StableDiffusionXLPolicy
+from diffalign.models.tiny_random import build_tiny_vae
 from diffalign.world.tokenizer import build_tokenizer
 
 # SDXL-base's scheduler config (stabilityai/stable-diffusion-xl-base-1.0, scheduler/scheduler_config.json).
@@ -70,12 +71,7 @@ def build_tiny_sdxl_pipeline(seed: int = 0, prediction_type: str = "epsilon") ->
     tokenizer = build_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-            latent_channels=4, norm_num_groups=4, sample_size=32, mid_block_add_attention=False,
-            scaling_factor=SDXL_VAE_SCALING_FACTOR, force_upcast=True,
-        )
+        vae = build_tiny_vae(scaling_factor=SDXL_VAE_SCALING_FACTOR, force_upcast=True)
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
             sample_size=8, in_channels=4, out_channels=4,

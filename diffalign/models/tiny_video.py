@@ -23,7 +23,7 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModel, UMT5Config, UMT5EncoderModel
 
 from diffalign.models.text_to_video import TextToVideoPolicy
-from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG
+from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG, build_tiny_vae
 from diffalign.models.wan import WanPolicy
 from diffalign.world.tokenizer import build_tokenizer
 
@@ -44,10 +44,7 @@ def build_tiny_t2v_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, tex
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(video=True)
     if vae is None:
-        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                            up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16),
-                            layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32,
-                            mid_block_add_attention=False)
+        vae = build_tiny_vae(norm_num_groups=8)
     if text_encoder is None:
         text_encoder = CLIPTextModel(CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,

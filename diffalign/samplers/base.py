@@ -34,6 +34,8 @@ What a sampler declares:
 - ``sample(policy, prompts, *, generator, latents, ...) -> Trajectory``: one batch. The default is the unrolled loop
   of `Sampler.sample` (DDPO, arXiv:2305.13301, §4.3), which calls the sampler's ``step``; an ODE solver overrides
   ``sample`` instead;
+- ``for_policy(policy)``: the sampler that steps a given policy (itself; ``sampler=ode`` picks its family's
+  deterministic sampler, `diffalign.samplers.ode.PipelineODESampler`);
 - ``at_epoch(epoch)``: the sampler for an online epoch (itself; MixGRPO's window moves with the epoch);
 - ``for_trajectory(trajectory)`` (class method): the sampler that re-scores a stored trajectory
   (`diffalign.samplers.rollout.recompute_step`), rebuilt from ``trajectory.sampler``, its noise and its schedule.
@@ -87,8 +89,12 @@ def sampler_names() -> tuple[str, ...]:
     return tuple(SAMPLERS)
 
 
-def sampler_class(name: str) -> type[Sampler]:
+def sampler_class(name: str, select: str = "sampler") -> type[Sampler]:
     """The registered class of option `name`.
+
+    Args:
+        select (`str`): the override that selects the node's option, named in the error (``sampler``,
+            ``sampler@eval.sampler``).
 
     Raises:
         ConfigError: for an unknown name, listing the registered ones.
@@ -96,7 +102,7 @@ def sampler_class(name: str) -> type[Sampler]:
     names = sampler_names()
     if name not in SAMPLERS:
         raise ConfigError(f"name={name!r} must be one of ({', '.join(repr(n) for n in names)}); select the sampler "
-                          "with sampler=<option>")
+                          f"with {select}=<option>")
     return SAMPLERS[name]
 
 
@@ -113,13 +119,14 @@ def build_sampler(node: Any, where: str = "sampler") -> Sampler:
     """
     if isinstance(node, Sampler):
         return node
+    select = "sampler" if where == "sampler" else f"sampler@{where}"  # (a nested node: Hydra's group@package)
     if node is None:
-        raise ConfigError(f"{where} is not set; select a sampler with {where}=<option> (e.g. ddim, flow_sde)")
+        raise ConfigError(f"{where} is not set; select a sampler with {select}=<option> (e.g. ode, ddim, flow_sde)")
     from omegaconf import DictConfig, OmegaConf
 
     values = dict(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node)
     try:
-        cls = sampler_class(values.get("name"))
+        cls = sampler_class(values.get("name"), select)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
@@ -200,6 +207,10 @@ class Sampler:
     def describe(self) -> str:
         """A short label for logs and errors, e.g. ``flow_sde noise_level=0.7``."""
         return f"{self.name} {self.noise_field}={getattr(self, self.noise_field)}" if self.noise_field else self.name
+
+    def for_policy(self, policy) -> Sampler:
+        """The sampler that steps `policy` (itself; ``sampler=ode`` picks its family's deterministic sampler)."""
+        return self
 
     def at_epoch(self, epoch: int) -> Sampler:
         """The sampler of online epoch `epoch` (0-based); itself unless its settings move with training."""

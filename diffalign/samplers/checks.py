@@ -14,10 +14,12 @@ cps_sde        flow                         coefficients-preserving sampling (`c
 window_sde     flow                         MixGRPO's windowed Flow-GRPO SDE, ODE outside the window
 dpm_ode        any                          DPM-Solver(++) for either family (`diffalign.samplers.ode`)
 euler_ode      flow                         the flow Euler ODE
+ode            any                          the family's pipeline default: DDIM η = 0 / the flow Euler ODE
 =============  ===========================  ===========================================================
 
 The rollout steps with the sampler's own rule, so without the family check ``model=tiny_sd3 sampler=ddim`` would
-fail only once the model has loaded.
+fail only once the model has loaded. The same holds for the sampler nodes of evaluation and the monitors
+(``eval.sampler``, ``monitor.sampler``; `check_sampler_node`).
 """
 
 from __future__ import annotations
@@ -62,3 +64,27 @@ def check_sampler_config(cfg, *, flow_matching: bool | None, online: bool) -> No
         raise ConfigError(f"the sampler steps {'rectified-flow' if family == 'flow' else 'eps/v-prediction'} models "
                           f"(sampler.model_family={family}, sampler={sampler.describe()}) but model={model} is {kind}: "
                           f"the rollout would fail once the model has loaded. Use {FAMILY_SAMPLERS[model_family]}")
+
+
+@node_check("sampler_node")
+def check_sampler_node(node, where: str, *, flow_matching: bool | None, model: str | None = None) -> None:
+    """Checks a sampler node other than the run's ``sampler`` (``eval.sampler``, ``monitor.sampler``): its fields
+    (`build_sampler`) and, when the model says its family, that the sampler steps it.
+
+    Args:
+        node (`DictConfig`, `dict` or `Sampler`): the sampler node (None: not set, refused).
+        where (`str`): its path, e.g. ``eval.sampler``, named in the errors.
+        flow_matching (`bool` or None): the model's ``flow_matching`` class attribute (None: not checked).
+        model (`str`, *optional*): the model's ``_target_``, named in the error.
+
+    Raises:
+        ConfigError: naming ``<where>.<field>`` (or ``<where>``), the value and the fix.
+    """
+    sampler = build_sampler(node, where)
+    if flow_matching is None or sampler.model_family in ("any", "flow" if flow_matching else "eps"):
+        return
+    kind = "a rectified-flow model" if flow_matching else "an eps/v-prediction model"
+    others = ", ".join(n for n in samplers_of_family("flow" if flow_matching else "eps") if n != "ode")
+    raise ConfigError(f"{where}: sampler={sampler.name} steps {sampler.model_family} models (model_family="
+                      f"{sampler.model_family}) but model={model} is {kind}; use sampler@{where}=ode (the default: "
+                      f"the pipeline's deterministic sampler for either family) or one of {others}")

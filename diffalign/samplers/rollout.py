@@ -26,19 +26,6 @@ def rollout(policy: DiffusionPolicy, prompts: list[str], sampler: Sampler, **kwa
     return sampler.sample(policy, prompts, **kwargs)
 
 
-def family_sampler(policy: DiffusionPolicy, *, num_inference_steps: int, guidance_scale: float,
-                   noise: float = 0.0) -> Sampler:
-    """The step sampler of the policy's family with a given noise: ``ddim`` with η = `noise` for ε/v models,
-    ``flow_sde`` with noise_level = `noise` for flow models (noise 0: deterministic DDIM / the Euler ODE).
-
-    For the callers whose settings are ``num_inference_steps``, ``guidance_scale`` and a noise scale without a sampler
-    option (e.g. the SePPO ``sample_*`` fields)."""
-    flow = policy.prediction_type == "flow"
-    return sampler_class("flow_sde" if flow else "ddim")(
-        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-        **{"noise_level" if flow else "eta": noise})
-
-
 def recompute_log_probs(
     policy: DiffusionPolicy,
     trajectory: Trajectory,

@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+import numbers
+
+from omegaconf import DictConfig, ListConfig
+
 from diffalign.config.checks import (
     ConfigError,
     boolean,
@@ -41,6 +45,45 @@ def _trackers() -> list[str]:
     return [str(t) for t in get_available_trackers()]
 
 
+def check_optimizer(node, name: str) -> None:
+    """Checks an optimizer node (``trainer.optimizer``) before any work: it names an importable ``_target_``, every other
+    key is an argument of that class (unless it takes ``**kwargs``), and the usual AdamW-style numbers are in range
+    where present (``lr`` > 0, ``weight_decay`` >= 0, ``eps`` > 0, ``betas`` two numbers in [0, 1)).
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    import importlib
+    import inspect
+
+    if not isinstance(node, DictConfig) or not node.get("_target_"):
+        raise ConfigError(f"{name} must be a node with _target_ naming the optimizer class, got {node!r}; e.g. "
+                          f"{name}._target_=torch.optim.AdamW")
+    target = str(node._target_)
+    module, _, attribute = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attribute)
+        parameters = inspect.signature(cls).parameters
+    except Exception as err:  # noqa: BLE001 - any failure to import the target is the same config error
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{name}._target_={target} cannot be imported ({reason}); name a class such as "
+                          f"torch.optim.AdamW, or install its package") from None
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        arguments = [k for k in parameters if k != "params"]
+        for key in node:
+            if not str(key).startswith("_") and key not in parameters:
+                raise ConfigError(f"{name}.{key} is not an argument of {target}; drop it with ~{name}.{key} (its "
+                                  f"arguments: {', '.join(arguments)})")
+    number(node, "lr", name, gt=0)
+    number(node, "weight_decay", name, ge=0)
+    number(node, "eps", name, gt=0)
+    if "betas" in node:
+        betas = node.betas
+        if (not isinstance(betas, ListConfig) or len(betas) != 2
+                or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"{name}.betas must be two numbers in [0, 1), got {betas}; e.g. {name}.betas=[0.9,0.999]")
+
+
 @node_check("trainer")
 def check_trainer_config(cfg, *, online: bool) -> None:
     """Checks the ``trainer`` node: sizes and steps are integers in range, the optimizer's numbers, the LR schedule
@@ -55,13 +98,9 @@ def check_trainer_config(cfg, *, online: bool) -> None:
     integer(t, "max_steps", p, ge=1)
     integer(t, "batch_size", p, ge=1)
     integer(t, "gradient_accumulation_steps", p, ge=1)
-    number(t, "learning_rate", p, gt=0)
+    check_optimizer(t.get("optimizer"), "trainer.optimizer")
     choice(t, "lr_scheduler", p, LR_SCHEDULERS)
     integer(t, "lr_warmup_steps", p, ge=0)
-    number(t, "adam_beta1", p, ge=0, lt=1)
-    number(t, "adam_beta2", p, ge=0, lt=1)
-    number(t, "adam_weight_decay", p, ge=0)
-    number(t, "adam_epsilon", p, gt=0)
     if t.get("max_grad_norm") is not None and t.max_grad_norm == 0 and not isinstance(t.max_grad_norm, bool):
         # torch's clip_grad_norm_ with max_norm 0 scales every gradient to 0 (the diffusers scripts clip
         # unconditionally, so 0 trains nothing there too); transformers' Trainer reads 0 as "no clipping". Refuse.
@@ -197,7 +236,7 @@ def check_split(on, num_processes: int) -> None:
 
 def check_warmup(cfg, total_updates: int, field: str) -> None:
     """``trainer.lr_warmup_steps`` the run reaches: a warmup over ten times longer than the run's `total_updates`
-    keeps the learning rate under a tenth of ``trainer.learning_rate`` (linear warmup, `diffalign.train.common
+    keeps the learning rate under a tenth of ``trainer.optimizer.lr`` (linear warmup, `diffalign.train.common
     .build_lr_scheduler`), so the run would barely train.
 
     Raises:
@@ -207,5 +246,5 @@ def check_warmup(cfg, total_updates: int, field: str) -> None:
     if isinstance(warmup, int) and warmup > 10 * total_updates:
         raise ConfigError(f"trainer.lr_warmup_steps={warmup} is far beyond the run's {total_updates} optimizer "
                           f"updates ({field}): the learning rate would stay under {total_updates / warmup:.1%} of "
-                          f"trainer.learning_rate and the run would barely train; pass trainer.lr_warmup_steps <= "
+                          f"trainer.optimizer.lr and the run would barely train; pass trainer.lr_warmup_steps <= "
                           f"{total_updates} (e.g. trainer.lr_warmup_steps=0)")

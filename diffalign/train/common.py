@@ -109,8 +109,34 @@ def start_trackers(accelerator: Accelerator, cfg: DictConfig) -> None:
                                   init_kwargs=tracker_init_kwargs(cfg.output_dir))
 
 
+def build_optimizer(node: DictConfig, params: list) -> torch.optim.Optimizer:
+    """The optimizer of ``trainer.optimizer``: ``hydra.utils.instantiate(node, params=params)``, the node's other keys
+    as the class's keyword arguments (lists as plain lists). The default is ``torch.optim.AdamW`` (``lr``, ``betas``,
+    ``weight_decay``, ``eps``); any class taking the parameters as ``params`` can be named with ``_target_`` (e.g.
+    ``bitsandbytes.optim.AdamW8bit``, ``torch.optim.SGD``). `diffalign.train.checks.check_optimizer` has checked the
+    node's keys against the class's arguments before any work.
+
+    Args:
+        node (`DictConfig`): ``trainer.optimizer``, with ``_target_``.
+        params (`list[torch.nn.Parameter]`): the trainable parameters.
+    """
+    from hydra.utils import instantiate
+
+    return instantiate(node, params=params, _convert_="all")
+
+
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
-    """``constant_with_warmup`` or ``cosine`` (with linear warmup), stepped once per optimizer step."""
+    """``constant_with_warmup`` or ``cosine`` (``trainer.lr_scheduler``), stepped once per optimizer step: the factor on
+    the optimizer's ``lr`` at step s (0-based) is (s + 1) / `warmup_steps` while s < `warmup_steps`, then 1
+    (``constant_with_warmup``) or ½(1 + cos(π · min(1, (s − W) / max(1, `max_steps` − W)))) (``cosine``, W =
+    `warmup_steps`).
+
+    Not `diffusers.optimization.get_scheduler`: its warmup is s / W, so the first update of a warmed-up run would get
+    learning rate 0 and every later warmup step one step less (tests/unit/train/test_optimizer.py shows both).
+
+    Raises:
+        ValueError: `kind` is not one of `diffalign.train.checks.LR_SCHEDULERS`.
+    """
     from diffalign.train.checks import LR_SCHEDULERS
 
     if kind not in LR_SCHEDULERS:
@@ -127,16 +153,15 @@ def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
 
 
 def prepare_training(accelerator: Accelerator, policy, tr: DictConfig, total_updates: int) -> tuple[list, Any, Any]:
-    """AdamW over the policy's trainable parameters (``trainer.adam_*``, ``trainer.learning_rate``), the LR schedule
-    over `total_updates`, and the denoiser, optimizer and schedule prepared by `accelerator` (under DDP/FSDP the policy
-    then forwards through the wrapper).
+    """The optimizer of ``trainer.optimizer`` over the policy's trainable parameters (`build_optimizer`), the LR
+    schedule over `total_updates` (``trainer.lr_scheduler``, ``trainer.lr_warmup_steps``), and the denoiser, optimizer
+    and schedule prepared by `accelerator` (under DDP/FSDP the policy then forwards through the wrapper).
 
     Returns:
         (the trainable parameters, the optimizer, the LR scheduler).
     """
     params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=tr.learning_rate, betas=(tr.adam_beta1, tr.adam_beta2),
-                                  weight_decay=tr.adam_weight_decay, eps=tr.adam_epsilon)
+    optimizer = build_optimizer(tr.optimizer, params)
     lr_scheduler = build_lr_scheduler(optimizer, tr.lr_warmup_steps, total_updates, tr.lr_scheduler)
     # (FSDP on CPU: wrapped here, without the device_id accelerate would pass; diffalign.runtime.distributed)
     wrapped, optimizer, lr_scheduler = accelerator.prepare(wrap_on_cpu(accelerator, policy.denoiser), optimizer,
@@ -219,7 +244,7 @@ class Updates:
         raise NonFiniteError(
             f"{self.guard.consecutive} updates in a row had a non-finite loss or gradient ({where}, "
             f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. "
-            "Lower trainer.learning_rate (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or "
+            "Lower trainer.optimizer.lr (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or "
             "use trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
 
 
@@ -383,8 +408,8 @@ def evaluation_hint(cfg: DictConfig) -> str:
     run starts, whose default evaluation can take longer than a short run's training)."""
     prompts, seeds = evaluation_size(cfg)
     return (f"[diffalign] the run ends with an evaluation of the base and the fine-tuned model on {prompts} prompts × "
-            f"{seeds} seeds = {2 * prompts * seeds} images at {cfg.eval.num_inference_steps} sampler steps; for a "
-            "smoke run pass eval.enabled=false (or shorten it: eval.prompts_per_tag=1 eval.seeds=[0])")
+            f"{seeds} seeds = {2 * prompts * seeds} images at {cfg.eval.sampler.num_inference_steps} sampler steps; for "
+            "a smoke run pass eval.enabled=false (or shorten it: eval.prompts_per_tag=1 eval.seeds=[0])")
 
 
 def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rewards: dict, step: int,

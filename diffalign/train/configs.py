@@ -4,7 +4,8 @@ options ``configs/trainer/default.yaml`` and ``configs/online/default.yaml`` onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from diffalign.config.schemas import config_schema
 
@@ -22,13 +23,13 @@ class TrainerConfig:
     max_steps: int = 100
     batch_size: int = 16
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 1.0e-4
+    # the optimizer, built as hydra.utils.instantiate(optimizer, params=<the trainable parameters>): any class taking
+    # the parameters first, e.g. trainer.optimizer._target_=bitsandbytes.optim.AdamW8bit, or torch.optim.SGD with
+    # ~trainer.optimizer.betas ~trainer.optimizer.eps +trainer.optimizer.momentum=0.9 (its other arguments: +...)
+    optimizer: Any = field(default_factory=lambda: {
+        "_target_": "torch.optim.AdamW", "lr": 1.0e-4, "betas": [0.9, 0.999], "weight_decay": 0.0, "eps": 1.0e-8})
     lr_scheduler: str = "constant_with_warmup"  # constant_with_warmup | cosine (both with linear warmup)
     lr_warmup_steps: int = 10
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_weight_decay: float = 0.0
-    adam_epsilon: float = 1.0e-8
     max_grad_norm: float | None = 1.0  # null: no clipping
     mixed_precision: str = "no"  # no | fp16 | bf16 (trainable LoRA parameters stay fp32)
     log_with: str = "tensorboard"  # tensorboard | wandb | none (or any tracker accelerate knows;

@@ -125,7 +125,7 @@ def test_unreachable_server_stops_diffalign_eval_before_the_model_loads(tmp_path
 def test_a_crashing_reward_ends_diffalign_eval_with_one_line(tmp_path):
     res = run_cli("diffalign-eval", [f"output_dir={tmp_path / 'eval'}", "model=tiny_random",
                                      "reward=[python:crashing_reward:crash]", "eval.prompts_per_tag=1",
-                                     "eval.seeds=[0]", "eval.num_inference_steps=2", "report=false"], tmp_path)
+                                     "eval.seeds=[0]", "eval.sampler.num_inference_steps=2", "report=false"], tmp_path)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("diffalign: error:")]

@@ -55,7 +55,7 @@ def test_commas_inside_quoted_prompt_values():
     ("method.beta=0", "method.beta"),
     ("method.beta=-5", "method.beta"),
     ("sampler.num_inference_steps=0", "sampler.num_inference_steps"),
-    ("eval.num_inference_steps=0", "eval.num_inference_steps"),
+    ("eval.sampler.num_inference_steps=0", "eval.sampler.num_inference_steps"),
     ("data.prompts=/nonexistent/prompts.jsonl", "data.prompts"),
     ("eval.prompts=/nonexistent/prompts.jsonl", "eval.prompts"),
     ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
@@ -191,7 +191,8 @@ def test_eval_command_writes_grids_metrics_and_per_image_seeds(tmp_path):
 
     train(compose_cfg(smoke_overrides(tmp_path / "run", steps=1)))
     cfg = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'run' / 'final'}", f"output_dir={tmp_path / 'ev'}",
-                       "eval.prompts_per_tag=2", "eval.seeds=[10,11]", "eval.num_inference_steps=2"], name="evaluate")
+                       "eval.prompts_per_tag=2", "eval.seeds=[10,11]", "eval.sampler.num_inference_steps=2"],
+                      name="evaluate")
     _eval_main(cfg)
     metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert set(metrics["variants"]) == {"base", "checkpoint"}
@@ -225,7 +226,7 @@ def test_eval_command_builds_the_adapter_the_checkpoint_was_trained_with(tmp_pat
     assert saved_lora_settings(tmp_path / "run" / "final") == {"lora_rank": 2, "lora_alpha": 2,
                                                                "lora_target_modules": targets}
     cfg = compose_cfg(["model=tiny_random", f"checkpoint={tmp_path / 'run' / 'final'}", f"output_dir={tmp_path / 'ev'}",
-                       "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
+                       "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2",
                        "include_base=false"], name="evaluate")
     _eval_main(cfg)
     policy = build_tiny_random_policy(seed=0, lora_rank=2, lora_target_modules=targets)

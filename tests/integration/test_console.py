@@ -99,7 +99,7 @@ def test_a_long_prompt_in_an_evaluation_is_one_line_per_variant(tmp_path, caplog
     words = ["a", "red", "circle", "left", "of", "a", "green", "square", "and", "a", "blue", "triangle", "above", "a",
              "yellow", "circle"]
     rows = [{"prompt": " ".join(words[: 14 + k])} for k in range(3)] + [{"prompt": "a red circle"}]
-    cfg = EvalConfig(prompts="x", seeds=[0], num_inference_steps=1, batch_size=4)
+    cfg = EvalConfig(prompts="x", seeds=[0], sampler={"name": "ode", "num_inference_steps": 1}, batch_size=4)
     with caplog.at_level(logging.WARNING, logger="diffalign.models.stable_diffusion"):
         evaluate_policy(policy, rows, {"brightness": Brightness()}, cfg, tmp_path, {"base": True, "policy": False},
                         progress=False, log=lambda message: None)
@@ -131,8 +131,8 @@ def test_the_console_of_a_run_has_the_summaries_on_their_own_lines_and_an_unbrok
         [sys.executable, "-c", SATURATED_RUN, f"output_dir={tmp_path / 'run'}", "model=tiny_random",
          "trainer.max_steps=5", "trainer.batch_size=2", "data=shapes_pairs", "data.num_pairs=16",
          "trainer.warnings_every=2", "trainer.log_with=none", "eval.enabled=true", "eval.prompts_per_tag=1",
-         "eval.seeds=[0]", "eval.num_inference_steps=1", "monitor.every=2", "monitor.num_prompts=2",
-         "monitor.seeds=[0]", "monitor.num_inference_steps=1", "monitor.diversity=false"],
+         "eval.seeds=[0]", "eval.sampler.num_inference_steps=1", "monitor.every=2", "monitor.num_prompts=2",
+         "monitor.seeds=[0]", "monitor.sampler.num_inference_steps=1", "monitor.diversity=false"],
         cwd=REPO, env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
         check=False)
     assert out.returncode == 0, out.stdout[-3000:]

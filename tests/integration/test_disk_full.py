@@ -26,7 +26,7 @@ from diffalign.runtime.storage import DiskFullError, format_bytes, is_disk_full
 
 PREP = ["data=ranked_pairs", "data.num_prompts=4", "data.samples_per_prompt=4", "data.batch_size=2",
         "data.sampler.num_inference_steps=2", "data.reward=geneval_shapes"]
-EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
+EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2",
         "eval.batch_size=1", "report=false"]
 
 

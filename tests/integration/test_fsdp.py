@@ -22,18 +22,19 @@ pytestmark = pytest.mark.slow  # each launch starts two processes (≈ 25-35 s o
 
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"
 QUIET = ["trainer.log_with=none", "eval.enabled=false"]
-# updates proportional to the gradient (adam_epsilon=1, as tests/integration/test_multiprocess.py), clipped to a norm
+# updates proportional to the gradient (trainer.optimizer.eps=1, as tests/integration/test_multiprocess.py), clipped to a norm
 # of 1e-6 (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm
 # (what accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
 DPO = ["model=tiny_random", "data=shapes_pairs", "data.num_pairs=16", "trainer.max_steps=2",
-       "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.learning_rate=1000.0",
-       "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=1e-6"]
-MAIN_PROCESS_SAMPLING = ["monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=[0,1]", "monitor.num_inference_steps=2",
-                         "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2"]
+       "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.optimizer.lr=1000.0",
+       "trainer.lr_warmup_steps=0", "trainer.optimizer.eps=1.0", "trainer.max_grad_norm=1e-6"]
+MAIN_PROCESS_SAMPLING = ["monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=[0,1]",
+                         "monitor.sampler.num_inference_steps=2",
+                         "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2"]
 GRPO = ["model=tiny_random", "method=flow_grpo", "sampler=ddim", "online.num_epochs=2", "online.groups_per_epoch=2",
         "online.group_size=4", "online.checkpointing_epochs=1", "online.updates_per_epoch=2", "trainer.keep_last=-1",
-        "sampler.num_inference_steps=4", "trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0",
-        "trainer.adam_epsilon=1.0", "trainer.max_grad_norm=null"]
+        "sampler.num_inference_steps=4", "trainer.optimizer.lr=10.0", "trainer.lr_warmup_steps=0",
+        "trainer.optimizer.eps=1.0", "trainer.max_grad_norm=null"]
 
 
 def launch_fsdp(args: list[str], cwd: Path, quiet: tuple = tuple(QUIET)) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ def slow(*args, **kwargs):
     return sample_images(*args, **kwargs)
 evaluate.sample_images = slow
 """
-EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2",
+EVAL = ["model=tiny_random", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2",
         "eval.batch_size=1", "report=false"]
 
 
@@ -101,7 +101,7 @@ def test_a_second_ctrl_c_interrupts_at_once_without_a_traceback(tmp_path):
 
 
 TRAIN = ["model=tiny_random", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.checkpointing_steps=1",
-         "trainer.log_with=none", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+         "trainer.log_with=none", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1"]
 PREP = ["data=ranked_pairs", "data.num_prompts=4", "data.samples_per_prompt=4", "data.batch_size=2",
         "data.sampler.num_inference_steps=2", "data.reward=geneval_shapes", "eval.enabled=false"]
 SLOW_PREP = """

@@ -53,10 +53,10 @@ def launch_two_processes(args: list[str], tmp_path: Path, prelude: str = "") -> 
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-# Updates proportional to the gradient (adam_epsilon=1, lr 10, no clipping): with Adam's default epsilon its first
+# Updates proportional to the gradient (trainer.optimizer.eps=1, lr 10, no clipping): with Adam's default epsilon its first
 # steps divide each element by its own magnitude and turn float rounding on near-zero gradients into differences of
 # up to the lr. With these settings a run whose gradients are not synchronised fails the 1e-4 tolerance.
-LINEAR_UPDATES = ["trainer.learning_rate=10.0", "trainer.lr_warmup_steps=0", "trainer.adam_epsilon=1.0",
+LINEAR_UPDATES = ["trainer.optimizer.lr=10.0", "trainer.lr_warmup_steps=0", "trainer.optimizer.eps=1.0",
                   "trainer.max_grad_norm=null"]
 
 
@@ -122,7 +122,7 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
     from diffalign.train.preference import train
 
     common = ["model=tiny_random", "trainer.max_steps=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1",
-              "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.learning_rate=1.0"]  # (lr 10: a first DPO step that
+              "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.optimizer.lr=1.0"]  # (lr 10: a first DPO step that
     # large sends step 2 where rounding differences of 1e-5 grow to 6e-4)
     res = launch_two_processes(["trainer.batch_size=2", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -184,7 +184,7 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     """DGPO with the same global batch: 2 processes × 1 group each vs 1 process × 2 groups. Rollout noise, prompts,
     training timesteps and noise are keyed by global group index, z_g is summed over processes, and DDP averages the
     per-process surrogate gradients, so the final LoRA must agree up to float rounding (stated tolerance 1e-4).
-    adam_epsilon=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
+    trainer.optimizer.eps=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
     each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
     from conftest import compose_cfg
 

@@ -16,7 +16,8 @@ from diffalign.evaluation.bench import METHODS, main
 from diffalign.evaluation.report import plot_training_curves, training_axis, training_figure
 from diffalign.world.prompts import load_prompts
 
-SMALL_EVAL = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.num_inference_steps=2", "eval.batch_size=16"]
+SMALL_EVAL = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.sampler.num_inference_steps=2",
+              "eval.batch_size=16"]
 
 
 def expected_headline(eval_dir) -> str:
@@ -44,8 +45,8 @@ def test_the_main_job_ends_with_its_headline_paired_gain(tmp_path, capsys):
 
     # the shipped tiny SD model (its verifier accuracy is neither 0 nor 1) with the main job's reward and evaluation
     overrides = [o for o in smoke_overrides(tmp_path) if not o.startswith(("model=", "eval."))]
-    train(compose_cfg([*overrides, "model=tiny_sd", "trainer.learning_rate=0.3", "eval.seeds=[0,1,2]", *SMALL_EVAL,
-                       "eval.num_inference_steps=10"]))
+    train(compose_cfg([*overrides, "model=tiny_sd", "trainer.optimizer.lr=0.3", "eval.seeds=[0,1,2]", *SMALL_EVAL,
+                       "eval.sampler.num_inference_steps=10"]))
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == expected_headline(tmp_path / "eval")
     assert "± 0.000" not in lines[-1]  # some verdicts changed: the s.e. is not a trivial 0
@@ -80,7 +81,8 @@ def test_bench_quick_is_one_run_per_data_flow_with_a_small_evaluation(capsys):
         cfg = compose_cfg(args + ["output_dir=/tmp/unused"])
         flows.append(get_class(cfg.method._target_).data_flow)
         assert list(cfg.reward) == ["brightness"] and cfg.seed == 0
-        assert cfg.eval.prompts_per_tag == 2 and list(cfg.eval.seeds) == [0, 1] and cfg.eval.num_inference_steps == 10
+        assert cfg.eval.prompts_per_tag == 2 and list(cfg.eval.seeds) == [0, 1]
+        assert cfg.eval.sampler.num_inference_steps == 10
         online = "online_" in flows[-1]
         assert (cfg.online.num_epochs, cfg.online.groups_per_epoch) == (3, 4) if online else cfg.trainer.max_steps == 10
     assert sorted(flows) == ["online_groups", "online_trajectories", "pairs", "winners"]

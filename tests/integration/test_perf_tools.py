@@ -291,3 +291,45 @@ def test_the_peer_trains_an_adapter_of_the_same_size_as_diffalign(method, tmp_pa
     ours = peer.diffalign_run(method, cfg, tmp_path)
     loop = peer.PeerLoop(cfg, ["a red circle"], peer.brightness)
     assert sum(p.numel() for p in loop.params) == ours.trainable > 0
+
+
+# ----------------------------------------------------------------------------------------------- bench_shared_machine
+
+
+def test_the_shared_machine_candidates_reach_the_start_up_choice_as_labelled(monkeypatch):
+    """``default`` is today's behaviour (libgomp's own spin count made explicit keeps the start-up choice out, even
+    beside a busy process), ``adaptive`` leaves the choice to diffalign (PASSIVE beside one, nothing when idle), and
+    no OpenMP variable of the caller leaks into a job's environment."""
+    from diffalign.runtime.openmp import shared_machine_defaults
+
+    bench = _script("bench_shared_machine")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (the test suite's own setting must not reach the jobs)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    quiet = {"torch_loaded": False, "announce": lambda _: None}
+    env = bench.clean_env(bench.CANDIDATES["default"])
+    assert "OMP_NUM_THREADS" not in env and "OMP_WAIT_POLICY" not in env and env["GOMP_SPINCOUNT"] == "300000"
+    assert shared_machine_defaults(env, probe=lambda: 2.0, **quiet) == {}
+    assert shared_machine_defaults(bench.clean_env(bench.CANDIDATES["adaptive"]), probe=lambda: 2.0, **quiet) == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+    assert shared_machine_defaults(bench.clean_env(bench.CANDIDATES["adaptive"]), probe=lambda: 0.0, **quiet) == {}
+    assert bench.clean_env(bench.CANDIDATES["threads-1"])["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.slow
+def test_bench_shared_machine_runs_idle_and_beside_a_competitor(tmp_path):
+    """The whole tool at tiny sizes, one workload, two candidates: every run finishes (or is capped), and the
+    adaptive run beside the competitor (which keeps both cores busy) chose PASSIVE; no timing asserted."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = tmp_path / "shared.json"
+    subprocess.run([sys.executable, str(SCRIPTS / "bench_shared_machine.py"), "--quick", "--workloads", "online",
+                    "--candidates", "default", "adaptive", "--cap", "50", "--json", str(out)], check=True, env=env,
+                   timeout=900, capture_output=True)
+    runs = json.loads(out.read_text())["online"]
+    assert set(runs) == {"default", "adaptive"}
+    assert [r["adapted"] for r in runs["default"]["contended"]] == [False]
+    assert [r["adapted"] for r in runs["adaptive"]["contended"]] == [True]
+    assert all("train_seconds" in r["phases"] for c in runs.values() for r in c["idle"] + c["contended"])

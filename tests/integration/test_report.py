@@ -58,7 +58,7 @@ def test_html_report_renders_the_grid_and_the_metrics_table_in_headless_chromium
     policy = build_tiny_random_policy(seed=0)
     perturb_lora_(policy, seed=1)
     rows = [{"prompt": "a red circle", "tag": "colors"}, {"prompt": "two squares", "tag": "counting"}]
-    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2)
+    cfg = EvalConfig(seeds=[0, 1], sampler={"name": "ode", "num_inference_steps": 2})
     metrics = evaluate_policy(policy, rows, {"geneval_shapes": GenevalShapes()}, cfg, tmp_path / "ev",
                               {"base": True, "finetuned": False}, progress=False)
     _write_logs(tmp_path / "run")
@@ -96,7 +96,7 @@ def test_main_job_and_eval_command_write_the_report_with_curves(tmp_path, capsys
     from diffalign.train.preference import train
 
     run = tmp_path / "run"
-    evals = ["eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=1"]
+    evals = ["eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=1"]
     results = train(compose_cfg(smoke_overrides(run, steps=2) + ["trainer.log_with=tensorboard",
                                                                  "eval.enabled=true", *evals]))
     assert results["report"] == str(run / "eval" / "report.html")
@@ -119,19 +119,20 @@ def test_main_job_and_eval_command_write_the_report_with_curves(tmp_path, capsys
                                name="evaluate"))
 
 
-@pytest.mark.parametrize("flow, eta, expected", [
-    (False, 0.0, "2 DDIM steps, η 0.0"),
-    (True, 0.0, "2 Euler ODE steps"),
-    (True, 0.7, "2 flow SDE steps (Flow-GRPO's, a = 0.7)"),
+@pytest.mark.parametrize("flow, sampler, expected", [
+    (False, {"name": "ode"}, "2 DDIM steps, η 0.0"),
+    (True, {"name": "ode"}, "2 Euler ODE steps"),
+    (True, {"name": "flow_sde", "noise_level": 0.7}, "2 flow SDE steps (Flow-GRPO's, a = 0.7)"),
+    (True, {"name": "dance_sde", "noise_level": 0.3}, "2 dance_sde steps, noise_level 0.3"),
 ])
-def test_the_header_names_the_sampler_the_evaluation_used(tmp_path, flow, eta, expected):
-    """A flow model is sampled by `rollout` with the Euler ODE (η = 0) or the Flow-GRPO SDE, never DDIM: the
+def test_the_header_names_the_sampler_the_evaluation_used(tmp_path, flow, sampler, expected):
+    """A flow model is sampled with the Euler ODE (``sampler=ode``) or the sampler of ``eval.sampler``, never DDIM: the
     header said "DDIM steps … η" for every model. A checkpoint whose label is its value ("base") is named once."""
     from diffalign.models.tiny_flow import build_tiny_flow_policy
 
     policy = build_tiny_flow_policy(seed=0) if flow else build_tiny_random_policy(seed=0)
     rows = [{"prompt": "a red circle", "tag": "colors"}]
-    cfg = EvalConfig(seeds=[0], num_inference_steps=2, eta=eta)
+    cfg = EvalConfig(seeds=[0], sampler={**sampler, "num_inference_steps": 2})
     metrics = evaluate_policy(policy, rows, {"geneval_shapes": GenevalShapes()}, cfg, tmp_path / "ev",
                               {"base": True, "finetuned": False}, progress=False)
     assert metrics["sampler"] == expected

@@ -138,7 +138,7 @@ def test_a_stop_signal_ends_the_preparation_after_the_current_chunk(policy, tmp_
 DATA = ["data=ranked_pairs", "data.num_prompts=4", "data.samples_per_prompt=4", "data.batch_size=2",
         "data.sampler.num_inference_steps=2", "data.reward=geneval_shapes", "model=tiny_random", "trainer.max_steps=2",
         "trainer.batch_size=2", "trainer.checkpointing_steps=1", "trainer.log_with=none", "eval.enabled=false",
-        "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+        "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1"]
 
 SLOW_ROLLOUT = """
 import time

@@ -16,13 +16,14 @@ import pytest
 from conftest import compose_cfg, online_overrides, smoke_overrides
 from PIL import Image
 
-MONITOR = ["monitor.every=2", "monitor.num_prompts=2", "monitor.seeds=[0]", "monitor.num_inference_steps=1",
+MONITOR = ["monitor.every=2", "monitor.num_prompts=2", "monitor.seeds=[0]", "monitor.sampler.num_inference_steps=1",
            "monitor.diversity=false"]
-EVAL = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=1"]
+EVAL = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=1"]
 VIDEO = ["model=tiny_t2v_random", "method=dgpo", "sampler=dpm_ode", "method.timestep_max_index=2",
          "method.timesteps_per_epoch=2", "online.prompts=video_train", "reward=[video_motion]",
          "online.groups_per_epoch=2", "model.num_frames=4", "monitor.every=1", "monitor.prompts=video_heldout",
-         "monitor.num_prompts=2", "monitor.seeds=[0]", "monitor.num_inference_steps=2", "monitor.diversity=false"]
+         "monitor.num_prompts=2", "monitor.seeds=[0]", "monitor.sampler.num_inference_steps=2",
+         "monitor.diversity=false"]
 
 
 def _pixels(path) -> np.ndarray:

@@ -37,7 +37,7 @@ def test_vipo_raises_held_out_brightness_within_six_epochs(tmp_path):
     ev = _train(tmp_path, "recipe=tiny_vipo_image", "online.checkpointing_epochs=null", "reward=[brightness]",
                 "eval_reward=[brightness]",
                 "online.num_epochs=6", "online.groups_per_epoch=8", "online.updates_per_epoch=1",
-                "trainer.learning_rate=1e-2",
+                "trainer.optimizer.lr=1e-2",
                 "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0")
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
     assert ev["variants"]["base"]["brightness/mean"] == pytest.approx(0.0634, abs=2e-3)
@@ -55,7 +55,7 @@ def test_diffusion_dpo_raises_held_out_brightness_on_ranked_pairs(tmp_path):
     ev = _train(tmp_path, "recipe=tiny_dpo", "reward=[brightness]", "data=ranked_pairs", "data.reward=brightness",
                 "data.num_prompts=32", "trainer.max_steps=60", "trainer.checkpointing_steps=null",
                 "eval_reward=[brightness]", "eval.prompts_per_tag=2", "eval.seeds=[0]", "seed=0", "data.seed=0",
-                "eval.num_inference_steps=20", "eval.batch_size=64")  # the evaluation it was measured with
+                "eval.sampler.num_inference_steps=20", "eval.batch_size=64")  # the evaluation it was measured with
     gain = ev["finetuned_vs_base"]["brightness/mean_gain"]
     assert ev["variants"]["base"]["brightness/mean"] == pytest.approx(0.0697, abs=2e-3)
     assert gain["gain"] > 0.025 and gain["gain_over_se"] > 2.5, gain
@@ -87,7 +87,7 @@ def test_seppo_winners_loop_raises_held_out_verifier_accuracy(tmp_path):
     −0.009 ± 0.008 over 3 seeds (docs/results/learning.md), so a loop that stops learning fails it."""
     ev = _train(tmp_path, "recipe=tiny_seppo", "model=tiny_sd_conv_lora", "trainer.batch_size=32",
                 "reference.selection=initial", "method.aaf_mode=off", "reward=[geneval_shapes]",
-                "eval_reward=[geneval_shapes]", "eval.seeds=[0,1,2,3]", "eval.num_inference_steps=10",
+                "eval_reward=[geneval_shapes]", "eval.seeds=[0,1,2,3]", "eval.sampler.num_inference_steps=10",
                 "eval.batch_size=128", "trainer.checkpointing_steps=null", "sampler.num_inference_steps=10", "seed=0",
                 "data.seed=0")
     gain = ev["finetuned_vs_base"]["geneval_shapes/accuracy_gain"]

@@ -87,11 +87,28 @@ def train_cli(tmp_path, monkeypatch, capsys):
                               r"it takes \[.*'lora_rank'")),
     (["trainer.lr_scheduler=linear"], (r"trainer.lr_scheduler='linear' must be one of \('constant_with_warmup', "
                                       r"'cosine'\)")),
+    # the optimizer is the trainer.optimizer node: an old key names its new one, before Hydra composes
+    (["trainer.learning_rate=1e-3"], r"trainer.learning_rate was renamed: set trainer.optimizer.lr instead"),
+    (["trainer.optimizer._target_=torch.optim.SGD"], (r"trainer.optimizer.betas is not an argument of "
+                                                      r"torch.optim.SGD; drop it with ~trainer.optimizer.betas")),
     (["trainer.mixed_precision=fp8"], r"trainer.mixed_precision='fp8' must be one of \('no', 'fp16', 'bf16'\)"),
     (["trainer.log_with=tensorbord"], r"trainer.log_with='tensorbord' must be one of \('tensorboard', 'wandb'"),
     (["trainer.cpu=maybe"], r"Value 'maybe' is not a valid bool.*\s+full_key: trainer.cpu"),
     (["recipe=tiny_ddpo", "sampler.guidance_scale=0.5"], r"sampler.guidance_scale must be a number >= 1, got 0.5"),
-    (["eval.guidance_scale=0.5"], r"eval.guidance_scale must be a number >= 1, got 0.5"),
+    (["eval.sampler.guidance_scale=0.5"], r"eval.sampler.guidance_scale must be a number >= 1, got 0.5"),
+    (["sampler@eval.sampler=ddim", "eval.sampler.eta=-1"], r"eval.sampler.eta must be a number >= 0, got -1"),
+    (["model=tiny_sd3", "sampler@eval.sampler=ddim"], (r"eval.sampler: sampler=ddim steps eps models .* is a "
+                                                        r"rectified-flow model; use sampler@eval.sampler=ode")),
+    (["monitor.every=1", "monitor.sampler.num_inference_steps=0"],
+     r"monitor.sampler.num_inference_steps must be an integer >= 1, got 0"),
+    (["model=tiny_sd3", "monitor.every=1", "sampler@monitor.sampler=ddim"],
+     r"monitor.sampler: sampler=ddim steps eps models .* use sampler@monitor.sampler=ode"),
+    # keys that moved into the sampler nodes: one line naming the new key (before Hydra composes)
+    (["eval.num_inference_steps=50"], (r"eval.num_inference_steps was renamed: set eval.sampler.num_inference_steps "
+                                       r"instead \(evaluation samples with the sampler node eval.sampler")),
+    (["eval.eta=0.5"], r"eval.eta was renamed: set .* sampler@eval.sampler=ddim eval.sampler.eta=<eta> for an eps/v"),
+    (["monitor.guidance_scale=2"], r"monitor.guidance_scale was renamed: set monitor.sampler.guidance_scale instead"),
+    (["+monitor.num_inference_steps=2"], r"monitor.num_inference_steps was renamed: set monitor.sampler.num_inference"),
     (["data.sampler.guidance_scale=0.5"], r"data.sampler.guidance_scale must be a number >= 1, got 0.5"),
     (["recipe=tiny_ddpo", "sampler.eta=-0.1"], r"sampler.eta must be a number >= 0, got -0.1"),
     (["seed=-1"], r"seed must be an integer in \[0, 4294967295\], got -1"),
@@ -381,7 +398,9 @@ def test_every_typed_field_of_the_shipped_configs_refuses_a_value_of_the_wrong_t
 
 @pytest.mark.parametrize("overrides,expected", [
     (["eval.seeds=[0,-1]"], "eval.seeds=[0, -1]: every entry must be an integer >= 0, got -1"),
-    (["eval.num_inference_steps=2.5"], "Value '2.5' of type 'float' could not be converted to Integer"),
+    (["eval.sampler.num_inference_steps=2.5"], "Value '2.5' of type 'float' could not be converted to Integer"),
+    (["eval.sampler.num_inference_steps=0"], "eval.sampler.num_inference_steps must be an integer >= 1, got 0"),
+    (["eval.guidance_scale=7.5"], "eval.guidance_scale was renamed: set eval.sampler.guidance_scale instead"),
     (["include_base=maybe"], "include_base must be true or false, got 'maybe'"),
     (["reward.geneval_shapes.weight=x"], "Value 'x' of type 'str' could not be converted to Float"),
 ])

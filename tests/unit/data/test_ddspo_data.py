@@ -248,7 +248,7 @@ def test_tiny_ddspo_recipe_runs_and_dpo_trains_on_the_same_pairs(tmp_path):
                                                                            "a green triangle above a red square"]))
     common = ["model=tiny_random", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.log_with=none",
               "eval.enabled=false", f"data.prompts={prompts}", f"data.pairs_dir={tmp_path / 'pairs'}",
-              "data.num_inference_steps=2", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1"]
+              "data.num_inference_steps=2", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1"]
     cfg = compose_cfg(["recipe=tiny_ddspo", f"output_dir={tmp_path / 'ddspo'}", *common])
     assert cfg.method._target_.endswith("DDSPO") and cfg.data.generate
     validate_train_config(cfg)

@@ -91,6 +91,6 @@ def test_list_prints_the_runs_without_running_them(capsys):
         "ddpo-brightness-s0", "ddpo-verifier-s0"]
     # a Hydra override may follow any option (it is not taken as one of --seeds' values); duplicate seeds run once
     assert main(["--list", "--methods", "ddpo", "--rewards", "brightness", "--seeds", "0", "0",
-                 "trainer.learning_rate=5e-3"]) == 0
+                 "trainer.optimizer.lr=5e-3"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.endswith("trainer.learning_rate=5e-3")
+    assert line.endswith("trainer.optimizer.lr=5e-3")

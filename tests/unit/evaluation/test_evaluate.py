@@ -64,7 +64,7 @@ def test_two_identical_checkpoints_give_identical_images_and_a_win_rate_of_one_h
     b = tmp_path / "b"
     shutil.copytree(a, b)
     policy = build_tiny_random_policy(seed=0)
-    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=3)
+    cfg = EvalConfig(seeds=[0, 1], sampler={"name": "ode", "num_inference_steps": 2}, batch_size=3)
     metrics = evaluate_policy(policy, _rows(3), {"mean": ImageMean()}, cfg, tmp_path / "ev",
                               {"base": True, "a": a, "b": b}, progress=False)
     samples = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
@@ -120,7 +120,8 @@ def test_per_tag_breakdown_of_a_geneval_file_is_exact(tmp_path):
     loaded = load_prompts(str(path))
     assert loaded == rows  # GenEval metadata rows are kept whole
     policy = build_tiny_random_policy(seed=0)
-    cfg = EvalConfig(prompts=str(path), seeds=[0, 1, 2], num_inference_steps=1, batch_size=18)
+    cfg = EvalConfig(prompts=str(path), seeds=[0, 1, 2], sampler={"name": "ode", "num_inference_steps": 1},
+                     batch_size=18)
     metrics = evaluate_policy(policy, loaded, {"verifier": KnownOutcomes()}, cfg, tmp_path / "ev", {"base": True},
                               progress=False)
     v = metrics["variants"]["base"]
@@ -194,7 +195,7 @@ def test_checkpoint_lists_expand_run_folders_in_step_order(tmp_path):
 def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(tmp_path, monkeypatch):
     lora = _lora_dir(tmp_path, "lora", seed=1)
     rows = _rows(4)
-    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=2,  # one prompt per batch
+    cfg = EvalConfig(seeds=[0, 1], sampler={"name": "ode", "num_inference_steps": 2}, batch_size=2,  # a prompt a batch
                      reuse_base=False)  # "ref" beside "ev" would otherwise give "ev" its base samples
     variants = {"base": True, "ft": lora}
 
@@ -229,7 +230,8 @@ def test_video_samples_are_written_as_gif_and_shown_by_their_first_frame(tmp_pat
     monkeypatch.setattr(evaluate_module, "sample_images", lambda *a, **kw: original(*a, **kw).unsqueeze(1).repeat(
         1, 3, 1, 1, 1) * torch.linspace(0.2, 1.0, 3).view(1, 3, 1, 1, 1))  # (N, F=3, C, H, W)
     metrics = evaluate_policy(build_tiny_random_policy(seed=0), _rows(2), {"v": KnownOutcomes()},
-                              EvalConfig(seeds=[0], num_inference_steps=1), tmp_path, {"base": True}, progress=False)
+                              EvalConfig(seeds=[0], sampler={"name": "ode", "num_inference_steps": 1}), tmp_path,
+                              {"base": True}, progress=False)
     sample = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
     gif = Image.open(tmp_path / sample["video"])
     assert sample["video"].endswith(".gif") and gif.n_frames == 3

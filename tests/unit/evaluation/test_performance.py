@@ -4,6 +4,7 @@ one (docs/guides/performance.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -188,7 +189,7 @@ def _count_samples(monkeypatch) -> list[int]:
 
 
 def test_the_base_evaluation_of_a_sibling_run_is_reused_only_when_identical(tmp_path, monkeypatch):
-    cfg = EvalConfig(seeds=[0, 1], num_inference_steps=2, batch_size=4)
+    cfg = EvalConfig(seeds=[0, 1], sampler={"name": "ode", "num_inference_steps": 2}, batch_size=4)
     key = {"model": {"num_frames": 8}, "rewards": {"mean": {}}}  # what `base_reuse_key` gives
     first_policy = build_tiny_random_policy(seed=0, lora_target_modules=CONV_AND_ATTENTION)  # another LoRA: reused
     first = evaluate_policy(first_policy, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / "a" / "eval",
@@ -210,11 +211,10 @@ def test_the_base_evaluation_of_a_sibling_run_is_reused_only_when_identical(tmp_
         other.unet.conv_in.bias.add_(1e-3)
     evaluate_policy(other, ROWS, {"mean": MeanReward()}, cfg, tmp_path / "runs" / "c" / "eval", {"base": True},
                     progress=False, base_key=key)
-    evaluate_policy(policy, ROWS, {"mean": MeanReward()}, EvalConfig(seeds=[0, 2], num_inference_steps=2,
-                    batch_size=4), tmp_path / "runs" / "d" / "eval", {"base": True}, progress=False, base_key=key)
-    evaluate_policy(policy, ROWS, {"mean": MeanReward()}, EvalConfig(seeds=[0, 1], num_inference_steps=2,
-                    batch_size=4, reuse_base=False), tmp_path / "runs" / "e" / "eval", {"base": True},
-                    progress=False, base_key=key)
+    evaluate_policy(policy, ROWS, {"mean": MeanReward()}, dataclasses.replace(cfg, seeds=[0, 2]),
+                    tmp_path / "runs" / "d" / "eval", {"base": True}, progress=False, base_key=key)
+    evaluate_policy(policy, ROWS, {"mean": MeanReward()}, dataclasses.replace(cfg, reuse_base=False),
+                    tmp_path / "runs" / "e" / "eval", {"base": True}, progress=False, base_key=key)
     # other model settings (a video's frame count) or reward settings (binary score), or no key: sampled again
     for n, other_key in enumerate(({"model": {"num_frames": 4}, "rewards": {"mean": {}}},
                                    {"model": {"num_frames": 8}, "rewards": {"mean": {"score": "binary"}}}, None)):

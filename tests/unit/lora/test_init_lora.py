@@ -290,7 +290,7 @@ def test_eval_takes_the_model_from_the_runs_config(tmp_path, loras, monkeypatch)
 
     sd3_final = _fake_run(tmp_path / "sd3run", loras["tiny_sd3"]["folder"], "tiny_sd3")
     assert "init_lora" in (tmp_path / "sd3run" / ".hydra" / "config.yaml").read_text()
-    tiny = ["eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.num_inference_steps=2", "report=false"]
+    tiny = ["eval.prompts_per_tag=1", "eval.seeds=[0]", "eval.sampler.num_inference_steps=2", "report=false"]
     cfg = compose_cfg([f"checkpoints=[base,{sd3_final}]", f"output_dir={tmp_path / 'ev'}", *tiny], name="evaluate")
     assert cfg.model._target_.endswith("StableDiffusionPolicy.from_pretrained")
     cli._eval_main(cfg)  # a real evaluation

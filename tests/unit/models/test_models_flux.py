@@ -161,6 +161,23 @@ def test_bad_flux_settings_are_refused_before_any_work():
         FluxPolicy(build_tiny_flux_pipeline(guidance_embeds=False), height=32, width=32, guidance=3.5)
 
 
+def test_from_pretrained_takes_the_vae_from_another_folder(tmp_path):
+    """`vae=<folder>` loads that AutoencoderKL instead of the pipeline's (the shipped tiny FLUX has no VAE folder);
+    a folder without config.json is refused naming model.vae, before the pipeline loads."""
+    import shutil
+
+    build_tiny_flux_pipeline(seed=0, guidance_embeds=False).save_pretrained(tmp_path / "pipe")
+    other = build_tiny_flux_pipeline(seed=5).vae
+    other.save_pretrained(tmp_path / "other_vae")
+    shutil.rmtree(tmp_path / "pipe" / "vae")
+    policy = FluxPolicy.from_pretrained(str(tmp_path / "pipe"), vae=str(tmp_path / "other_vae"), height=32, width=32,
+                                        max_sequence_length=MAX_LEN)
+    for (name, a), b in zip(policy.vae.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"model.vae='/no/such/vae' is not a VAE folder"):
+        FluxPolicy.from_pretrained(str(tmp_path / "pipe"), vae="/no/such/vae")
+
+
 # ---------------------------------------------------------------------------------------------- log-prob contract
 
 

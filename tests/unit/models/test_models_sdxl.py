@@ -355,7 +355,7 @@ def test_sdxl_recipes_carry_the_released_hyper_parameters(tmp_path):
     assert dpo.model.pretrained_vae_model_name_or_path == "madebyollin/sdxl-vae-fp16-fix"
     assert (dpo.method.beta, dpo.data.resolution, t.max_steps, t.lr_warmup_steps) == (5000.0, 1024, 2000, 200)
     assert t.batch_size * t.gradient_accumulation_steps == 2048
-    assert t.learning_rate == pytest.approx(1e-8 * 2048) and t.lr_scheduler == "constant_with_warmup"
+    assert t.optimizer.lr == pytest.approx(1e-8 * 2048) and t.lr_scheduler == "constant_with_warmup"
     assert list(dpo.model.lora_target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]
     validate_train_config(dpo)
 
@@ -365,6 +365,6 @@ def test_sdxl_recipes_carry_the_released_hyper_parameters(tmp_path):
     assert (m.beta, m.cpp, m.loss_weighting) == (16000.0, "tf", "linear")
     assert (d.num_inference_steps, d.guidance_scale, d.scheduler) == (25, 7.5, "euler")
     assert (t.max_steps, t.lr_warmup_steps, t.batch_size * t.gradient_accumulation_steps) == (500, 100, 2048)
-    assert t.learning_rate == pytest.approx(2.5e-9 * 2048)
+    assert t.optimizer.lr == pytest.approx(2.5e-9 * 2048)
     assert ddspo.model.gradient_checkpointing and dpo.model.gradient_checkpointing
     validate_train_config(ddspo)

@@ -167,7 +167,8 @@ def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, 
 
     policy = build_tiny_t2v_policy(num_frames=4)
     rows = load_prompts("video_heldout")[:3]
-    cfg = EvalConfig(prompts="video_heldout", seeds=[0, 1], num_inference_steps=2, batch_size=4, video_format=fmt)
+    cfg = EvalConfig(prompts="video_heldout", seeds=[0, 1], sampler={"name": "ode", "num_inference_steps": 2},
+                     batch_size=4, video_format=fmt)
     metrics = evaluate_policy(policy, rows, {"video_motion": VideoMotion()}, cfg, tmp_path, {"base": True},
                               progress=False)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
@@ -207,7 +208,7 @@ def test_training_logs_hold_one_video_of_f_frames_per_monitor_prompt(tmp_path):
     cfg = compose_cfg(CASES["dgpo_t2v"] + online_overrides(tmp_path) + [
         "online.prompts=video_train", "reward=[video_motion]", "online.groups_per_epoch=2", "monitor.every=1",
         "monitor.prompts=video_heldout", "monitor.num_prompts=2", "monitor.seeds=[0,1]",
-        "monitor.num_inference_steps=2", "model.num_frames=4"])
+        "monitor.sampler.num_inference_steps=2", "model.num_frames=4"])
     train(cfg)
     steps = sorted(p.name for p in (tmp_path / "logs" / "samples").iterdir())
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]

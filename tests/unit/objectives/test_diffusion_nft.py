@@ -193,7 +193,7 @@ def test_recipes_validate_and_the_paper_recipe_carries_the_released_settings(tmp
     assert (m.beta, m.beta_kl, m.advantage_max, m.timestep_fraction) == (1.0, 1e-4, 5.0, 0.99)
     assert (m.old_policy_decay_max, m.old_policy_decay_rate, m.old_policy_flat_steps) == (0.5, 0.001, 0)
     assert (on.group_size, on.groups_per_epoch, on.advantage_std, on.updates_per_epoch) == (24, 48, "global", 1)
-    assert (cfg.sampler.guidance_scale, cfg.sampler.num_inference_steps, cfg.trainer.learning_rate) == (1.0, 10, 3e-4)
+    assert (cfg.sampler.guidance_scale, cfg.sampler.num_inference_steps, cfg.trainer.optimizer.lr) == (1.0, 10, 3e-4)
     with pytest.raises(ValueError, match="online.prompts is required"):
         validate_train_config(cfg)
 
@@ -345,7 +345,7 @@ def _overrides(tmp_path, epochs):
     return ["recipe=tiny_diffusion_nft", "model=tiny_flow_random", f"output_dir={tmp_path}",
             f"online.num_epochs={epochs}", "online.groups_per_epoch=2", "online.group_size=4",
             "online.checkpointing_epochs=1", "trainer.keep_last=-1", "trainer.batch_size=4", "trainer.log_with=none",
-            "trainer.learning_rate=1e-2", "online.updates_per_epoch=2", "eval.enabled=false",
+            "trainer.optimizer.lr=1e-2", "online.updates_per_epoch=2", "eval.enabled=false",
             "sampler.num_inference_steps=4"]
 
 

@@ -127,7 +127,7 @@ def test_one_process_accumulating_two_micro_batches_takes_the_full_batch_gradien
     accumulated gradient is the full batch's mean. With Adam's epsilon 1 the first step is −lr·g/(|g| + 1) element
     by element, so equal LoRAs after one update mean equal gradients (a sum instead of the mean would double g)."""
     base = CASES["flow_grpo_flow"] + online_overrides(tmp_path, epochs=1) + [
-        "trainer.adam_epsilon=1", "trainer.learning_rate=10", "trainer.max_grad_norm=null", "method.beta_kl=0",
+        "trainer.optimizer.eps=1", "trainer.optimizer.lr=10", "trainer.max_grad_norm=null", "method.beta_kl=0",
         "method.clip_range=1e6", "online.checkpointing_epochs=null", "reward=[jpeg_compressibility]"]
     loras = {}
     for batch in (8, 4):

@@ -216,7 +216,7 @@ def test_winner_sft_is_the_mean_denoising_loss():
 def _overrides(out: Path, steps: int) -> list[str]:
     return [f"output_dir={out}", "recipe=tiny_seppo", "model=tiny_random", f"trainer.max_steps={steps}",
             "trainer.batch_size=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none",
-            "eval.enabled=false", "data.num_samples=8", "trainer.learning_rate=1e-2", "trainer.lr_warmup_steps=1",
+            "eval.enabled=false", "data.num_samples=8", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1",
             "reference.save_every=2", "sampler.num_inference_steps=3"]
 
 

@@ -103,7 +103,7 @@ def test_nan_gold_reward_stops_mid_run_after_saving_that_step(tmp_path):
     python_function.register_python_reward(spec)
     cfg = compose_cfg(base_overrides(tmp_path) + [
         f"eval_reward=[{spec}]", "data=shapes_pairs", "data.num_pairs=8", "monitor.every=1", "monitor.num_prompts=2",
-        "monitor.seeds=[0,1]", "monitor.num_inference_steps=2"])
+        "monitor.seeds=[0,1]", "monitor.sampler.num_inference_steps=2"])
     validate_train_config(cfg)
     from diffalign.train.preference import train
 
@@ -124,7 +124,8 @@ def test_online_loop_guards_its_training_and_evaluation_rewards(which, tmp_path)
     spec = "python:test_reward_failures:nan_on_second_row"
     registry.register_configs()
     python_function.register_python_reward(spec)
-    evaluation = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0,1]", "eval.num_inference_steps=2"]
+    evaluation = ["eval.enabled=true", "eval.prompts_per_tag=1", "eval.seeds=[0,1]",
+                  "eval.sampler.num_inference_steps=2"]
     cfg = compose_cfg(online_overrides(tmp_path, epochs=1) + ["model=tiny_random", "method=flow_grpo",
                                                               "sampler=ddim", f"{which}=[{spec}]", *evaluation])
     with pytest.raises(RewardError, match=r"reward 'nan_on_second_row': returned non-finite scores") as info:
@@ -230,7 +231,7 @@ def test_monitor_logs_every_n_steps_and_is_deterministic(tiny_policy):
 
     rows = [{"prompt": "a red circle"}, {"prompt": "two blue squares"}]
     monitor = HackingMonitor({"geneval_shapes": GenevalShapes()}, rows, [0, 1, 2], every=2, embedder=ClipScore(),
-                             num_inference_steps=2)
+                             sampler={"name": "ode", "num_inference_steps": 2})
     logged = []
 
     class Tracker:

@@ -1,6 +1,7 @@
 """A new sampler is one file (its step function and its `Sampler` class) and one config, with no central edit: this
 module is the file (the class registers itself with `register_sampler`), a YAML option written into a folder on Hydra's
-search path is the config, and the online loop trains with it (Flow-GRPO on the tiny flow model)."""
+search path is the config, and the online loop trains with it (Flow-GRPO on the tiny flow model), evaluation and the
+monitors sample with it (``sampler@eval.sampler=...``)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,33 @@ def test_the_online_loop_trains_with_the_new_sampler(search_path, tmp_path):
     assert any(not torch.equal(first[k], final[k]) for k in first)  # the second epoch's update moved the LoRA
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert len(history) == 2 and all(abs(h["ratio"] - 1) < 1e-2 for h in history)  # stored log-probs reproduced
+
+
+def test_evaluation_and_the_monitors_sample_with_the_new_sampler(search_path):
+    """``sampler@eval.sampler=euler_maruyama`` / ``sampler@monitor.sampler=...`` select the new option for evaluation
+    and the monitors, field overrides apply, and its step function draws their images."""
+    from hydra.utils import instantiate
+
+    from diffalign.config.validation import validate_eval_config
+    from diffalign.evaluation.generation import eval_config_from, image_seed, sample_images
+    from diffalign.evaluation.monitors import build_monitor
+
+    cfg = compose_cfg([search_path, "model=tiny_flow_random", "sampler@eval.sampler=euler_maruyama",
+                       "eval.sampler.num_inference_steps=2", "eval.sampler.noise_level=0.4"], name="evaluate")
+    validate_eval_config(cfg)  # (the sampler fits the flow model)
+    ecfg = eval_config_from(cfg.eval)
+    assert ecfg.sampler == EulerMaruyamaSampler(num_inference_steps=2, noise_level=0.4)
+    policy = instantiate(cfg.model)
+    rows, jobs = [{"prompt": "a red circle"}], [(0, 0), (0, 1)]
+    CALLS.clear()
+    images = sample_images(policy, jobs, rows, ecfg, use_reference=False)
+    assert CALLS == [(0, False), (1, False)]  # one batch of 2 steps, drawn by its `step`
+    gens = [torch.Generator().manual_seed(image_seed(s, p)) for p, s in jobs]
+    by_hand = EulerMaruyamaSampler(num_inference_steps=2, noise_level=0.4).sample(
+        policy, ["a red circle"] * 2, generator=gens).images
+    torch.testing.assert_close(images, by_hand.float().cpu(), rtol=0, atol=0)
+    # the monitor's node: the same option through the train config's defaults list
+    train_cfg = compose_cfg([search_path, "model=tiny_flow_random", "monitor.every=1", "monitor.diversity=false",
+                             "sampler@monitor.sampler=euler_maruyama", "monitor.sampler.num_inference_steps=3"])
+    monitor = build_monitor(train_cfg.monitor, {"brightness": lambda *a: None})
+    assert monitor.sampler == EulerMaruyamaSampler(num_inference_steps=3, noise_level=0.3)

@@ -65,7 +65,7 @@ def test_bad_online_configs_fail_before_any_model_loads(overrides, match, tmp_pa
 def test_monitor_logs_held_out_accuracy_before_and_during_training(tmp_path):
     cfg = compose_cfg(CASES["dgpo_sd"] + online_overrides(tmp_path) + [
         "monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=[0,1]", "monitor.diversity=false",
-        "monitor.num_inference_steps=2"])
+        "monitor.sampler.num_inference_steps=2"])
     train(cfg)
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     key = "monitor/gold/geneval_shapes/accuracy"
