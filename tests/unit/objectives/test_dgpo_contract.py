@@ -1,7 +1,8 @@
-"""DGPO's edges and wiring that the by-hand loss tests (tests/unit/test_dgpo_by_hand.py) leave open, found by mutation
-testing (docs/contributing.md#mutation-testing): the clip at A = 0 and between the thresholds, what each forward is
-given (per-sample timesteps, guidance), the KL metric without β_KL, the group sums across processes, the argument and
-config checks with their messages, the defaults of the released code, and `plan` / `loss` / `setup`.
+"""DGPO's edges and wiring that the by-hand loss tests (tests/unit/objectives/test_dgpo_by_hand.py) leave open,
+found by mutation testing (docs/contributing.md#mutation-testing): the clip at A = 0 and between the thresholds, what
+each forward is given (per-sample timesteps, guidance), the KL metric without β_KL, the group sums across processes,
+the argument and config checks with their messages, the defaults of the released code, and `plan` / `loss` /
+`setup`.
 
 The clip rule is the released code's (arXiv:2510.08425 repo, docs/methods/algorithms.md#dgpo): with ρ_i =
 exp(ℓ_old − ℓ_θ), row i is detached when (A_i > 0 and ρ_i > 1 + ε_c) or (A_i ≤ 0 and ρ_i < 1 − ε_c).
