@@ -72,7 +72,7 @@ def test_float64_sigmas_and_std_still_give_float32():
     out = flow_sde_step(v, torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.6, dtype=torch.float64), x,
                         prev_sample=x)
     assert {t.dtype for t in (out.prev_sample, out.mean, out.std, out.log_prob)} == {torch.float32}
-    assert gaussian_log_prob(x, v, torch.tensor(0.3, dtype=torch.float64)).dtype == torch.float32
+    assert gaussian_log_prob(x, v, torch.full((2, 1, 1, 1), 0.3, dtype=torch.float64)).dtype == torch.float32
 
 
 def test_per_position_and_default_reductions():
