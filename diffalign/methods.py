@@ -12,7 +12,9 @@ declarations; they hold no method names. Every method has
   needs;
 - a constructor that only checks and stores its arguments (cheap, no side effects): validation builds the method
   once from ``cfg.method`` so that its argument checks run before any model loads
-  (`diffalign.config.validation.construct`);
+  (`diffalign.config.validation.construct`). It is built from its config dataclass, as trl's trainers take their
+  ``args``: ``Method(config=None, **fields)`` (`method_config`), so each default is written once, in the dataclass
+  that ``configs/method/<name>.yaml`` extends;
 - ``setup(policy)``: called once, after the reference strategy's setup and before the optimizer collects the
   trainable parameters (adapters it needs go on the denoiser here);
 - ``checkpoint_states()``: ``{file stem: object with state_dict / load_state_dict}`` saved with every checkpoint and
@@ -35,10 +37,11 @@ rollout policy of on-policy methods (`CurrentPolicy`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +60,28 @@ _COMMON = ("data_flow", "check_config", "setup", "checkpoint_states")
 ONLINE_MEMBERS = (*_COMMON, "rollout_policy", "log_prob_reduction", "advantage", "epoch_updates", "prepare", "plan",
                   "loss")
 PREFERENCE_MEMBERS = _COMMON
+
+
+C = TypeVar("C")
+
+
+def method_config(schema: type[C], config: C | None, fields: dict[str, Any]) -> C:
+    """The config a method is built from: `config` (by default `schema`'s defaults, the one place a method's defaults
+    are written) with `fields` set on it, the keyword arguments the method was called with (Hydra passes those of the
+    ``method`` node). A method's constructor is ``__init__(self, config=None, **fields)`` and starts with this call.
+
+    Raises:
+        TypeError: `config` is not a `schema`, or a key of `fields` is not one of its fields (naming it and the fields).
+    """
+    if config is None:
+        config = schema()
+    elif not isinstance(config, schema):
+        raise TypeError(f"method: config must be a {schema.__name__}, got {type(config).__name__}")
+    names = sorted(f.name for f in dataclasses.fields(schema) if f.name != "_target_")
+    for key in fields:
+        if key not in names:
+            raise TypeError(f"method.{key} is not a setting of {schema.__name__}; its settings: {', '.join(names)}")
+    return dataclasses.replace(config, **fields)
 
 
 def stream_seed(seed: int, epoch: int, group: int, member: int, stream: int) -> int:

@@ -386,8 +386,6 @@ def check_node_keys(node, name: str, schema: type) -> None:
         if f"{name}.{key}" in RENAMED_KEYS:
             raise renamed_key_error(f"{name}.{key}")
         if key not in fields:
-            if f"{name}.{key}" in RENAMED_KEYS:
-                raise renamed_key_error(f"{name}.{key}")
             close = difflib.get_close_matches(str(key), sorted(fields), n=3)
             hint = f"did you mean {', '.join(f'{name}.{c}' for c in close)}? " if close else ""
             raise ConfigError(f"{name}.{key} is not a setting of {name} ({schema.__name__}); {hint}drop "

@@ -42,6 +42,7 @@ from torch import nn
 
 from diffalign.config.schemas import config_schema
 from diffalign.data.degrade import random_word_removal
+from diffalign.methods import method_config
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, rand, randint
 from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
 from diffalign.types import PreferenceBatch, PromptEmbeds
@@ -199,7 +200,8 @@ class TargetPolicyAdapters:
 @config_schema("method", "ddspo")
 @dataclass
 class DDSPOConfig:
-    """Config of `DDSPO`; the fields mirror its `__init__` arguments."""
+    """Config of `DDSPO`; the one place its defaults are written (the method is built from it:
+    `diffalign.methods.method_config`)."""
 
     _target_: str = "diffalign.objectives.ddspo.DDSPO"
     beta: float = 16000.0
@@ -240,18 +242,21 @@ class DDSPO(nn.Module):
     (the flow policy is fed ``1000 σ``; docs/methods/algorithms.md#forward-processes), non-CPP target x_0. β does not
     transfer between spaces.
 
-    Args:
-        beta (`float`, defaults to 16000.0): β > 0; the SD1.x TF-CPP value (docs/methods/algorithms.md#ddspo).
-        cpp (`str`, defaults to "tf"): "tf", "dd" or "off" (table in the module docstring).
-        loss_weighting (`str`, defaults to "uniform"): "uniform" or "linear" (ω_t = t / (T-1), SDXL).
-        prediction_space (`str`, defaults to "native"): "native" or "x0" (flow models only).
-        rand_cond (`bool`, defaults to False): random-condition removal (step 2).
-        rand_cond_schedule (`str`, defaults to "sigmoid"), rand_cond_lambda (`float`, defaults to 20.0): p(t).
+    Built from `DDSPOConfig`, the one place its defaults are written: ``DDSPO(config)`` or ``DDSPO(**fields)`` (the
+    fields not given keep their `DDSPOConfig` defaults; `diffalign.methods.method_config`).
+
+    Fields:
+        beta (`float`): β > 0; the SD1.x TF-CPP value (docs/methods/algorithms.md#ddspo).
+        cpp (`str`): "tf", "dd" or "off" (table in the module docstring).
+        loss_weighting (`str`): "uniform" or "linear" (ω_t = t / (T-1), SDXL).
+        prediction_space (`str`): "native" or "x0" (flow models only).
+        rand_cond (`bool`): random-condition removal (step 2).
+        rand_cond_schedule (`str`), rand_cond_lambda (`float`): p(t).
         rand_cond_prompts (`str`, *optional*): a prompt file (jsonl/txt) of unpaired prompts; rows with a
             ``"degraded_prompts"`` list use it, others get `random_word_removal` (seed 0); `None` uses the batch.
         target_lora_w (`str`, *optional*): DD-CPP's φ^w LoRA folder (required for "dd").
         target_lora_l (`str`, *optional*): DD-CPP's φ^l LoRA folder (required for "dd").
-        timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive.
+        timestep_min (`int`), timestep_max (`int`, *optional*): training timestep range, inclusive.
 
     Raises:
         ValueError: at construction, naming the ``method.*`` field, for β ≤ 0, an unknown mode, an empty timestep range,
@@ -287,44 +292,35 @@ class DDSPO(nn.Module):
         """No state beyond the reference strategy's."""
         return {}
 
-    def __init__(
-        self,
-        beta: float = 16000.0,
-        cpp: str = "tf",
-        loss_weighting: str = "uniform",
-        prediction_space: str = "native",
-        rand_cond: bool = False,
-        rand_cond_schedule: str = "sigmoid",
-        rand_cond_lambda: float = 20.0,
-        rand_cond_prompts: str | None = None,
-        target_lora_w: str | None = None,
-        target_lora_l: str | None = None,
-        timestep_min: int = 0,
-        timestep_max: int | None = None,
-    ):
+    def __init__(self, config: DDSPOConfig | None = None, **fields):
+        config = method_config(DDSPOConfig, config, fields)
         super().__init__()
-        if beta <= 0:
-            raise ValueError(f"method.beta={beta} must be > 0; use e.g. method.beta=16000 (DDSPO SD1.x TF-CPP).")
-        for field, value, allowed in (("cpp", cpp, CPP_MODES), ("loss_weighting", loss_weighting, LOSS_WEIGHTINGS),
-                                      ("prediction_space", prediction_space, PREDICTION_SPACES),
-                                      ("rand_cond_schedule", rand_cond_schedule, RAND_COND_SCHEDULES)):
+        if config.beta <= 0:
+            raise ValueError(f"method.beta={config.beta} must be > 0; use e.g. method.beta=16000 (DDSPO SD1.x TF-CPP).")
+        for field, value, allowed in (("cpp", config.cpp, CPP_MODES),
+                                      ("loss_weighting", config.loss_weighting, LOSS_WEIGHTINGS),
+                                      ("prediction_space", config.prediction_space, PREDICTION_SPACES),
+                                      ("rand_cond_schedule", config.rand_cond_schedule, RAND_COND_SCHEDULES)):
             if value not in allowed:
                 raise ValueError(f"method.{field}={value!r} must be one of {list(allowed)}.")
-        if cpp == "dd" and not (target_lora_w and target_lora_l):
+        if config.cpp == "dd" and not (config.target_lora_w and config.target_lora_l):
             raise ValueError("method.cpp=dd needs method.target_lora_w and method.target_lora_l (the winner/ and loser/"
                              " folders of diffalign-ddcpp-targets).")
-        if timestep_min < 0:
-            raise ValueError(f"method.timestep_min={timestep_min} must be >= 0.")
-        if timestep_max is not None and timestep_max < timestep_min:
-            raise ValueError(f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}; set "
-                             "timestep_max >= timestep_min, or null for the scheduler's last timestep.")
-        self.beta, self.cpp, self.loss_weighting, self.prediction_space = beta, cpp, loss_weighting, prediction_space
-        self.rand_cond, self.rand_cond_schedule, self.rand_cond_lambda = rand_cond, rand_cond_schedule, rand_cond_lambda
-        self.target_lora_w, self.target_lora_l = target_lora_w, target_lora_l
-        self.timestep_min, self.timestep_max = timestep_min, timestep_max
+        if config.timestep_min < 0:
+            raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
+        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
+            raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
+                             f"{config.timestep_min}; set timestep_max >= timestep_min, or null for the scheduler's "
+                             "last timestep.")
+        self.beta, self.cpp, self.loss_weighting = config.beta, config.cpp, config.loss_weighting
+        self.prediction_space = config.prediction_space
+        self.rand_cond, self.rand_cond_schedule = config.rand_cond, config.rand_cond_schedule
+        self.rand_cond_lambda = config.rand_cond_lambda
+        self.target_lora_w, self.target_lora_l = config.target_lora_w, config.target_lora_l
+        self.timestep_min, self.timestep_max = config.timestep_min, config.timestep_max
         self.pool: list[tuple[str, list[str]]] | None = None
-        if rand_cond and rand_cond_prompts is not None:
-            self.pool = self._load_pool(rand_cond_prompts)
+        if config.rand_cond and config.rand_cond_prompts is not None:
+            self.pool = self._load_pool(config.rand_cond_prompts)
         self.targets: TargetPolicyAdapters | None = None
 
     @staticmethod

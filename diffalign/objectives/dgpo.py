@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from diffalign.config.schemas import config_schema
-from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, split_updates, stream_seed
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, method_config, split_updates, stream_seed
 from diffalign.objectives.common import per_sample_mse
 from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.reference.old_policy import EmaRolloutPolicy
@@ -108,8 +108,8 @@ def select_train_timesteps(schedule: torch.Tensor, num: int, max_index: int, gen
 @config_schema("method", "dgpo")
 @dataclass
 class DGPOConfig:
-    """Config of `DGPO` (``method=dgpo`` extends it); the fields mirror its `__init__` arguments. [PAPER] =
-    arXiv:2510.08425, [CODE] = the released code."""
+    """Config of `DGPO` (``method=dgpo`` extends it); the one place its defaults are written (the method is built from
+    it: `diffalign.methods.method_config`). [PAPER] = arXiv:2510.08425, [CODE] = the released code."""
 
     _target_: str = "diffalign.objectives.dgpo.DGPO"
     beta: float = 100.0                     # paper default; 10 PickScore; 2000 with an EMA reference [CODE config/dgpo.py]
@@ -127,21 +127,24 @@ class DGPOConfig:
 class DGPO:
     """The DGPO objective (data flow "online_groups").
 
-    Args:
-        beta (`float`, defaults to 100): DPO strength β (100 GenEval/OCR, 10 PickScore, 2000 with an EMA reference).
-        beta_kl (`float`, defaults to 0.0): β_KL of the velocity/ε L2 to the KL reference (code: 0.02 GenEval).
+    Built from `DGPOConfig`, the one place its defaults are written: ``DGPO(config)`` or ``DGPO(**fields)`` (the fields
+    not given keep their `DGPOConfig` defaults; `diffalign.methods.method_config`).
+
+    Fields:
+        beta (`float`): DPO strength β (100 GenEval/OCR, 10 PickScore, 2000 with an EMA reference).
+        beta_kl (`float`): β_KL of the velocity/ε L2 to the KL reference (code: 0.02 GenEval).
         clip_range (`float`, *optional*): ε_c of the PPO-style clip against θ⁻ (code: 1e-2 GenEval); `None` disables.
-        reference_guidance_scale (`float`, defaults to 1.0): CFG scale of the reference forwards, DPO and KL (mode 2:
+        reference_guidance_scale (`float`): CFG scale of the reference forwards, DPO and KL (mode 2:
             4.5).
-        kl_reference (`str`, defaults to "base"): the model of the KL term's v_ref: "base" (the adapter-disabled
+        kl_reference (`str`): the model of the KL term's v_ref: "base" (the adapter-disabled
             base, as the released code also with an EMA DPO reference) or "reference" (the DPO term's reference
             strategy).
-        timesteps_per_epoch (`int`, defaults to 4): M, the timesteps trained per epoch (the released code's
+        timesteps_per_epoch (`int`): M, the timesteps trained per epoch (the released code's
             ``num_train_timesteps``, renamed here: in diffusers that is the 1000-step training schedule).
-        timestep_max_index (`int`, defaults to 4): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
-        old_policy_switch_step (`int`, defaults to 200): updates during which θ⁻ = θ (`EmaRolloutPolicy`).
-        old_policy_decay (`float`, defaults to 0.3): θ⁻'s EMA decay cap, in [0, 1).
-        old_policy_ramp (`float`, defaults to 0.001): θ⁻'s decay d = min(decay, ramp · step).
+        timestep_max_index (`int`): train on rollout-schedule indices 0..this (GenEval: 4 of 10).
+        old_policy_switch_step (`int`): updates during which θ⁻ = θ (`EmaRolloutPolicy`).
+        old_policy_decay (`float`): θ⁻'s EMA decay cap, in [0, 1).
+        old_policy_ramp (`float`): θ⁻'s decay d = min(decay, ramp · step).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, a non-positive clip range, guidance < 1 or an unknown `kl_reference`
@@ -154,27 +157,25 @@ class DGPO:
     advantage = "group"
     rollout_policy: EmaRolloutPolicy | None = None  # θ⁻, made by `setup`
 
-    def __init__(self, beta: float = 100.0, beta_kl: float = 0.0, clip_range: float | None = None,
-                 reference_guidance_scale: float = 1.0, timesteps_per_epoch: int = 4, timestep_max_index: int = 4,
-                 old_policy_switch_step: int = 200, old_policy_decay: float = 0.3, old_policy_ramp: float = 0.001,
-                 kl_reference: str = "base"):
-        if beta <= 0:
-            raise ValueError(f"method.beta={beta} must be > 0 (DGPO: 100).")
-        if beta_kl < 0:
-            raise ValueError(f"method.beta_kl={beta_kl} must be >= 0.")
-        if clip_range is not None and clip_range <= 0:
-            raise ValueError(f"method.clip_range={clip_range} must be > 0, or null to disable the clip.")
-        if reference_guidance_scale < 1:
-            raise ValueError(f"method.reference_guidance_scale={reference_guidance_scale} must be >= 1.")
-        if kl_reference not in KL_REFERENCES:
-            raise ValueError(f"method.kl_reference={kl_reference!r} must be one of {KL_REFERENCES}: 'base' (the "
+    def __init__(self, config: DGPOConfig | None = None, **fields):
+        config = method_config(DGPOConfig, config, fields)
+        if config.beta <= 0:
+            raise ValueError(f"method.beta={config.beta} must be > 0 (DGPO: 100).")
+        if config.beta_kl < 0:
+            raise ValueError(f"method.beta_kl={config.beta_kl} must be >= 0.")
+        if config.clip_range is not None and config.clip_range <= 0:
+            raise ValueError(f"method.clip_range={config.clip_range} must be > 0, or null to disable the clip.")
+        if config.reference_guidance_scale < 1:
+            raise ValueError(f"method.reference_guidance_scale={config.reference_guidance_scale} must be >= 1.")
+        if config.kl_reference not in KL_REFERENCES:
+            raise ValueError(f"method.kl_reference={config.kl_reference!r} must be one of {KL_REFERENCES}: 'base' (the "
                              "adapter-disabled base, released code) or 'reference' (the reference strategy).")
-        self.beta, self.beta_kl, self.clip_range = beta, beta_kl, clip_range
-        self.reference_guidance_scale = reference_guidance_scale
-        self.timesteps_per_epoch, self.timestep_max_index = timesteps_per_epoch, timestep_max_index
-        self.old_policy_switch_step, self.old_policy_decay = old_policy_switch_step, old_policy_decay
-        self.old_policy_ramp = old_policy_ramp
-        self.kl_reference = kl_reference
+        self.beta, self.beta_kl, self.clip_range = config.beta, config.beta_kl, config.clip_range
+        self.reference_guidance_scale = config.reference_guidance_scale
+        self.timesteps_per_epoch, self.timestep_max_index = config.timesteps_per_epoch, config.timestep_max_index
+        self.old_policy_switch_step, self.old_policy_decay = config.old_policy_switch_step, config.old_policy_decay
+        self.old_policy_ramp = config.old_policy_ramp
+        self.kl_reference = config.kl_reference
         self._base = FrozenBaseReference()  # holds no tensors: `use(policy)` disables the adapters
 
     @classmethod

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffalign.config.schemas import config_schema
+from diffalign.methods import method_config
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
 from diffalign.runtime.console import warn_repeated
 from diffalign.types import PreferenceBatch
@@ -112,7 +113,8 @@ def diffusion_dpo_loss(
 @config_schema("method", "diffusion_dpo")
 @dataclass
 class DiffusionDPOConfig:
-    """Config of `DiffusionDPO`; the fields mirror its `__init__` arguments."""
+    """Config of `DiffusionDPO`; the one place its defaults are written (the method is built from it:
+    `diffalign.methods.method_config`)."""
 
     _target_: str = "diffalign.objectives.diffusion_dpo.DiffusionDPO"
     beta: float = 5000.0
@@ -133,11 +135,15 @@ class DiffusionDPO(nn.Module):
 
     The module has no parameters: the trainable weights live in the policy.
 
-    Args:
-        beta (`float`, defaults to 5000.0):
+    Built from `DiffusionDPOConfig`, the one place its defaults are written: ``DiffusionDPO(config)`` or
+    ``DiffusionDPO(**fields)`` (the fields not given keep their `DiffusionDPOConfig` defaults;
+    `diffalign.methods.method_config`).
+
+    Fields:
+        beta (`float`):
             KL strength β > 0 (released SD1.5/SDXL value; the paper/SePPO also quote 2000). β does not transfer
             between ε, v and flow parametrizations (docs/methods/algorithms.md#forward-processes).
-        timestep_min (`int`, defaults to 0):
+        timestep_min (`int`):
             Smallest training timestep drawn, inclusive, ≥ 0.
         timestep_max (`int`, *optional*):
             Largest training timestep drawn, inclusive; `None` means ``num_train_timesteps - 1`` of the policy's
@@ -161,20 +167,22 @@ class DiffusionDPO(nn.Module):
         """No state beyond the reference strategy's."""
         return {}
 
-    def __init__(self, beta: float = 5000.0, timestep_min: int = 0, timestep_max: int | None = None):
+    def __init__(self, config: DiffusionDPOConfig | None = None, **fields):
+        config = method_config(DiffusionDPOConfig, config, fields)
         super().__init__()
-        if beta <= 0:
-            raise ValueError(f"method.beta={beta} must be > 0; use e.g. method.beta=5000 (Diffusion-DPO SD1.5/SDXL).")
-        if timestep_min < 0:
-            raise ValueError(f"method.timestep_min={timestep_min} must be ≥ 0.")
-        if timestep_max is not None and timestep_max < timestep_min:
+        if config.beta <= 0:
+            raise ValueError(f"method.beta={config.beta} must be > 0; use e.g. method.beta=5000 (Diffusion-DPO "
+                             "SD1.5/SDXL).")
+        if config.timestep_min < 0:
+            raise ValueError(f"method.timestep_min={config.timestep_min} must be ≥ 0.")
+        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
             raise ValueError(
-                f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}; "
+                f"method.timestep_max={config.timestep_max} is below method.timestep_min={config.timestep_min}; "
                 "set timestep_max ≥ timestep_min, or null for the scheduler's last timestep."
             )
-        self.beta = beta
-        self.timestep_min = timestep_min
-        self.timestep_max = timestep_max
+        self.beta = config.beta
+        self.timestep_min = config.timestep_min
+        self.timestep_max = config.timestep_max
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, timestep_min={self.timestep_min}, timestep_max={self.timestep_max}"

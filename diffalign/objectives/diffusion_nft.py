@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from diffalign.config.schemas import config_schema
-from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, split_updates, stream_seed
+from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, method_config, split_updates, stream_seed
 from diffalign.objectives.policy_gradient import trajectory_minibatches
 from diffalign.reference.adapter import ReferenceAdapter
 from diffalign.reference.old_policy import OLD_ADAPTER
@@ -181,8 +181,9 @@ class SoftUpdateOldPolicy:
 @config_schema("method", "diffusion_nft")
 @dataclass
 class DiffusionNFTConfig:
-    """Config of `DiffusionNFT` (``method=diffusion_nft`` extends it); the fields mirror its `__init__` arguments, the
-    defaults the released GenEval config ([CODE] = NVlabs/DiffusionNFT ``config/nft.py`` / ``config/base.py``)."""
+    """Config of `DiffusionNFT` (``method=diffusion_nft`` extends it); the one place its defaults are written (the
+    method is built from it: `diffalign.methods.method_config`): the released GenEval config's ([CODE] =
+    NVlabs/DiffusionNFT ``config/nft.py`` / ``config/base.py``)."""
 
     _target_: str = "diffalign.objectives.diffusion_nft.DiffusionNFT"
     beta: float = 1.0                   # config.beta = 1.0 (GenEval, PickScore, HPSv2); 0.1 OCR, multi-reward [CODE]
@@ -198,17 +199,21 @@ class DiffusionNFTConfig:
 class DiffusionNFT:
     """The DiffusionNFT objective (data flow "online_groups").
 
-    Args:
-        beta (`float`, defaults to 1.0): β > 0 of the implicit policies (1 GenEval/PickScore, 0.1 OCR).
-        beta_kl (`float`, defaults to 1e-4): weight of mean ‖v_θ − v_ref‖² (≥ 0; 0 drops the reference forward).
-        advantage_max (`float`, defaults to 5.0): A_max of `optimality_probability` and the loss scale A_max / β.
-        loss_weighting (`str`, defaults to "adaptive"): "adaptive" (x_0-space, released) or "uniform" (velocity MSE).
-        timestep_fraction (`float`, defaults to 0.99): each sample trains on max(1, ⌊K · fraction⌋) of the K
+    Built from `DiffusionNFTConfig`, the one place its defaults are written: ``DiffusionNFT(config)`` or
+    ``DiffusionNFT(**fields)`` (the fields not given keep their `DiffusionNFTConfig` defaults;
+    `diffalign.methods.method_config`).
+
+    Fields:
+        beta (`float`): β > 0 of the implicit policies (1 GenEval/PickScore, 0.1 OCR).
+        beta_kl (`float`): weight of mean ‖v_θ − v_ref‖² (≥ 0; 0 drops the reference forward).
+        advantage_max (`float`): A_max of `optimality_probability` and the loss scale A_max / β.
+        loss_weighting (`str`): "adaptive" (x_0-space, released) or "uniform" (velocity MSE).
+        timestep_fraction (`float`): each sample trains on max(1, ⌊K · fraction⌋) of the K
             timesteps of `training_schedule` (K = the rollout's steps), a per-sample random subset.
-        old_policy_decay_max (`float`, defaults to 0.5): the soft update's η schedule (`old_policy_decay`): its
+        old_policy_decay_max (`float`): the soft update's η schedule (`old_policy_decay`): its
             maximum (0.5 GenEval, 0.999 OCR).
-        old_policy_decay_rate (`float`, defaults to 0.001): its rate per optimizer step (0.0075 OCR).
-        old_policy_flat_steps (`int`, defaults to 0): the steps before it rises (75 OCR).
+        old_policy_decay_rate (`float`): its rate per optimizer step (0.0075 OCR).
+        old_policy_flat_steps (`int`): the steps before it rises (75 OCR).
 
     Raises:
         ValueError: for β ≤ 0, β_KL < 0, A_max ≤ 0, an unknown weighting, a fraction outside (0, 1], η_max outside
@@ -220,29 +225,30 @@ class DiffusionNFT:
     advantage = "group"
     rollout_policy: SoftUpdateOldPolicy | None = None  # v_old, made by `setup`
 
-    def __init__(self, beta: float = 1.0, beta_kl: float = 1e-4, advantage_max: float = 5.0,
-                 loss_weighting: str = "adaptive", timestep_fraction: float = 0.99, old_policy_decay_max: float = 0.5,
-                 old_policy_decay_rate: float = 0.001, old_policy_flat_steps: int = 0):
-        if beta <= 0:
-            raise ValueError(f"method.beta={beta} must be > 0 (DiffusionNFT: 1.0 GenEval, 0.1 OCR).")
-        if beta_kl < 0:
-            raise ValueError(f"method.beta_kl={beta_kl} must be >= 0 (1e-4 in the released config; 0 disables).")
-        if advantage_max <= 0:
-            raise ValueError(f"method.advantage_max={advantage_max} must be > 0 (5 in the released config).")
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"method.loss_weighting={loss_weighting!r} must be one of {LOSS_WEIGHTINGS}.")
-        if not 0 < timestep_fraction <= 1:
-            raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
-        if not 0 <= old_policy_decay_max < 1:
-            raise ValueError(f"method.old_policy_decay_max={old_policy_decay_max} must be in [0, 1) (0.5 GenEval).")
-        if old_policy_decay_rate < 0:
-            raise ValueError(f"method.old_policy_decay_rate={old_policy_decay_rate} must be >= 0.")
-        if old_policy_flat_steps < 0:
-            raise ValueError(f"method.old_policy_flat_steps={old_policy_flat_steps} must be >= 0.")
-        self.beta, self.beta_kl, self.advantage_max = beta, beta_kl, advantage_max
-        self.loss_weighting, self.timestep_fraction = loss_weighting, timestep_fraction
-        self.old_policy_decay_max, self.old_policy_decay_rate = old_policy_decay_max, old_policy_decay_rate
-        self.old_policy_flat_steps = old_policy_flat_steps
+    def __init__(self, config: DiffusionNFTConfig | None = None, **fields):
+        config = method_config(DiffusionNFTConfig, config, fields)
+        if config.beta <= 0:
+            raise ValueError(f"method.beta={config.beta} must be > 0 (DiffusionNFT: 1.0 GenEval, 0.1 OCR).")
+        if config.beta_kl < 0:
+            raise ValueError(f"method.beta_kl={config.beta_kl} must be >= 0 (1e-4 in the released config; 0 disables).")
+        if config.advantage_max <= 0:
+            raise ValueError(f"method.advantage_max={config.advantage_max} must be > 0 (5 in the released config).")
+        if config.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"method.loss_weighting={config.loss_weighting!r} must be one of {LOSS_WEIGHTINGS}.")
+        if not 0 < config.timestep_fraction <= 1:
+            raise ValueError(f"method.timestep_fraction={config.timestep_fraction} must be in (0, 1].")
+        if not 0 <= config.old_policy_decay_max < 1:
+            raise ValueError(f"method.old_policy_decay_max={config.old_policy_decay_max} must be in [0, 1) (0.5 "
+                             "GenEval).")
+        if config.old_policy_decay_rate < 0:
+            raise ValueError(f"method.old_policy_decay_rate={config.old_policy_decay_rate} must be >= 0.")
+        if config.old_policy_flat_steps < 0:
+            raise ValueError(f"method.old_policy_flat_steps={config.old_policy_flat_steps} must be >= 0.")
+        self.beta, self.beta_kl, self.advantage_max = config.beta, config.beta_kl, config.advantage_max
+        self.loss_weighting, self.timestep_fraction = config.loss_weighting, config.timestep_fraction
+        self.old_policy_decay_max = config.old_policy_decay_max
+        self.old_policy_decay_rate = config.old_policy_decay_rate
+        self.old_policy_flat_steps = config.old_policy_flat_steps
 
     @classmethod
     def check_config(cls, cfg, num_processes: int | None = None) -> None:

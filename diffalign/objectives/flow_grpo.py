@@ -8,14 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diffalign.config.schemas import config_schema
+from diffalign.methods import method_config
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient
 
 
 @config_schema("method", "flow_grpo")
 @dataclass
 class FlowGRPOConfig:
-    """Config of `FlowGRPO` (``method=flow_grpo`` extends it); the fields mirror its `__init__` arguments, the defaults
-    the released GenEval config ([CODE] = yifan123/flow_grpo)."""
+    """Config of `FlowGRPO` (``method=flow_grpo`` extends it); the one place its defaults are written (the method is
+    built from it: `diffalign.methods.method_config`): the released GenEval config's ([CODE] =
+    yifan123/flow_grpo)."""
 
     _target_: str = "diffalign.objectives.flow_grpo.FlowGRPO"
     clip_range: float = 1.0e-4
@@ -30,16 +32,15 @@ class FlowGRPOConfig:
 
 
 class FlowGRPO(ClippedPolicyGradient):
-    """Flow-GRPO; defaults are the released GenEval config (`config/grpo.py`): clip 1e-4, β_KL 0.04, per-group
-    advantages (the `global_std` switch lives in `online.advantage_std`), 99% of the transitions trained, and those
-    are the first ones in order (`timestep_selection="first"`, `scripts/train_sd3.py`; "random" is diffalign's
-    alternative)."""
+    """Flow-GRPO, built from `FlowGRPOConfig` (``FlowGRPO(config)`` or ``FlowGRPO(**fields)``,
+    `diffalign.methods.method_config`), whose defaults are the released GenEval config (`config/grpo.py`); the
+    arguments are `ClippedPolicyGradient`'s. Per-group advantages (the `global_std` switch lives in
+    `online.advantage_std`); the trained transitions are the first ones in order (`timestep_selection="first"`,
+    `scripts/train_sd3.py`; "random" is diffalign's alternative)."""
 
-    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.04, kl_form: str = "code",
-                 detach_unconditional: bool = True, timestep_fraction: float = 0.99,
-                 timestep_selection: str = "first", logprob_check: str = "stop",
-                 logprob_tolerance: float = LOGPROB_TOLERANCE):
-        super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form=kl_form,
-                         detach_unconditional=detach_unconditional, advantage="group",
-                         timestep_fraction=timestep_fraction, timestep_selection=timestep_selection,
-                         logprob_check=logprob_check, logprob_tolerance=logprob_tolerance)
+    def __init__(self, config: FlowGRPOConfig | None = None, **fields):
+        config = method_config(FlowGRPOConfig, config, fields)
+        super().__init__(clip_range=config.clip_range, beta_kl=config.beta_kl, kl_form=config.kl_form,
+                         detach_unconditional=config.detach_unconditional, advantage="group",
+                         timestep_fraction=config.timestep_fraction, timestep_selection=config.timestep_selection,
+                         logprob_check=config.logprob_check, logprob_tolerance=config.logprob_tolerance)

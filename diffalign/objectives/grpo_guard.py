@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from diffalign.config.schemas import config_schema
+from diffalign.methods import method_config
 from diffalign.objectives.policy_gradient import LOGPROB_TOLERANCE, ClippedPolicyGradient, TransitionUnit
 from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
@@ -58,8 +59,9 @@ GRAD_REWEIGHTS = ("inverse_dt", "none")
 @config_schema("method", "grpo_guard")
 @dataclass
 class GRPOGuardConfig:
-    """Config of `GRPOGuard` (``method=grpo_guard`` extends it); the fields mirror its `__init__` arguments, the
-    Flow-GRPO ones with the released Flow-GRPO GenEval defaults (GRPO-Guard changes only the ratio and the weight)."""
+    """Config of `GRPOGuard` (``method=grpo_guard`` extends it); the one place its defaults are written (the method is
+    built from it: `diffalign.methods.method_config`): the Flow-GRPO ones are the released Flow-GRPO GenEval defaults
+    (GRPO-Guard changes only the ratio and the weight)."""
 
     _target_: str = "diffalign.objectives.grpo_guard.GRPOGuard"
     clip_range: float = 1.0e-4
@@ -122,25 +124,27 @@ class GRPOGuard(ClippedPolicyGradient):
     Flow-GRPO SDE, as in the released implementations). The other arguments are `ClippedPolicyGradient`'s, with
     `FlowGRPO`'s defaults.
 
-    Args:
-        ratio_norm (`bool`, defaults to True): clip ρ̂ (`guard_log_ratio`) instead of ρ.
-        grad_reweight (`str`, defaults to "inverse_dt"): δ_k (`grad_weight`), "inverse_dt" or "none".
+    Built from `GRPOGuardConfig`, the one place its defaults are written: ``GRPOGuard(config)`` or
+    ``GRPOGuard(**fields)`` (the fields not given keep their `GRPOGuardConfig` defaults;
+    `diffalign.methods.method_config`).
+
+    Fields:
+        ratio_norm (`bool`): clip ρ̂ (`guard_log_ratio`) instead of ρ.
+        grad_reweight (`str`): δ_k (`grad_weight`), "inverse_dt" or "none".
 
     Raises:
         ValueError: as `ClippedPolicyGradient`, or for an unknown `grad_reweight`.
     """
 
-    def __init__(self, clip_range: float = 1e-4, beta_kl: float = 0.04, kl_form: str = "code",
-                 detach_unconditional: bool = True, timestep_fraction: float = 0.99,
-                 timestep_selection: str = "first", ratio_norm: bool = True, grad_reweight: str = "inverse_dt",
-                 logprob_check: str = "stop", logprob_tolerance: float = LOGPROB_TOLERANCE):
-        super().__init__(clip_range=clip_range, beta_kl=beta_kl, kl_form=kl_form,
-                         detach_unconditional=detach_unconditional, advantage="group",
-                         timestep_fraction=timestep_fraction, timestep_selection=timestep_selection,
-                         logprob_check=logprob_check, logprob_tolerance=logprob_tolerance)
-        if grad_reweight not in GRAD_REWEIGHTS:
-            raise ValueError(f"method.grad_reweight={grad_reweight!r} must be one of {GRAD_REWEIGHTS}.")
-        self.ratio_norm, self.grad_reweight = bool(ratio_norm), grad_reweight
+    def __init__(self, config: GRPOGuardConfig | None = None, **fields):
+        config = method_config(GRPOGuardConfig, config, fields)
+        super().__init__(clip_range=config.clip_range, beta_kl=config.beta_kl, kl_form=config.kl_form,
+                         detach_unconditional=config.detach_unconditional, advantage="group",
+                         timestep_fraction=config.timestep_fraction, timestep_selection=config.timestep_selection,
+                         logprob_check=config.logprob_check, logprob_tolerance=config.logprob_tolerance)
+        if config.grad_reweight not in GRAD_REWEIGHTS:
+            raise ValueError(f"method.grad_reweight={config.grad_reweight!r} must be one of {GRAD_REWEIGHTS}.")
+        self.ratio_norm, self.grad_reweight = bool(config.ratio_norm), config.grad_reweight
         self._old_means: torch.Tensor | None = None
 
     @classmethod

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffalign.config.schemas import config_schema
+from diffalign.methods import method_config
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.runtime.console import warn_repeated
@@ -182,7 +183,8 @@ def reference_sample_seed(sample_seed: int, version: int, prompt: str) -> int:
 @config_schema("method", "seppo")
 @dataclass
 class SePPOConfig:
-    """Config of `SePPO`; the fields mirror its `__init__` arguments."""
+    """Config of `SePPO`; the one place its defaults are written (the method is built from it:
+    `diffalign.methods.method_config`)."""
 
     _target_: str = "diffalign.objectives.seppo.SePPO"
     beta: float = 2000.0
@@ -213,22 +215,25 @@ class SePPO(nn.Module):
     3. the policy runs unguided on ``[x^w_t; x^r_t]`` with gradient, θ_r the same under ``torch.no_grad()`` and
        ``reference.use(policy)``; per-sample losses against `policy.training_target`, then `seppo_loss`.
 
-    Args:
-        beta (`float`, defaults to 2000.0): β > 0 (SePPO's quoted value; docs/methods/algorithms.md#seppo suggests
+    Built from `SePPOConfig`, the one place its defaults are written: ``SePPO(config)`` or ``SePPO(**fields)`` (the
+    fields not given keep their `SePPOConfig` defaults; `diffalign.methods.method_config`).
+
+    Fields:
+        beta (`float`): β > 0 (SePPO's quoted value; docs/methods/algorithms.md#seppo suggests
             sweeping {2000, 5000}).
-        aaf_mode (`str`, defaults to "sign"): "sign" (v1), "indicator" (≈ v2) or "off" (no flipper).
-        aaf_tie (`str`, defaults to "loser"): how a tie on the anchor counts (INFERRED), see `anchor_flip`.
-        share_noise (`bool`, defaults to True): share t and ε between x^w and x^r (INFERRED, Diffusion-DPO convention).
-        timestep_min (`int`, defaults to 0), timestep_max (`int`, *optional*): training timestep range, inclusive;
+        aaf_mode (`str`): "sign" (v1), "indicator" (≈ v2) or "off" (no flipper).
+        aaf_tie (`str`): how a tie on the anchor counts (INFERRED), see `anchor_flip`.
+        share_noise (`bool`): share t and ε between x^w and x^r (INFERRED, Diffusion-DPO convention).
+        timestep_min (`int`), timestep_max (`int`, *optional*): training timestep range, inclusive;
             `None` means the scheduler's last timestep.
         sampler (`Sampler` or a ``sampler`` config node, *optional*): the reference sampler, needed to train
             (``configs/method/seppo.yaml`` passes the run's ``sampler`` node; the SePPO recipes use DDIM with η = 0,
             the ODE-like deterministic DDIM).
-        sample_reencode (`bool`, defaults to False): decode x^r to pixels and re-encode it with the VAE, as the winners
+        sample_reencode (`bool`): decode x^r to pixels and re-encode it with the VAE, as the winners
             are encoded, instead of using the sampler's latent.
-        sample_cache (`str`, defaults to "prompt"): "prompt" or "off", see step 2. The cache holds one latent per
+        sample_cache (`str`): "prompt" or "off", see step 2. The cache holds one latent per
             distinct prompt of a stage (64 KiB each at SD1.5 size); use "off" for large prompt sets.
-        sample_seed (`int`, defaults to 0): base seed of the reference samples.
+        sample_seed (`int`): base seed of the reference samples.
 
     Raises:
         ValueError: at construction, naming the ``method.*`` field, for β ≤ 0, an unknown mode, an empty timestep
@@ -249,37 +254,29 @@ class SePPO(nn.Module):
         """No state beyond the reference strategy's."""
         return {}
 
-    def __init__(
-        self,
-        beta: float = 2000.0,
-        aaf_mode: str = "sign",
-        aaf_tie: str = "loser",
-        share_noise: bool = True,
-        timestep_min: int = 0,
-        timestep_max: int | None = None,
-        sampler: Any = None,
-        sample_reencode: bool = False,
-        sample_cache: str = "prompt",
-        sample_seed: int = 0,
-    ):
+    def __init__(self, config: SePPOConfig | None = None, **fields):
+        config = method_config(SePPOConfig, config, fields)
         super().__init__()
-        if beta <= 0:
-            raise ValueError(f"method.beta={beta} must be > 0; use e.g. method.beta=2000 (SePPO).")
-        if aaf_mode not in AAF_MODES:
-            raise ValueError(f"method.aaf_mode={aaf_mode!r} must be one of {list(AAF_MODES)}.")
-        if aaf_tie not in ("loser", "winner"):
-            raise ValueError(f"method.aaf_tie={aaf_tie!r} must be 'loser' or 'winner'.")
-        if timestep_min < 0:
-            raise ValueError(f"method.timestep_min={timestep_min} must be >= 0.")
-        if timestep_max is not None and timestep_max < timestep_min:
-            raise ValueError(f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}; set "
-                             "timestep_max >= timestep_min, or null for the scheduler's last timestep.")
-        if sample_cache not in SAMPLE_CACHE_MODES:
-            raise ValueError(f"method.sample_cache={sample_cache!r} must be one of {list(SAMPLE_CACHE_MODES)}.")
-        self.sampler = None if sampler is None else build_sampler(sampler, "sampler")
-        self.beta, self.aaf_mode, self.aaf_tie, self.share_noise = beta, aaf_mode, aaf_tie, share_noise
-        self.timestep_min, self.timestep_max = timestep_min, timestep_max
-        self.sample_reencode, self.sample_cache, self.sample_seed = sample_reencode, sample_cache, sample_seed
+        if config.beta <= 0:
+            raise ValueError(f"method.beta={config.beta} must be > 0; use e.g. method.beta=2000 (SePPO).")
+        if config.aaf_mode not in AAF_MODES:
+            raise ValueError(f"method.aaf_mode={config.aaf_mode!r} must be one of {list(AAF_MODES)}.")
+        if config.aaf_tie not in ("loser", "winner"):
+            raise ValueError(f"method.aaf_tie={config.aaf_tie!r} must be 'loser' or 'winner'.")
+        if config.timestep_min < 0:
+            raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
+        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
+            raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
+                             f"{config.timestep_min}; set timestep_max >= timestep_min, or null for the scheduler's "
+                             "last timestep.")
+        if config.sample_cache not in SAMPLE_CACHE_MODES:
+            raise ValueError(f"method.sample_cache={config.sample_cache!r} must be one of {list(SAMPLE_CACHE_MODES)}.")
+        self.sampler = None if config.sampler is None else build_sampler(config.sampler, "sampler")
+        self.beta, self.aaf_mode, self.aaf_tie = config.beta, config.aaf_mode, config.aaf_tie
+        self.share_noise = config.share_noise
+        self.timestep_min, self.timestep_max = config.timestep_min, config.timestep_max
+        self.sample_reencode, self.sample_cache = config.sample_reencode, config.sample_cache
+        self.sample_seed = config.sample_seed
 
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, aaf_mode={self.aaf_mode!r}, aaf_tie={self.aaf_tie!r}, share_noise="

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from diffalign.config.schemas import config_schema
+from diffalign.methods import method_config
 from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse
 from diffalign.types import WinnerBatch
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 @config_schema("method", "sft")
 @dataclass
 class WinnerSFTConfig:
-    """Config of `WinnerSFT`; the fields mirror its `__init__` arguments."""
+    """Config of `WinnerSFT`; the one place its defaults are written (the method is built from it:
+    `diffalign.methods.method_config`)."""
 
     _target_: str = "diffalign.objectives.sft.WinnerSFT"
     timestep_min: int = 0
@@ -36,8 +38,12 @@ class WinnerSFT(nn.Module):
     ``t ~ U{timestep_min..timestep_max}`` and ``ε ~ N(0, I)`` per sample (docs/methods/algorithms.md#denoising-loss;
     the DDPM loss of Ho et al., arXiv:2006.11239 Eq. 14, mean-reduced).
 
-    Args:
-        timestep_min (`int`, defaults to 0): smallest timestep drawn, inclusive, ≥ 0.
+    Built from `WinnerSFTConfig`, the one place its defaults are written: ``WinnerSFT(config)`` or
+    ``WinnerSFT(**fields)`` (the fields not given keep their `WinnerSFTConfig` defaults;
+    `diffalign.methods.method_config`).
+
+    Fields:
+        timestep_min (`int`): smallest timestep drawn, inclusive, ≥ 0.
         timestep_max (`int`, *optional*): largest timestep drawn, inclusive; `None` means the scheduler's last.
 
     Raises:
@@ -58,13 +64,15 @@ class WinnerSFT(nn.Module):
         """No state beyond the reference strategy's."""
         return {}
 
-    def __init__(self, timestep_min: int = 0, timestep_max: int | None = None):
+    def __init__(self, config: WinnerSFTConfig | None = None, **fields):
+        config = method_config(WinnerSFTConfig, config, fields)
         super().__init__()
-        if timestep_min < 0:
-            raise ValueError(f"method.timestep_min={timestep_min} must be >= 0.")
-        if timestep_max is not None and timestep_max < timestep_min:
-            raise ValueError(f"method.timestep_max={timestep_max} is below method.timestep_min={timestep_min}.")
-        self.timestep_min, self.timestep_max = timestep_min, timestep_max
+        if config.timestep_min < 0:
+            raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
+        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
+            raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
+                             f"{config.timestep_min}.")
+        self.timestep_min, self.timestep_max = config.timestep_min, config.timestep_max
 
     def forward(
         self, policy: DiffusionPolicy, batch: WinnerBatch, generator: Generators = None, reference: Any = None

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from diffalign.config.schemas import config_schema
-from diffalign.methods import CurrentPolicy, OnlineEpoch
+from diffalign.methods import CurrentPolicy, OnlineEpoch, method_config
 from diffalign.objectives.policy_gradient import (
     LOGPROB_TOLERANCE,
     TIMESTEP_SELECTIONS,
@@ -49,8 +49,9 @@ MAPS = ("psm", "ones")
 @config_schema("method", "vipo")
 @dataclass
 class ViPOConfig:
-    """Config of `ViPO` (``method=vipo`` extends it); the fields mirror its `__init__` arguments. [CODE] = the released
-    scripts (train_vipo_flux.py / train_vipo_wan_fsdp.py), [PAPER] = arXiv:2511.18719."""
+    """Config of `ViPO` (``method=vipo`` extends it); the one place its defaults are written (the method is built from
+    it: `diffalign.methods.method_config`). [CODE] = the released scripts (train_vipo_flux.py / train_vipo_wan_fsdp.py),
+    [PAPER] = arXiv:2511.18719."""
 
     _target_: str = "diffalign.objectives.vipo.ViPO"
     clip_range: float = 1.0e-4          # [CODE]
@@ -76,33 +77,36 @@ class ViPOConfig:
 class ViPO(StoredTransitionMethod):
     """ViPO (data flow "online_trajectories": DanceGRPO-style rollouts with stored per-position log-probs).
 
-    Args:
-        clip_range (`float`, defaults to 1e-4): ε_c of the per-position clipped ratio (released code: 1e-4).
+    Built from `ViPOConfig`, the one place its defaults are written: ``ViPO(config)`` or ``ViPO(**fields)`` (the fields
+    not given keep their `ViPOConfig` defaults; `diffalign.methods.method_config`).
+
+    Fields:
+        clip_range (`float`): ε_c of the per-position clipped ratio (released code: 1e-4).
         reduction (`str`): "per_position" (paper form; Wan script) or "scalar_weighted" (released FLUX script).
-        timestep_fraction (`float`, defaults to 0.6): fraction of each rollout's transitions trained per epoch.
-        timestep_selection (`str`, defaults to "random"): "random" (a random subset, one draw for the whole batch),
+        timestep_fraction (`float`): fraction of each rollout's transitions trained per epoch.
+        timestep_selection (`str`): "random" (a random subset, one draw for the whole batch),
             "first" (`diffalign.objectives.policy_gradient.train_transitions`) or "per_sample" (one random subset per
             rollout, as the released scripts: `diffalign.objectives.policy_gradient.per_sample_transitions`).
-        detach_unconditional (`bool`, defaults to True): the unconditional CFG branch under no-grad (Wan script).
-        advantage_clip (`float`, defaults to 5): clip of A_i^p.
+        detach_unconditional (`bool`): the unconditional CFG branch under no-grad (Wan script).
+        advantage_clip (`float`): clip of A_i^p.
         map (`str`): "psm" (the Perceptual Structuring Module) or "ones" (all-ones maps: the ablation / GRPO).
-        advantage_per_reward (`bool`, defaults to False): one group advantage per selected reward (normalised
+        advantage_per_reward (`bool`): one group advantage per selected reward (normalised
             separately) and the loss Σ_r c_r 𝓛_r with c_r = ``reward.<name>.weight`` (set by `prepare` as
             `reward_coefficients`); False uses the advantage of the weighted reward sum.
         backbone (`str` or object): "tiny_clip", "dinov2:<folder>", "python:<module>:<factory>", or a backbone
             object with ``patch_tokens``.
-        num_components (`int`, defaults to 3): the PSM's K (`diffalign.vipo.psm.PerceptualStructuring`, as each
+        num_components (`int`): the PSM's K (`diffalign.vipo.psm.PerceptualStructuring`, as each
             PSM option below; paper: K = 3).
-        aggregation (`str`, defaults to "weighted"): the PSM's aggregation of its components (paper: weighted).
-        orientation (`str`, defaults to "reverse"): the PSM's normalisation of each component.
-        spatial_sigma (`float`, defaults to 1.0): the PSM's spatial Gaussian σ (paper: σ = 1).
-        temporal_sigma (`float`, defaults to 0.3): the PSM's temporal Gaussian σ (video; paper: 0.3).
-        smoothing_padding (`str`, defaults to "reflect"): the smoothings' border handling (released code:
+        aggregation (`str`): the PSM's aggregation of its components (paper: weighted).
+        orientation (`str`): the PSM's normalisation of each component.
+        spatial_sigma (`float`): the PSM's spatial Gaussian σ (paper: σ = 1).
+        temporal_sigma (`float`): the PSM's temporal Gaussian σ (video; paper: 0.3).
+        smoothing_padding (`str`): the smoothings' border handling (released code:
             `scipy.ndimage.gaussian_filter`, i.e. "reflect").
-        smoothing_truncate (`float`, defaults to 4.0): the smoothings' kernel radius in σ (scipy's default 4).
-        logprob_check (`str`, defaults to "stop"): the train/rollout consistency alarm
+        smoothing_truncate (`float`): the smoothings' kernel radius in σ (scipy's default 4).
+        logprob_check (`str`): the train/rollout consistency alarm
             (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off".
-        logprob_tolerance (`float`, defaults to 1e-3): its tolerance on |Δ log π| (per position here).
+        logprob_tolerance (`float`): its tolerance on |Δ log π| (per position here).
 
     Raises:
         ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection/aggregation/
@@ -115,44 +119,44 @@ class ViPO(StoredTransitionMethod):
     advantage = "group"  # (per instance: "per_reward" with advantage_per_reward)
     rollout_policy = CurrentPolicy()  # on-policy: θ samples the epoch
 
-    def __init__(self, clip_range: float = 1e-4, reduction: str = "per_position", timestep_fraction: float = 0.6,
-                 detach_unconditional: bool = True, advantage_clip: float | None = 5.0, map: str = "psm",
-                 backbone="tiny_clip", num_components: int = 3, aggregation: str = "weighted",
-                 orientation: str = "reverse", spatial_sigma: float = 1.0, temporal_sigma: float = 0.3,
-                 advantage_per_reward: bool = False, timestep_selection: str = "random",
-                 smoothing_padding: str = "reflect", smoothing_truncate: float = 4.0, logprob_check: str = "stop",
-                 logprob_tolerance: float = LOGPROB_TOLERANCE):
-        self.init_logprob_check(logprob_check, logprob_tolerance)
-        if clip_range <= 0:
-            raise ValueError(f"method.clip_range={clip_range} must be > 0 (1e-4 in the released ViPO code).")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"method.reduction={reduction!r} must be one of {REDUCTIONS}.")
-        if map not in MAPS:
-            raise ValueError(f"method.map={map!r} must be one of {MAPS}.")
-        if not 0 < timestep_fraction <= 1:
-            raise ValueError(f"method.timestep_fraction={timestep_fraction} must be in (0, 1].")
-        if timestep_selection not in TIMESTEP_SELECTIONS:
-            raise ValueError(f"method.timestep_selection={timestep_selection!r} must be one of {TIMESTEP_SELECTIONS}.")
-        check_psm_options(aggregation, orientation, num_components, smoothing_padding, smoothing_truncate)
-        if spatial_sigma < 0 or temporal_sigma < 0:
-            raise ValueError(f"method.spatial_sigma={spatial_sigma} and method.temporal_sigma={temporal_sigma} must be "
-                             ">= 0 (0: no smoothing).")
-        if advantage_clip is not None and advantage_clip <= 0:
-            raise ValueError(f"method.advantage_clip={advantage_clip} must be > 0 (5 in the released code) or null.")
-        if map == "psm" and isinstance(backbone, str):
-            check_backbone_spec(backbone)  # (the backbone itself loads at the first epoch)
-        self.clip_range, self.reduction, self.timestep_fraction = clip_range, reduction, timestep_fraction
-        self.timestep_selection = timestep_selection
-        self.detach_unconditional, self.advantage_clip, self.map = detach_unconditional, advantage_clip, map
-        self._psm_args = {"backbone": backbone, "num_components": num_components, "aggregation": aggregation,
-                          "orientation": orientation, "spatial_sigma": spatial_sigma, "temporal_sigma": temporal_sigma,
-                          "smoothing_padding": smoothing_padding, "smoothing_truncate": smoothing_truncate}
+    def __init__(self, config: ViPOConfig | None = None, **fields):
+        config = method_config(ViPOConfig, config, fields)
+        self.init_logprob_check(config.logprob_check, config.logprob_tolerance)
+        if config.clip_range <= 0:
+            raise ValueError(f"method.clip_range={config.clip_range} must be > 0 (1e-4 in the released ViPO code).")
+        if config.reduction not in REDUCTIONS:
+            raise ValueError(f"method.reduction={config.reduction!r} must be one of {REDUCTIONS}.")
+        if config.map not in MAPS:
+            raise ValueError(f"method.map={config.map!r} must be one of {MAPS}.")
+        if not 0 < config.timestep_fraction <= 1:
+            raise ValueError(f"method.timestep_fraction={config.timestep_fraction} must be in (0, 1].")
+        if config.timestep_selection not in TIMESTEP_SELECTIONS:
+            raise ValueError(f"method.timestep_selection={config.timestep_selection!r} must be one of "
+                             f"{TIMESTEP_SELECTIONS}.")
+        check_psm_options(config.aggregation, config.orientation, config.num_components, config.smoothing_padding,
+                          config.smoothing_truncate)
+        if config.spatial_sigma < 0 or config.temporal_sigma < 0:
+            raise ValueError(f"method.spatial_sigma={config.spatial_sigma} and method.temporal_sigma="
+                             f"{config.temporal_sigma} must be >= 0 (0: no smoothing).")
+        if config.advantage_clip is not None and config.advantage_clip <= 0:
+            raise ValueError(f"method.advantage_clip={config.advantage_clip} must be > 0 (5 in the released code) or "
+                             "null.")
+        if config.map == "psm" and isinstance(config.backbone, str):
+            check_backbone_spec(config.backbone)  # (the backbone itself loads at the first epoch)
+        self.clip_range, self.reduction = config.clip_range, config.reduction
+        self.timestep_fraction, self.timestep_selection = config.timestep_fraction, config.timestep_selection
+        self.detach_unconditional = config.detach_unconditional
+        self.advantage_clip, self.map = config.advantage_clip, config.map
+        self._psm_args = {name: getattr(config, name) for name in (
+            "backbone", "num_components", "aggregation", "orientation", "spatial_sigma", "temporal_sigma",
+            "smoothing_padding", "smoothing_truncate")}
         self._psm: PerceptualStructuring | None = None
         self.maps: torch.Tensor | None = None
         self.advantage_maps: torch.Tensor | None = None
         self.map_stats: dict[str, float] = {}
-        self.advantage_per_reward = advantage_per_reward
-        self.advantage = "per_reward" if advantage_per_reward else "group"  # what the loop computes (`OnlineMethod`)
+        self.advantage_per_reward = config.advantage_per_reward
+        # what the loop computes (`OnlineMethod`)
+        self.advantage = "per_reward" if config.advantage_per_reward else "group"
         self.reward_coefficients: torch.Tensor | None = None  # (R,) c_r, set by `prepare` with advantage_per_reward
 
     @property

@@ -62,13 +62,39 @@ def jpeg_size_kb(images: torch.Tensor, quality: int) -> torch.Tensor:
     return per_frame.reshape(images.shape[0], -1).mean(dim=1).to(images.device)
 
 
-def _check_quality(quality: int, field: str) -> None:
-    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-        raise ValueError(f"{field}={quality!r} must be an integer JPEG quality in [1, 100] (DDPO uses 95).")
+class _JpegSizeReward:
+    """What both JPEG rewards share: ``sign · size_kB`` of each image saved as JPEG at `quality` (`jpeg_size_kb`).
+
+    Raises:
+        ValueError: if `quality` is not an integer in [1, 100].
+    """
+
+    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
+
+    differentiable = False
+    name: str
+    sign: float
+
+    def __init__(self, quality: int = 95):
+        if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+            raise ValueError(f"reward.{self.name}.quality={quality!r} must be an integer JPEG quality in [1, 100] (DDPO "
+                             "uses 95).")
+        self.quality = quality
+
+    def __call__(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
+    ) -> RewardOutput:
+        """Scores `(B, C, H, W)` images or `(B, F, C, H, W)` videos in [0, 1]; see `jpeg_size_kb`.
+
+        Returns:
+            `RewardOutput`: ``scores`` `(B,)` float32 = ``sign · size_kB``; ``info["size_kb"]`` the sizes.
+        """
+        size_kb = jpeg_size_kb(images, self.quality)
+        return RewardOutput(scores=self.sign * size_kb, info={"size_kb": size_kb})
 
 
-class JpegCompressibility:
-    """DDPO's compressibility reward: ``-size_kB`` of the image saved as JPEG (arXiv:2305.13301 §6.1).
+class JpegCompressibility(_JpegSizeReward):
+    """DDPO's compressibility reward: ``-size_kB`` of the image saved as JPEG (arXiv:2305.13301 §6.1), < 0.
 
     Higher is better, so training makes images easier to compress (flatter, less detail).
 
@@ -79,25 +105,8 @@ class JpegCompressibility:
         ValueError: if `quality` is outside [1, 100].
     """
 
-    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
-
-    differentiable = False
     name = "jpeg_compressibility"
-
-    def __init__(self, quality: int = 95):
-        _check_quality(quality, "reward.jpeg_compressibility.quality")
-        self.quality = quality
-
-    def __call__(
-        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
-    ) -> RewardOutput:
-        """Scores `(B, C, H, W)` images or `(B, F, C, H, W)` videos in [0, 1]; see `jpeg_size_kb`.
-
-        Returns:
-            `RewardOutput`: ``scores`` `(B,)` float32 = ``-size_kB`` (< 0); ``info["size_kb"]`` the sizes.
-        """
-        size_kb = jpeg_size_kb(images, self.quality)
-        return RewardOutput(scores=-size_kb, info={"size_kb": size_kb})
+    sign = -1.0
 
 
 @config_schema("reward", "jpeg_compressibility")
@@ -109,8 +118,8 @@ class JpegCompressibilityConfig:
     quality: int = 95
 
 
-class JpegIncompressibility:
-    """DDPO's incompressibility reward: ``+size_kB`` of the image saved as JPEG (arXiv:2305.13301 §6.1).
+class JpegIncompressibility(_JpegSizeReward):
+    """DDPO's incompressibility reward: ``+size_kB`` of the image saved as JPEG (arXiv:2305.13301 §6.1), > 0.
 
     Higher is better, so training adds detail and high-frequency texture.
 
@@ -121,25 +130,8 @@ class JpegIncompressibility:
         ValueError: if `quality` is outside [1, 100].
     """
 
-    modality = "image"  # what it makes (policies) or scores (rewards); validation pairs the two on it
-
-    differentiable = False
     name = "jpeg_incompressibility"
-
-    def __init__(self, quality: int = 95):
-        _check_quality(quality, "reward.jpeg_incompressibility.quality")
-        self.quality = quality
-
-    def __call__(
-        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]] | None = None
-    ) -> RewardOutput:
-        """Scores `(B, C, H, W)` images or `(B, F, C, H, W)` videos in [0, 1]; see `jpeg_size_kb`.
-
-        Returns:
-            `RewardOutput`: ``scores`` `(B,)` float32 = ``+size_kB`` (> 0); ``info["size_kb"]`` the sizes.
-        """
-        size_kb = jpeg_size_kb(images, self.quality)
-        return RewardOutput(scores=size_kb.clone(), info={"size_kb": size_kb})
+    sign = 1.0
 
 
 @config_schema("reward", "jpeg_incompressibility")

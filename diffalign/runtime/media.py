@@ -1,8 +1,11 @@
 """Writing images and videos to files (PNG, GIF, MP4).
 
 Pixel tensors follow the project layout: an image is `(C, H, W)` and a video `(F, C, H, W)`, float in [0, 1]
-(values outside are clamped), `C` = 3 (RGB) or 1 (grey). GIF is written with Pillow and plays in every browser; MP4
-(H.264, yuv420p) is written with imageio's ffmpeg plugin (`imageio-ffmpeg`, whose wheel ships an ffmpeg binary).
+(values outside are clamped), `C` = 3 (RGB) or 1 (grey). GIF is written with `diffusers.utils.export_to_gif` (Pillow;
+plays in every browser, loops forever, 1000 // fps ms per frame); MP4 (H.264, yuv420p) with imageio's ffmpeg plugin
+(`imageio-ffmpeg`, whose wheel ships an ffmpeg binary), called directly rather than through
+`diffusers.utils.export_to_video` to keep the codec, pixel format and even-size padding explicit. Every file goes
+through a temporary name and a rename (`diffalign.runtime.storage.atomic_file`).
 """
 
 from __future__ import annotations
@@ -65,10 +68,10 @@ def save_video(frames: torch.Tensor, path: str | Path, fps: float = 8.0) -> Path
     if array.shape[-1] == 1:
         array = np.repeat(array, 3, axis=-1)
     if suffix == "gif":
+        from diffusers.utils import export_to_gif
+
         images = [Image.fromarray(a) for a in array]
-        return atomic_file(path, lambda tmp: images[0].save(tmp, format="GIF", save_all=True,
-                                                            append_images=images[1:], duration=round(1000 / fps),
-                                                            loop=0), what=str(path))
+        return atomic_file(path, lambda tmp: export_to_gif(images, str(tmp), fps=fps), what=str(path))
     import imageio.v2 as imageio
 
     h, w = array.shape[1:3]

@@ -78,16 +78,18 @@ def log_images(accelerator, images: dict[str, Sequence[str | Path]], step: int,
 
 def gif_bytes(path: str | Path, fps: float = 8.0) -> bytes:
     """The video file (GIF or MP4) as GIF bytes: a GIF file as it is, an MP4 decoded (imageio) and written as a GIF of
-    `fps` frames per second."""
+    `fps` frames per second (`diffusers.utils.export_to_gif`, as `diffalign.runtime.media.save_video` writes GIFs)."""
     path = Path(path)
     if path.suffix.lower() == ".gif":
         return path.read_bytes()
+    import tempfile
+
     import imageio.v3 as iio
+    from diffusers.utils import export_to_gif
 
     frames = [Image.fromarray(f).convert("RGB") for f in iio.imread(path, index=None)]
-    buffer = io.BytesIO()
-    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
-    return buffer.getvalue()
+    with tempfile.TemporaryDirectory() as folder:
+        return Path(export_to_gif(frames, str(Path(folder) / "video.gif"), fps=fps)).read_bytes()
 
 
 def log_videos(accelerator, videos: dict[str, Sequence[str | Path]], step: int, fps: float = 8.0,

@@ -213,8 +213,10 @@ class PipelineODESampler(Sampler):
     ``sampler`` names that sampler (``ddim`` / ``flow_sde``, noise 0). Why an option of its own rather than a fixed
     ``ddim`` default: evaluation, the reward-hacking monitors and a recipe's reference samples must work for whichever
     model the run loads, and a fixed ε-model sampler would refuse every flow model unless each recipe overrode it.
+    Why ``flow_sde`` at noise 0 rather than ``euler_ode``: it is the step rule the evaluation has always sampled flow
+    models with, so its images (and every metric) are unchanged bit for bit, and it equals the pipeline's Euler ODE.
     The images are those of the pipelines with the same steps, guidance and generators
-    (tests/unit/samplers/test_rollout.py, tests/unit/samplers/test_flow_sampler.py)."""
+    (tests/unit/evaluation/test_eval_sampler.py, tests/unit/samplers/test_rollout.py)."""
 
     name: str = "ode"
     model_family: str = "any"

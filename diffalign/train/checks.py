@@ -46,8 +46,8 @@ def _trackers() -> list[str]:
 
 
 def check_optimizer(node, name: str) -> None:
-    """Checks an optimizer node (``trainer.optimizer``) before any work: it names an importable ``_target_``, every other
-    key is an argument of that class (unless it takes ``**kwargs``), and the usual AdamW-style numbers are in range
+    """Checks an optimizer node (``trainer.optimizer``) before any work: it names an importable ``_target_``, every
+    other key is an argument of that class (unless it takes ``**kwargs``), and the usual AdamW-style numbers are in range
     where present (``lr`` > 0, ``weight_decay`` >= 0, ``eps`` > 0, ``betas`` two numbers in [0, 1)).
 
     Raises:

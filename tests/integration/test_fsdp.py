@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # each launch starts two processes (≈ 25-35 s o
 
 FSDP_CONFIG = REPO / "configs" / "accelerate" / "fsdp.yaml"
 QUIET = ["trainer.log_with=none", "eval.enabled=false"]
-# updates proportional to the gradient (trainer.optimizer.eps=1, as tests/integration/test_multiprocess.py), clipped to a norm
+# updates proportional to the gradient (Adam eps 1, as tests/integration/test_multiprocess.py), clipped to a norm
 # of 1e-6 (far below the gradient's), so every update is lr × the clipped gradient: a clip by each shard's own norm
 # (what accelerator.clip_grad_norm_ does with only the LoRA parameters) would scale the shards differently
 DPO = ["model=tiny_random", "data=shapes_pairs", "data.num_pairs=16", "trainer.max_steps=2",

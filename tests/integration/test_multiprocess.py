@@ -53,7 +53,7 @@ def launch_two_processes(args: list[str], tmp_path: Path, prelude: str = "") -> 
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-# Updates proportional to the gradient (trainer.optimizer.eps=1, lr 10, no clipping): with Adam's default epsilon its first
+# Updates proportional to the gradient (Adam eps 1, lr 10, no clipping): with Adam's default epsilon its first
 # steps divide each element by its own magnitude and turn float rounding on near-zero gradients into differences of
 # up to the lr. With these settings a run whose gradients are not synchronised fails the 1e-4 tolerance.
 LINEAR_UPDATES = ["trainer.optimizer.lr=10.0", "trainer.lr_warmup_steps=0", "trainer.optimizer.eps=1.0",
@@ -122,8 +122,8 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
     from diffalign.train.preference import train
 
     common = ["model=tiny_random", "trainer.max_steps=2", "trainer.checkpointing_steps=1", "trainer.keep_last=-1",
-              "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.optimizer.lr=1.0"]  # (lr 10: a first DPO step that
-    # large sends step 2 where rounding differences of 1e-5 grow to 6e-4)
+              "data=shapes_pairs", "data.num_pairs=16", *LINEAR_UPDATES, "trainer.optimizer.lr=1.0"]
+    # (lr 10: a first DPO step that large sends step 2 where rounding differences of 1e-5 grow to 6e-4)
     res = launch_two_processes(["trainer.batch_size=2", *common], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("× 4 pairs (batch 2 × accumulation 1 × 2 processes)") == 1  # printed by process 0 only
@@ -184,8 +184,8 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
     """DGPO with the same global batch: 2 processes × 1 group each vs 1 process × 2 groups. Rollout noise, prompts,
     training timesteps and noise are keyed by global group index, z_g is summed over processes, and DDP averages the
     per-process surrogate gradients, so the final LoRA must agree up to float rounding (stated tolerance 1e-4).
-    trainer.optimizer.eps=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps divide
-    each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
+    trainer.optimizer.eps=1 makes the update proportional to the gradient: with the default 1e-8, Adam's first steps
+    divide each element by its own magnitude and turn rounding on near-zero gradients into differences of up to the lr."""
     from conftest import compose_cfg
 
     from diffalign.train.online import train

@@ -132,10 +132,11 @@ def test_the_header_names_the_sampler_the_evaluation_used(tmp_path, flow, sample
 
     policy = build_tiny_flow_policy(seed=0) if flow else build_tiny_random_policy(seed=0)
     rows = [{"prompt": "a red circle", "tag": "colors"}]
-    cfg = EvalConfig(seeds=[0], sampler={**sampler, "num_inference_steps": 2})
+    cfg = EvalConfig(seeds=[0], sampler={**sampler, "num_inference_steps": 2, "guidance_scale": 3.0})
     metrics = evaluate_policy(policy, rows, {"geneval_shapes": GenevalShapes()}, cfg, tmp_path / "ev",
                               {"base": True, "finetuned": False}, progress=False)
     assert metrics["sampler"] == expected
     page = write_report(tmp_path / "ev").read_text()
     assert html.escape(expected) in page and ("DDIM" in page) == (not flow)
+    assert "guidance 3.0;" in page  # (read from the config's sampler node)
     assert "<b>base</b>, <b>finetuned</b> = policy" in page and "base</b> = base" not in page

@@ -3,6 +3,8 @@ not is refused with a message, and the online methods' plans cover an epoch as t
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -108,3 +110,32 @@ def test_epoch_advantages_by_kind():
     assert per_reward.shape == (4, 2) and torch.equal(per_reward[:, 1], -group)
     with pytest.raises(ValueError, match="advantage='x'"):
         EpochAdvantages("x")
+
+
+# ------------------------------------------------------------------------ a method is built from its config object
+
+def test_every_method_takes_only_its_config_object_or_fields():
+    """Each default is written once, in the config dataclass: the constructor is ``(config=None, **fields)`` (that no
+    ``configs/method/*.yaml`` repeats one: tests/unit/config/test_structured_configs.py)."""
+    from diffalign.objectives.diffusion_nft import DiffusionNFT
+
+    for method in (*ONLINE, *PREFERENCE, DiffusionNFT):
+        parameters = list(inspect.signature(method.__init__).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in parameters[1:]] == [
+            ("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+            ("fields", inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty)], method
+
+
+def test_a_field_set_by_keyword_or_by_config_reaches_the_method():
+    from diffalign.objectives.dgpo import DGPOConfig
+
+    by_field, by_config = DGPO(beta=7.0, timesteps_per_epoch=2), DGPO(DGPOConfig(beta=7.0, timesteps_per_epoch=2))
+    for method in (by_field, by_config):
+        assert (method.beta, method.timesteps_per_epoch, method.old_policy_decay) == (7.0, 2, 0.3)
+    assert DGPO(DGPOConfig(beta=7.0), beta=3.0).beta == 3.0  # a keyword wins over the config object's field
+    with pytest.raises(TypeError, match=r"^method.betta is not a setting of DGPOConfig; its settings: beta, beta_kl"):
+        DGPO(betta=1.0)
+    with pytest.raises(TypeError, match="config must be a DGPOConfig, got FlowGRPOConfig"):
+        from diffalign.objectives.flow_grpo import FlowGRPOConfig
+
+        DGPO(FlowGRPOConfig())

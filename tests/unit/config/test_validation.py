@@ -235,7 +235,8 @@ SAMPLERS = {"ddim": "eps", "flow_sde": "flow", "dance_sde": "flow", "dpm_ode": "
 MODELS = {"tiny_sd": "eps", "tiny_random": "eps", "sd15": "eps", "sd21": "eps", "tiny_t2v": "eps",
           "tiny_t2v_random": "eps", "sdxl": "eps", "tiny_sdxl_random": "eps", "tiny_sd3": "flow",
           "tiny_flow_random": "flow", "sd35_medium": "flow", "tiny_wan_random": "flow", "wan21_t2v": "flow",
-          "tiny_flux_random": "flow", "flux1_dev": "flow", "tiny_wan22_random": "flow", "wan22_t2v_a14b": "flow"}
+          "tiny_flux_random": "flow", "tiny_flux": "flow", "flux1_dev": "flow", "tiny_wan22_random": "flow",
+          "wan22_t2v_a14b": "flow"}
 VIDEO = ("tiny_t2v", "tiny_t2v_random", "tiny_wan_random", "wan21_t2v", "tiny_wan22_random", "wan22_t2v_a14b")
 
 

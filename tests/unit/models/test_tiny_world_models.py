@@ -1,4 +1,4 @@
-"""The shipped tiny-world models: the SD-format pipeline and the tiny CLIP."""
+"""The shipped tiny-world models: the SD-format pipeline, the SD3- and FLUX-format flow models and the tiny CLIP."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import step_sampler
+from conftest import compose_cfg, step_sampler
 
 from diffalign.config.compose import asset_path
 
@@ -16,7 +16,7 @@ ASSETS = Path(asset_path("tiny_sd")).parent
 
 
 def test_shipped_models_fit_the_size_budget():
-    total = sum(f.stat().st_size for d in ("tiny_sd", "tiny_clip", "tiny_sd3", "tiny_t2v")
+    total = sum(f.stat().st_size for d in ("tiny_sd", "tiny_clip", "tiny_sd3", "tiny_t2v", "tiny_flux")
                 for f in (ASSETS / d).rglob("*") if f.is_file())
     assert total <= 30 * 2**20, total
 
@@ -49,6 +49,63 @@ def test_shipped_flow_pipeline_loads_and_the_policy_matches_it():
     out = rollout(policy, prompts, step_sampler(policy, num_inference_steps=4, guidance_scale=7.0, noise=0.0),
                   generator=gens).images
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # pipeline default CFG is 7.0
+
+
+def _shipped_flux_pipeline():
+    from diffusers import AutoencoderKL, FluxPipeline
+
+    vae = AutoencoderKL.from_pretrained(asset_path("tiny_sd3/vae"), torch_dtype=torch.float32)
+    return FluxPipeline.from_pretrained(asset_path("tiny_flux"), vae=vae, torch_dtype=torch.float32)
+
+
+def _shipped_flux_policy():
+    """`model=tiny_flux` as the training loops build it."""
+    from diffalign.lora.initial import build_policy
+
+    return build_policy(compose_cfg(["model=tiny_flux"]))
+
+
+def test_shipped_flux_pipeline_loads_and_the_policy_matches_it():
+    """The shipped tiny FLUX loads in `FluxPipeline` with tiny_sd3's VAE (it has none of its own), has no guidance
+    embedding, and `model=tiny_flux`'s policy gives FluxPipeline's true-CFG images (η = 0 rollout)."""
+    from diffalign.samplers.rollout import rollout
+
+    pipe = _shipped_flux_pipeline()
+    assert not (ASSETS / "tiny_flux" / "vae").exists() and not pipe.transformer.config.guidance_embeds
+    assert pipe.transformer.dtype == torch.float32 and pipe.vae.config.shift_factor == 0.0
+    prompts = ["a red circle", "two blue squares"]
+    call = {"num_inference_steps": 4, "height": 32, "width": 32, "max_sequence_length": 12, "true_cfg_scale": 4.5,
+            "negative_prompt": [""] * 2, "output_type": "pt"}
+    expected = pipe(prompts, generator=[torch.Generator().manual_seed(i) for i in range(2)], **call).images
+    policy = _shipped_flux_policy()
+    out = rollout(policy, prompts, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=0.0),
+                  generator=[torch.Generator().manual_seed(i) for i in range(2)]).images
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_short_flux_runs_lora_loads_in_flux_pipeline(tmp_path):
+    """One Flow-GRPO epoch of `recipe=tiny_flow_grpo_flux` (shrunk) on the shipped tiny FLUX: its saved LoRA loads in
+    diffusers' `FluxPipeline` (`load_lora_weights`) and gives the trained policy's zero-noise images."""
+    from conftest import online_overrides
+
+    from diffalign.samplers.rollout import rollout
+    from diffalign.train.online import train
+
+    # (brightness: a reward whose advantages are never all zero, so the adapter surely moves)
+    cfg = compose_cfg(["recipe=tiny_flow_grpo_flux", "reward=[brightness]"] + online_overrides(tmp_path, epochs=1))
+    assert train(cfg)["epochs"] == 1
+    pipe = _shipped_flux_pipeline()
+    call = {"num_inference_steps": 4, "height": 32, "width": 32, "max_sequence_length": 12, "true_cfg_scale": 4.5,
+            "negative_prompt": [""], "output_type": "pt"}
+    base = pipe(["a red circle"], generator=torch.Generator().manual_seed(0), **call).images
+    pipe.load_lora_weights(str(tmp_path / "final"))
+    adapted = pipe(["a red circle"], generator=torch.Generator().manual_seed(0), **call).images
+    policy = _shipped_flux_policy()
+    policy.load_lora_weights(tmp_path / "final")
+    ours = rollout(policy, ["a red circle"], step_sampler(policy, num_inference_steps=4, guidance_scale=4.5,
+                                                          noise=0.0), generator=[torch.Generator().manual_seed(0)])
+    torch.testing.assert_close(ours.images, adapted, rtol=1e-4, atol=1e-4)
+    assert (adapted - base).abs().max() > 0
 
 
 def test_vae_reconstructions_pass_the_verifier():

@@ -141,4 +141,5 @@ def test_no_shipped_recipe_sets_an_old_key():
 
     for recipe in sorted(Path(CONFIG_DIR, "recipe").glob("*.yaml")):
         node = OmegaConf.load(recipe).get("trainer") or {}
-        assert not {"learning_rate", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon"} & set(node), recipe
+        old = {"learning_rate", "adam_beta1", "adam_beta2", "adam_weight_decay", "adam_epsilon"}
+        assert not old & set(node), recipe
