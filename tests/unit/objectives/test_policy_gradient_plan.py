@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffalign.methods import OnlineEpoch
+from diffalign.methods import SHUFFLE, OnlineEpoch, epoch_generator, stream_seed
 from diffalign.objectives.policy_gradient import trajectory_minibatches, transition_plan
 from diffalign.types import PromptEmbeds, Trajectory
 
@@ -40,6 +40,9 @@ def test_a_process_with_one_group_gets_that_groups_share_of_the_one_process_mini
     draws = {tuple(torch.cat(trajectory_minibatches(torch.tensor([5] * 8), 2, seed=s, epoch=e, inner=i)[0]).tolist())
              for s, e, i in ((1, 2, 1), (0, 2, 1), (1, 3, 1), (1, 2, 0))}
     assert len(draws) == 4
+    # the streams the docstring names: group g's members by SeedSequence([seed, epoch, g, inner, SHUFFLE])
+    order_9 = torch.randperm(4, generator=torch.Generator().manual_seed(stream_seed(1, 2, 9, 1, SHUFFLE))).tolist()
+    assert [i for mb in only_9 for i in mb.tolist()] == order_9
 
 
 @pytest.mark.parametrize(("ids", "batch_size"), [
@@ -55,8 +58,13 @@ def test_other_batches_fall_back_to_a_local_shuffle_in_chunks(ids, batch_size):
     assert sorted(torch.cat(minibatches).tolist()) == list(range(len(ids)))
     again, _ = trajectory_minibatches(torch.tensor(ids), batch_size, seed=0, epoch=0, inner=0)
     assert all(torch.equal(a, b) for a, b in zip(minibatches, again))
-    other, _ = trajectory_minibatches(torch.tensor(ids), batch_size, seed=0, epoch=0, inner=1)
-    assert not all(torch.equal(a, b) for a, b in zip(minibatches, other))
+    # one permutation of the process's rows from the stream keyed by (seed, epoch, inner)
+    perm = torch.randperm(len(ids), generator=epoch_generator(0, 0, SHUFFLE, 0))
+    assert torch.equal(torch.cat(minibatches), perm)
+    for seed, epoch, inner in ((1, 0, 0), (0, 1, 0), (0, 0, 1)):
+        other, _ = trajectory_minibatches(torch.tensor(ids), batch_size, seed=seed, epoch=epoch, inner=inner)
+        assert torch.equal(torch.cat(other), torch.randperm(len(ids), generator=epoch_generator(seed, epoch, SHUFFLE,
+                                                                                                 inner)))
 
 
 def plan_epoch(trainable, n=8, group_size=4, batch_size=4, inner=1, processes=1, split="groups", notes=None):
