@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffalign.methods import SHUFFLE, OnlineEpoch, epoch_generator, stream_seed
-from diffalign.objectives.policy_gradient import trajectory_minibatches, transition_plan
+from diffalign.methods import SHUFFLE, TIMESTEPS, OnlineEpoch, epoch_generator, stream_seed
+from diffalign.objectives.policy_gradient import train_transitions, trajectory_minibatches, transition_plan
 from diffalign.types import PromptEmbeds, Trajectory
 
 
@@ -117,3 +117,21 @@ def test_notes_on_several_processes():
                           "per_sample")
     transition_plan_units(plan_epoch([True] * 4, processes=2, notes=quiet), 0.5, "first")  # stratified, groups
     assert quiet == []
+
+
+def test_random_transitions_come_from_the_epochs_stream_and_units_carry_their_rows():
+    """"random": the trained transitions are `train_transitions`' draw from the pass's own stream (seed, epoch,
+    TIMESTEPS, inner), whatever the global RNG; every unit holds its epoch and one minibatch's rows."""
+    epoch = plan_epoch([True] * 6, inner=2)
+    torch.manual_seed(0)
+    units = transition_plan_units(epoch, 0.5, "random")
+    torch.manual_seed(1)
+    again = transition_plan_units(epoch, 0.5, "random")
+    assert [(u.rows.tolist(), u.k) for u in units] == [(u.rows.tolist(), u.k) for u in again]
+    for inner in range(2):
+        expected = train_transitions(6, 0.5, "random", generator=epoch_generator(0, 0, TIMESTEPS, inner))
+        minibatches, _ = trajectory_minibatches(epoch.group_ids, 4, seed=0, epoch=0, inner=inner)
+        pass_units = units[inner * 2 * 3:(inner + 1) * 2 * 3]  # 2 minibatches x 3 transitions per pass
+        assert [(u.rows.tolist(), u.k) for u in pass_units] == [(mb.tolist(), k) for mb in minibatches
+                                                                  for k in expected]
+    assert all(u.epoch is epoch and u.weight == 1.0 for u in units)
