@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+from transformers import CLIPTextModelWithProjection
 
 from diffalign.models.sd3 import DEFAULT_SD3_LORA_TARGET_MODULES, StableDiffusion3Policy
-from diffalign.models.tiny_random import build_tiny_vae
+from diffalign.models.tiny_random import build_tiny_vae, tiny_text_config
 from diffalign.world.tokenizer import build_tokenizer
 
 TINY_MAX_SEQUENCE_LENGTH = 8
@@ -25,11 +25,9 @@ SD3_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
 
 def build_tiny_text_encoder(tokenizer, hidden_size: int = 64, projection_dim: int = 32) -> CLIPTextModelWithProjection:
     """A tiny `CLIPTextModelWithProjection` over the world's tokenizer (random weights)."""
-    return CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length, projection_dim=projection_dim,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    ))
+    return CLIPTextModelWithProjection(tiny_text_config(tokenizer, hidden_size=hidden_size,
+                                                        intermediate_size=4 * hidden_size,
+                                                        projection_dim=projection_dim))
 
 
 def build_tiny_transformer(width: int = 96, num_layers: int = 4, head_dim: int = 32) -> SD3Transformer2DModel:

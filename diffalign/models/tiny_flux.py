@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
 from diffalign.models.flux import DEFAULT_FLUX_LORA_TARGET_MODULES, FluxPolicy
-from diffalign.models.tiny_random import build_tiny_vae
+from diffalign.models.tiny_random import build_tiny_vae, tiny_text_config
 from diffalign.world.tokenizer import build_tokenizer
 
 TINY_FLUX_MAX_SEQUENCE_LENGTH = 12
@@ -62,11 +62,7 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, vae: A
             vae.register_to_config(shift_factor=0.0)
         torch.manual_seed(seed)
         if text_encoder is None:
-            text_encoder = CLIPTextModel(CLIPTextConfig(
-                vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, max_position_embeddings=tokenizer.model_max_length, projection_dim=32,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id))
+            text_encoder = CLIPTextModel(tiny_text_config(tokenizer, num_attention_heads=2))
         torch.manual_seed(seed + 1)
         if text_encoder_2 is None:
             text_encoder_2 = T5EncoderModel(T5Config(

@@ -35,6 +35,18 @@ SD15_SCHEDULER_CONFIG = {
 VAE_FACTOR = 4  # three encoder blocks -> two downsamplings
 
 
+def tiny_text_config(tokenizer, hidden_size: int = 32, intermediate_size: int = 64, num_hidden_layers: int = 2,
+                     num_attention_heads: int = 4, projection_dim: int = 32) -> CLIPTextConfig:
+    """The `CLIPTextConfig` of a tiny text encoder over `tokenizer` (its vocabulary, length and special tokens), with
+    the given sizes."""
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        max_position_embeddings=tokenizer.model_max_length, projection_dim=projection_dim,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def build_tiny_vae(sample_size: int = 32, norm_num_groups: int = 4, **config) -> AutoencoderKL:
     """The tiny models' `AutoencoderKL`, initialised from the current torch RNG: RGB ↔ 4 latent channels at factor
     `VAE_FACTOR` (three encoder blocks of widths 8, 16, 16, one layer each, no mid-block attention).
@@ -92,20 +104,7 @@ def build_tiny_random_pipeline(seed: int = 0, sample_size_px: int = 32) -> Stabl
             norm_num_groups=8,
         )
         torch.manual_seed(seed)
-        text_encoder = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=tokenizer.model_max_length,
-                projection_dim=32,
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
+        text_encoder = CLIPTextModel(tiny_text_config(tokenizer))
     scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
     pipe = StableDiffusionPipeline(
         vae=vae.eval(),

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from diffalign.models.sdxl import DEFAULT_SDXL_LORA_TARGET_MODULES, NUM_TIME_IDS, StableDiffusionXLPolicy
-from diffalign.models.tiny_random import build_tiny_vae
+from diffalign.models.tiny_random import build_tiny_vae, tiny_text_config
 from diffalign.world.tokenizer import build_tokenizer
 
 # SDXL-base's scheduler config (stabilityai/stable-diffusion-xl-base-1.0, scheduler/scheduler_config.json).
@@ -47,11 +47,8 @@ POOLED_DIM = 32  # text_encoder_2.config.projection_dim (1280 in SDXL-base)
 
 
 def _text_encoder(cls, tokenizer):
-    return cls(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length, projection_dim=POOLED_DIM,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    ))
+    return cls(tiny_text_config(tokenizer, hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+                                projection_dim=POOLED_DIM))
 
 
 def build_tiny_sdxl_pipeline(seed: int = 0, prediction_type: str = "epsilon") -> StableDiffusionXLPipeline:

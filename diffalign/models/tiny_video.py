@@ -20,10 +20,10 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, UMT5Config, UMT5EncoderModel
+from transformers import CLIPTextModel, UMT5Config, UMT5EncoderModel
 
 from diffalign.models.text_to_video import TextToVideoPolicy
-from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG, build_tiny_vae
+from diffalign.models.tiny_random import SD15_SCHEDULER_CONFIG, build_tiny_vae, tiny_text_config
 from diffalign.models.wan import WanPolicy
 from diffalign.world.tokenizer import build_tokenizer
 
@@ -46,11 +46,7 @@ def build_tiny_t2v_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, tex
     if vae is None:
         vae = build_tiny_vae(norm_num_groups=8)
     if text_encoder is None:
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, max_position_embeddings=tokenizer.model_max_length, projection_dim=32,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id))
+        text_encoder = CLIPTextModel(tiny_text_config(tokenizer, num_hidden_layers=1, num_attention_heads=2))
     if unet is None:
         unet = tiny_unet3d(block_out_channels=(16, 32), cross_attention_dim=text_encoder.config.hidden_size)
     scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
