@@ -9,7 +9,6 @@ otherwise each write out.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,30 +125,22 @@ def build_optimizer(node: DictConfig, params: list) -> torch.optim.Optimizer:
 
 
 def build_lr_scheduler(optimizer, warmup_steps: int, max_steps: int, kind: str):
-    """``constant_with_warmup`` or ``cosine`` (``trainer.lr_scheduler``), stepped once per optimizer step: the factor on
-    the optimizer's ``lr`` at step s (0-based) is (s + 1) / `warmup_steps` while s < `warmup_steps`, then 1
-    (``constant_with_warmup``) or ½(1 + cos(π · min(1, (s − W) / max(1, `max_steps` − W)))) (``cosine``, W =
-    `warmup_steps`).
-
-    Not `diffusers.optimization.get_scheduler`: its warmup is s / W, so the first update of a warmed-up run would get
-    learning rate 0 and every later warmup step one step less (tests/unit/train/test_optimizer.py shows both).
+    """``constant_with_warmup`` or ``cosine`` (``trainer.lr_scheduler``) from `diffusers.optimization.get_scheduler`,
+    stepped once per optimizer step after the update, as the diffusers training scripts (and Diffusion-DPO's released
+    ``train.py``) step it: the factor on the optimizer's ``lr`` for update s (0-based) is s / `warmup_steps` while
+    s < `warmup_steps` (so the first update of a warmed-up run has learning rate 0, as in the released code), then 1
+    (``constant_with_warmup``) or ½(1 + cos(π · (s − W) / max(1, `max_steps` − W))) (``cosine``, W = `warmup_steps`).
 
     Raises:
         ValueError: `kind` is not one of `diffalign.train.checks.LR_SCHEDULERS`.
     """
+    from diffusers.optimization import get_scheduler
+
     from diffalign.train.checks import LR_SCHEDULERS
 
     if kind not in LR_SCHEDULERS:
         raise ValueError(f"trainer.lr_scheduler={kind!r} must be one of {LR_SCHEDULERS}")
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if kind == "constant_with_warmup":
-            return 1.0
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps)
 
 
 def prepare_training(accelerator: Accelerator, policy, tr: DictConfig, total_updates: int) -> tuple[list, Any, Any]:

@@ -212,3 +212,87 @@ def test_half_precision_inputs_give_fp32_log_prob(sd15_ddim_config, dtype):
     torch.testing.assert_close(out.log_prob.double(), density, rtol=1e-3, atol=0)
     sampled = ddim_step(scheduler, model_output, t, sample, eta=1.0, generator=torch.Generator().manual_seed(0))
     assert sampled.prev_sample.dtype == torch.float32 and torch.isfinite(sampled.log_prob).all()
+
+
+# ---------------------------------------------------------------- edges found by mutation testing
+# (docs/contributing.md#mutation-testing): the messages, the schedule's first step, per-position log-probs, the RNG
+
+
+def test_every_argument_error_is_one_whole_line(sd15_ddim_config):
+    scheduler = make_scheduler(sd15_ddim_config, 50)
+    x = randn(*SHAPE)
+    with pytest.raises(ValueError, match=r"^`eta` must be >= 0, got -0.5.$"):
+        ddim_step(scheduler, x, 981, x, eta=-0.5)
+    with pytest.raises(ValueError, match=r"^`prev_sample` shape \(1, 4, 8, 8\) must equal `sample` shape "
+                                         r"\(2, 4, 8, 8\).$"):
+        ddim_step(scheduler, x, 981, x, eta=1.0, prev_sample=x[:1])
+    with pytest.raises(ValueError, match=r"^Got a list of 3 generators for a batch of 2 samples; pass one generator "
+                                         r"per sample.$"):
+        ddim_step(scheduler, x, 981, x, eta=1.0, generator=[torch.Generator() for _ in range(3)])
+    with pytest.raises(ValueError, match=r"^`timestep` must be a scalar or have shape \(B,\), got shape \(2, 1\).$"):
+        ddim_step(scheduler, x, torch.tensor([[981], [961]]), x)
+    with pytest.raises(ValueError, match=r"^`scheduler.num_inference_steps` is None: call "
+                                         r"`scheduler.set_timesteps\(N\)` before stepping.$"):
+        ddim_variance(DDIMScheduler.from_config(sd15_ddim_config), 981)
+    thresholding = make_scheduler(sd15_ddim_config, 50, thresholding=True)
+    with pytest.raises(ValueError, match=r"^`scheduler.config.thresholding=True` is not supported by `ddim_step`; "
+                                         r"set it to False.$"):
+        ddim_step(thresholding, x, 981, x)
+
+
+def test_a_step_onto_timestep_zero_uses_its_alpha_not_the_final_one(sd15_ddim_config):
+    """With ``steps_offset=0`` the 50-step grid is 980, ..., 20, 0: the step from t = 20 lands on t' = 0, whose ᾱ_0 is
+    the schedule's (0.99915), not `final_alpha_cumprod` (1 with ``set_alpha_to_one=True``); eq. 16 in float64."""
+    scheduler = make_scheduler(sd15_ddim_config, 50, steps_offset=0, set_alpha_to_one=True)
+    assert scheduler.timesteps[-2:].tolist() == [20, 0]
+    ac = sd15_alphas_cumprod_f64()
+    expected = (1 - ac[0]) / (1 - ac[20]) * (1 - ac[20] / ac[0])
+    assert ddim_variance(scheduler, 20).item() == pytest.approx(expected.item(), rel=1e-4)
+    assert ddim_variance(scheduler, 0).item() == 0.0  # the last step: t' < 0, ᾱ = 1
+
+
+def test_float64_schedules_still_give_float32(sd15_ddim_config):
+    """`DDIMStepOutput`: every tensor is float32, also when the scheduler's ᾱ were cast to float64."""
+    scheduler = make_scheduler(sd15_ddim_config, 50)
+    scheduler.alphas_cumprod = scheduler.alphas_cumprod.double()
+    scheduler.final_alpha_cumprod = scheduler.final_alpha_cumprod.double()
+    out = ddim_step(scheduler, randn(*SHAPE, seed=1), 1, randn(*SHAPE), eta=1.0, generator=torch.Generator())
+    assert {t.dtype for t in (out.prev_sample, out.mean, out.std, out.log_prob)} == {torch.float32}
+    assert ddim_variance(scheduler, 1).dtype == torch.float32
+
+
+def test_per_position_log_prob_sums_the_channels_only(sd15_ddim_config):
+    """ViPO's per-position log-prob `(B, h, w)`: Σ_c log N(x'_c; μ_c, s²), from torch.distributions."""
+    scheduler = make_scheduler(sd15_ddim_config, 50)
+    t = scheduler.timesteps[10]
+    eps, x, prev = randn(*SHAPE, seed=1), randn(*SHAPE), randn(*SHAPE, seed=2)
+    out = ddim_step(scheduler, eps, t, x, eta=1.0, prev_sample=prev, reduction="per_position")
+    assert out.log_prob.shape == (2, 8, 8)
+    expected = torch.distributions.Normal(out.mean, out.std).log_prob(prev).sum(dim=1)
+    torch.testing.assert_close(out.log_prob, expected)
+    summed = ddim_step(scheduler, eps, t, x, eta=1.0, prev_sample=prev, reduction="sum")
+    torch.testing.assert_close(out.log_prob.sum(dim=(1, 2)), summed.log_prob, rtol=1e-5, atol=1e-3)
+
+
+def test_a_deterministic_step_draws_no_noise(sd15_ddim_config):
+    """η = 0 (also the default) draws nothing from the generator, as `DDIMScheduler.step(eta=0)`: a rollout's later
+    stochastic steps see the same random stream."""
+    scheduler = make_scheduler(sd15_ddim_config, 50)
+    eps, x = randn(*SHAPE, seed=1), randn(*SHAPE)
+    generator = torch.Generator().manual_seed(7)
+    state = generator.get_state()
+    default = ddim_step(scheduler, eps, 981, x, generator=generator)
+    assert torch.equal(generator.get_state(), state)
+    assert torch.equal(default.prev_sample, default.mean) and torch.equal(default.log_prob, torch.zeros(2))
+
+
+def test_half_precision_noise_is_drawn_in_half_as_diffusers_does(sd15_ddim_config):
+    """diffusers draws the step noise with `randn_tensor` in the model output's dtype: for fp16 that is the float32
+    draw rounded to half, which moves x_{t'} by up to ~1e-3·s."""
+    scheduler = make_scheduler(sd15_ddim_config, 50)
+    eps, x = randn(*SHAPE, seed=1, dtype=torch.float16), randn(*SHAPE, dtype=torch.float16)
+    out = ddim_step(scheduler, eps, 501, x, eta=1.0, generator=torch.Generator().manual_seed(3))
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)).half().float()
+    assert torch.equal(out.prev_sample, out.mean + out.std * noise)
+    full = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(out.prev_sample, out.mean + out.std * full)

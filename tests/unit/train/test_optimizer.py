@@ -1,6 +1,7 @@
 """The optimizer is the ``trainer.optimizer`` node (``_target_``, built with `hydra.utils.instantiate`) and the LR
-schedule keeps its sequence: each LR below is written out by hand from the formula of the code before the node
-(``(s + 1) / W`` warmup, then constant or a half cosine), not recomputed with it."""
+schedule is `diffusers.optimization.get_scheduler`'s, stepped after each update as the diffusers training scripts and
+Diffusion-DPO's released ``train.py`` step it: each LR below is written out by hand from that formula (``s / W``
+warmup, so the first update of a warmed-up run has LR 0; then constant or a half cosine), not recomputed with it."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from diffalign.train.common import build_lr_scheduler, build_optimizer, prepare_
 # (kind, warmup, total updates) -> the LR factor before each update, by hand
 HAND = {
     ("constant_with_warmup", 0, 4): [1.0, 1.0, 1.0, 1.0],
-    ("constant_with_warmup", 3, 6): [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0],
-    # half cosine over the 4 steps after warmup: cos(0), cos(π/4), cos(π/2), cos(3π/4) → ½(1 + ·)
-    ("cosine", 2, 6): [0.5, 1.0, 1.0, 0.5 + math.sqrt(2) / 4, 0.5, 0.5 - math.sqrt(2) / 4],
+    ("constant_with_warmup", 3, 6): [0.0, 1 / 3, 2 / 3, 1.0, 1.0, 1.0],
+    # warmup 0, ½; then the half cosine over the 4 steps after warmup: cos(0), cos(π/4), cos(π/2), cos(3π/4) → ½(1 + ·)
+    ("cosine", 2, 6): [0.0, 0.5, 1.0, 0.5 + math.sqrt(2) / 4, 0.5, 0.5 - math.sqrt(2) / 4],
     ("cosine", 0, 4): [1.0, 0.5 + math.sqrt(2) / 4, 0.5, 0.5 - math.sqrt(2) / 4],
 }
 
@@ -45,18 +46,21 @@ def test_every_lr_schedule_gives_the_hand_sequence():
         assert _lrs(kind, warmup, total) == pytest.approx([2.0 * f for f in factors], abs=1e-12), (kind, warmup)
 
 
-def test_diffusers_get_scheduler_starts_the_warmup_at_zero():
-    """Why `build_lr_scheduler` is not `diffusers.optimization.get_scheduler`: diffusers' warmup factor is s / W, so a
-    warmed-up run's first update would get LR 0 (and every warmup step one step less); without warmup they agree."""
-    from diffusers.optimization import get_scheduler
-
-    def diffusers_lrs(kind, warmup, total):
-        return _lrs(kind, warmup, total, lambda optimizer, warmup, total, kind: get_scheduler(
-            kind, optimizer, num_warmup_steps=warmup, num_training_steps=total))
-
-    assert diffusers_lrs("constant_with_warmup", 3, 6) == pytest.approx([0.0, 2 / 3, 4 / 3, 2.0, 2.0, 2.0])
-    for kind, warmup, total in (("constant_with_warmup", 0, 4), ("cosine", 0, 4)):
-        assert diffusers_lrs(kind, warmup, total) == pytest.approx(_lrs(kind, warmup, total), abs=1e-12)
+def test_a_warmed_up_runs_first_update_changes_no_weight_as_in_the_released_code():
+    """Diffusion-DPO's released ``train.py`` (diffusers' `get_scheduler`, stepped after ``optimizer.step()``) makes
+    its first warmed-up update with LR 0: plain SGD (no moments) then leaves the weight where it was, and the second
+    update moves it by lr · (1 / W) · grad."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=2.0)
+    scheduler = build_lr_scheduler(optimizer, 4, 8, "constant_with_warmup")
+    moved = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        (3.0 * weight).sum().backward()  # gradient 3
+        optimizer.step()
+        scheduler.step()
+        moved.append(weight.item())
+    assert moved == pytest.approx([0.0, -2.0 * (1 / 4) * 3.0], abs=1e-12)
 
 
 def test_the_default_optimizer_is_adamw_with_the_nodes_values():
@@ -87,22 +91,23 @@ class _Policy:
 
 def test_another_optimizer_is_selected_with_its_target(tmp_path):
     """torch.optim.SGD with momentum through the loops' own `prepare_training`: one update moves the weight by
-    -lr · grad (SGD's first momentum buffer is the gradient itself), the LR schedule applying its first factor."""
+    -lr · grad (SGD's first momentum buffer is the gradient itself), the LR schedule applying its first factor (1
+    without warmup)."""
     from accelerate import Accelerator
 
     cfg = compose_cfg([f"output_dir={tmp_path}", "trainer.log_with=none", "trainer.cpu=true",
                        "trainer.optimizer._target_=torch.optim.SGD", "~trainer.optimizer.betas",
                        "~trainer.optimizer.eps", "+trainer.optimizer.momentum=0.9", "trainer.optimizer.lr=0.5",
-                       "trainer.lr_warmup_steps=2"])
+                       "trainer.lr_warmup_steps=0"])
     validate_train_config(cfg)
     policy = _Policy()
     params, optimizer, scheduler = prepare_training(Accelerator(cpu=True), policy, cfg.trainer, total_updates=4)
     assert isinstance(optimizer.optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == 0.9
-    assert scheduler.get_last_lr() == [0.25]
+    assert scheduler.get_last_lr() == [0.5]
     policy.denoiser(torch.tensor([[3.0, 1.0]])).sum().backward()  # d/dw (w · x) = x = (3, 1)
     optimizer.step()
-    # warmup factor (0 + 1) / 2 on lr 0.5 → 0.25: w = (1, -2) - 0.25 · (3, 1)
-    assert params[0].detach().tolist() == [[1.0 - 0.75, -2.0 - 0.25]]
+    # factor 1 on lr 0.5: w = (1, -2) - 0.5 · (3, 1)
+    assert params[0].detach().tolist() == [[1.0 - 1.5, -2.0 - 0.5]]
 
 
 @pytest.mark.parametrize("overrides,expected", [
