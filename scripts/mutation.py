@@ -62,7 +62,8 @@ MODULES: dict[str, list[str]] = {
                               "not train and not loop and not resume"],
     "reference/ema": ["tests/unit/reference/test_reference.py", "tests/unit/reference/test_ema_and_frozen_base.py",
                       "-k", "not train and not loop and not resume"],
-    "reference/old_policy": ["tests/unit/objectives/test_dgpo.py", "-k", "not online and not loop"],
+    "reference/old_policy": ["tests/unit/objectives/test_dgpo.py", "tests/unit/reference/test_old_policy.py", "-k",
+                             "not online and not loop"],
     "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_resume_rng.py"],
     "runtime/runlock": ["tests/integration/test_runlock.py"],
 }
