@@ -1,5 +1,5 @@
-"""Benchmark of the online loops (DGPO, Flow-GRPO, DDPO, ViPO, DiffusionNFT), phase by phase, against the denoiser's
-floor — the online counterpart of ``scripts/bench_main_job.py``.
+"""Benchmark of the online loops (DGPO, Flow-GRPO on SD3 and FLUX, DDPO, ViPO, DiffusionNFT), phase by phase, against
+the denoiser's floor — the online counterpart of ``scripts/bench_main_job.py``.
 
 For each tiny online recipe it runs epochs of `diffalign.train.online` (its own ``_setup`` and ``_epoch``, unchanged)
 and times, from outside, the four phases of an epoch: **rollout** (``group_rollout``), **reward** (the rewards'
@@ -48,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CHILD_ENV = dict(os.environ)
 
-RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_video"]
+RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_video",
+           "tiny_flow_grpo_flux"]
 PHASES = ("rollout", "reward", "advantages", "update")
 HOOKED = ("_setup", "_epoch", "group_rollout", "ChunkScorer", "_advantages", "_updates")
 # every measurement: no evaluation, trackers, checkpoints or monitors (not part of an epoch)

@@ -1,22 +1,33 @@
 """Real-size architectures on CPU: one training step of every applicable method on the real SD1.5, SDXL,
-SD3.5-Medium and Wan2.1-T2V-1.3B architectures, with random weights.
+SD3.5-Medium and Wan2.1-T2V-1.3B architectures, and on real-width, reduced-depth slices of FLUX.1-dev and
+Wan2.2-T2V-A14B, with random weights.
 
 Each architecture is built from its published configs (``configs/arch/*.json``, copied from the hub repos they name;
 nothing is downloaded), randomly initialised, written once as a diffusers folder with ``save_pretrained`` (bfloat16
-on disk) and loaded back by the run exactly as ``diffalign-train model=<sd15|sdxl|sd35_medium|wan21_t2v>
-model.pretrained_model_name_or_path=<folder>`` would: the config is composed from the method's paper recipe (or the
+on disk) and loaded back by the run exactly as ``diffalign-train model=<sd15|sdxl|sd35_medium|wan21_t2v|flux1_dev|
+wan22_t2v_a14b> model.pretrained_model_name_or_path=<folder>`` would: the config is composed from the method's paper recipe (or the
 model config), validated, and the training loop's own set-up runs (`diffalign.train.preference` /
 `diffalign.train.online`), followed by one optimizer step (preference methods) or one epoch of rollouts + one update
 (online methods), each (model, method, dtype) in its own subprocess. Two stand-ins, so the machine's memory suffices:
 SD3.5-Medium runs without its T5-XXL encoder (``load_t5=false``: the pipeline feeds zeros in its place, the joint
 attention still sees 77 + 256 text tokens), and Wan runs with a one-layer stand-in of its umT5-XXL encoder that has
-the real output width (prompt embeddings (B, 512, 4096), random values). Their sizes are counted from their
-published configs on the meta device and reported.
+the real output width (prompt embeddings (B, 512, 4096), random values); FLUX.1-dev's T5-XXL likewise. Their sizes
+are counted from their published configs on the meta device and reported.
+
+Two models do not fit this machine's memory even so (FLUX.1-dev's transformer: 11.9 B parameters, 24 GB in bfloat16;
+Wan2.2-T2V-A14B: two experts of 14.3 B, 57 GB), so their rows run a **reduced-depth stand-in** (``MODELS[...]
+["depth"]``): the published denoiser config with fewer blocks — FLUX.1-dev with 1 double-stream and 1 single-stream
+block of its 19 + 38, each Wan 2.2 expert with 1 layer of its 40 — at the real width, heads, embeddings, VAE and
+text width, so the step runs the real code path per block (the experts' switch at the boundary, the guidance
+embedding, the packed latents) but not the real depth: its time and memory are those of the slice, and the GPU
+estimate (``--estimate``) leaves these models out. The published sizes (meta device, full depth) are reported beside.
 
 The smallest valid resolution: 8x8 latents for the UNets (64 px; SD1.5's UNet halves three times), 2x2 for SD3.5
-(16 px, one 2x2 patch), 5 frames of 16x16 px for Wan (latents 16x2x2x2, two patches). The folder's denoiser
-``config.json`` carries that size as ``sample_size`` (the default resolution the loops read; it sizes no weight).
-Rollouts take 2 sampler steps, groups 2 samples, batches 1 pair / 1 winner; rewards are the toy ``brightness``
+(16 px, one 2x2 patch), 5 frames of 16x16 px for Wan (latents 16x2x2x2, two patches), 16 px for FLUX (latents
+16x2x2, one packed token; set with ``model.height/width``: FLUX's transformer has no default size). The folder's
+denoiser ``config.json`` carries that size as ``sample_size`` (the default resolution the loops read; it sizes no
+weight). Rollouts take 2 sampler steps (Wan 2.2: 6, so that the trained transitions reach the low-noise expert),
+groups 2 samples, batches 1 pair / 1 winner; rewards are the toy ``brightness``
 (images) and ``per_frame`` brightness + ``temporal_consistency`` (video), since the step's cost is the method's.
 
 Printed: a markdown table with parameters (denoiser / all loaded), LoRA parameters, times (set-up; the online
@@ -57,7 +68,12 @@ MODELS = {
     "sd15": {"arch": "sd15", "min": 8, "scale": 32, "big": False},
     "sdxl": {"arch": "sdxl", "min": 8, "scale": 16, "big": True},
     "sd35_medium": {"arch": "sd35_medium", "min": 2, "scale": 32, "big": True},
-    "wan21_t2v": {"arch": "wan21_t2v_1_3b", "min": (5, 16, 16), "scale": (9, 128, 128), "big": False},
+    "wan21_t2v": {"arch": "wan21_t2v_1_3b", "min": (5, 16, 16), "scale": (9, 128, 128), "big": False, "video": True},
+    # reduced-depth stand-ins (the module docstring): "depth" replaces these fields of every denoiser's config
+    "flux1_dev": {"arch": "flux1_dev", "min": 2, "scale": 32, "big": False, "sized_by_model": True,
+                  "depth": {"num_layers": 1, "num_single_layers": 1}},
+    "wan22_t2v_a14b": {"arch": "wan22_t2v_a14b", "min": (5, 16, 16), "scale": (9, 128, 128), "big": False,
+                       "video": True, "depth": {"num_layers": 1}},
 }
 # SDXL's smallest valid latent is 4x4 (two downsamplings); 8x8 (64 px) is used so that the VAE, whose encoder has
 # three, sees the same 64 px images as SD1.5's.
@@ -84,6 +100,8 @@ METHODS = {
         "diffusion_nft": "diffusion_nft_sd35_geneval",
     },
     "wan21_t2v": {"vipo": "vipo_wan"},
+    "flux1_dev": {"flow_grpo": "flow_grpo_flux_pickscore"},
+    "wan22_t2v_a14b": {"flow_grpo": "~recipe"},  # no Wan 2.2 recipe ships: flow_grpo's defaults, sampler=flow_sde
 }
 ONLINE = {"ddpo", "flow_grpo", "dgpo", "diffusion_nft", "vipo"}
 
@@ -94,6 +112,27 @@ ONLINE = {"ddpo", "flow_grpo", "dgpo", "diffusion_nft", "vipo"}
 def load_arch(name: str) -> dict:
     """The published configs of one architecture (``configs/arch/<name>.json``)."""
     return json.loads((ARCH_DIR / f"{name}.json").read_text())
+
+
+def run_arch(model: str) -> dict:
+    """The architecture `model`'s row builds and runs: its published configs (`load_arch`), with a reduced-depth
+    stand-in's ``MODELS[model]["depth"]`` fields replacing those of every denoiser (the components of the denoiser's
+    class: both experts of Wan 2.2)."""
+    arch = load_arch(MODELS[model]["arch"])
+    depth = MODELS[model].get("depth")
+    if not depth:
+        return arch
+    denoiser_class = arch["components"][arch["denoiser"]]["class"]
+    components = {name: {**spec, "config": {**spec["config"], **depth}} if spec.get("class") == denoiser_class
+                  else spec for name, spec in arch["components"].items()}
+    return {**arch, "components": components}
+
+
+def folder_size(model: str, size):
+    """The denoiser's default size written into the folder (`model_folder`); None where the run sets the size
+    itself (Wan: frames and pixels, FLUX: ``model.height/width``)."""
+    spec = MODELS[model]
+    return None if spec.get("video") or spec.get("sized_by_model") else size
 
 
 def component_class(spec: dict):
@@ -142,13 +181,13 @@ def stand_in_tokenizer(model_max_length: int):
 
 
 def narrow_umt5(spec: dict, tokenizer):
-    """The umT5 stand-in: one layer, one head of 8, d_ff 16, the real width d_model (4096)."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
+    """The (um)T5 encoder stand-in (the spec's class: Wan's umT5, FLUX's T5): one layer, one head of 8, d_ff 16, the
+    real width d_model (4096)."""
+    cls = component_class(spec)
     width = spec["config"]["d_model"]
-    return UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=width, d_kv=8, d_ff=16, num_layers=1,
-                                       num_heads=1, pad_token_id=tokenizer.pad_token_id,
-                                       eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0))
+    return cls(cls.config_class(vocab_size=len(tokenizer), d_model=width, d_kv=8, d_ff=16, num_layers=1, num_heads=1,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                decoder_start_token_id=0))
 
 
 def build_components(arch: dict, sample_size=None) -> dict:
@@ -230,6 +269,7 @@ def in_memory_loading(arch: dict, sample_size) -> None:
     construction (LoRA, schedulers, checks) runs unchanged."""
     import diffusers
 
+    import diffalign.models.flux
     import diffalign.models.sd3
     import diffalign.models.sdxl
     import diffalign.models.stable_diffusion
@@ -241,17 +281,18 @@ def in_memory_loading(arch: dict, sample_size) -> None:
         pipe = getattr(diffusers, arch["pipeline"])(**components, **arch.get("pipeline_kwargs", {}))
         return pipe.to(resolve_dtype(torch_dtype))
 
-    for module in (diffalign.models.sd3, diffalign.models.sdxl, diffalign.models.stable_diffusion,
-                   diffalign.models.wan):
+    for module in (diffalign.models.flux, diffalign.models.sd3, diffalign.models.sdxl,
+                   diffalign.models.stable_diffusion, diffalign.models.wan):
         module.load_pipeline = load_pipeline
 
 
 def model_folder(model: str, size, work: Path, log=print, in_memory: bool = False) -> Path:
     """The diffusers folder of `model` whose denoiser defaults to latent side `size` (a view of the shared weights:
-    every file a symlink but the denoiser's ``config.json``). Wan has no default size (the run sets it). With
-    `in_memory`, a weightless folder (`write_configs`; the child builds the weights, `in_memory_loading`)."""
+    every file a symlink but the denoiser's ``config.json``). Wan and FLUX have no default size (the run sets it,
+    `folder_size`). With `in_memory`, a weightless folder (`write_configs`; the child builds the weights,
+    `in_memory_loading`). A reduced-depth stand-in is built as `run_arch` says."""
     spec = MODELS[model]
-    arch = load_arch(spec["arch"])
+    arch = run_arch(model)
     if in_memory:
         out = work / spec["arch"] / f"configs_{size}"
         write_configs(arch, out, size)
@@ -264,7 +305,7 @@ def model_folder(model: str, size, work: Path, log=print, in_memory: bool = Fals
             shutil.rmtree(weights)
         write_weights(arch, weights)
         log(f"[real-size] written in {time.time() - t:.0f}s")
-    if model == "wan21_t2v":
+    if folder_size(model, size) is None:
         return weights
     view = work / spec["arch"] / f"sample_size_{size}"
     if (view / "model_index.json").is_file():
@@ -337,6 +378,8 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
         out.append("model.load_t5=false")
     if model == "sdxl":  # the Diffusion-DPO recipe's fp16-fixed VAE is a hub download; same architecture as SDXL's
         out.append("model.pretrained_vae_model_name_or_path=null")
+    if MODELS[model].get("sized_by_model"):  # FLUX: the size is the policy's height/width
+        out += [f"model.height={size * 8}", f"model.width={size * 8}"]
     if method in ONLINE:
         out += ["online.num_epochs=1", "online.groups_per_epoch=1", "online.group_size=2",
                 "online.updates_per_epoch=1", "online.num_inner_epochs=1", "online.rollout_batch_size=2",
@@ -346,12 +389,22 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
             out += [f"model.num_frames={frames}", f"model.height={height}", f"model.width={width}",
                     "online.prompts=video_train", "online.best_of_n=null", "reward=[per_frame,temporal_consistency]",
                     "reward.per_frame.image_reward=brightness", f"method.backbone=dinov2:{backbone_folder(work)}"]
+        elif MODELS[model].get("video"):
+            frames, height, width = size
+            out += [f"model.num_frames={frames}", f"model.height={height}", f"model.width={width}",
+                    "online.prompts=video_train", "reward=[per_frame]", "reward.per_frame.image_reward=brightness"]
         else:
             out += ["online.prompts=train", "reward=[brightness]"]
         if method == "ddpo":
             out += ["online.tracker_min_count=1"]
         if method == "dgpo":
             out += ["method.timesteps_per_epoch=1", "method.timestep_max_index=1", "method.old_policy_switch_step=0"]
+        if recipe == "~recipe" and method == "flow_grpo":
+            out.append("sampler=flow_sde")
+        if model == "wan22_t2v_a14b":
+            # shift 12, boundary 0.875: with 6 steps the 5th (σ = 1/3, t = 857) is the first on the low-noise expert,
+            # and flow_grpo trains the first 5 transitions, so the update reaches both experts
+            out.append("sampler.num_inference_steps=6")
         return out
     pixels = size * 8
     pairs = write_pairs(work / "data" / f"pairs_{pixels}", pixels)
@@ -374,7 +427,8 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
     return out
 
 
-MODELS_CONFIG = {"sd15": "sd15", "sdxl": "sdxl", "sd35_medium": "sd35_medium", "wan21_t2v": "wan21_t2v"}
+MODELS_CONFIG = {"sd15": "sd15", "sdxl": "sdxl", "sd35_medium": "sd35_medium", "wan21_t2v": "wan21_t2v",
+                 "flux1_dev": "flux1_dev", "wan22_t2v_a14b": "wan22_t2v_a14b"}
 
 
 def _status(key: str) -> int:
@@ -424,7 +478,7 @@ def probe_latents(policy, model: str, size, rows: int):
     """Random latents of `rows` samples at `size` in the policy's layout."""
     import torch
 
-    if model == "wan21_t2v":
+    if MODELS[model].get("video"):
         frames, height, width = size
         c = policy.latent_shape[0]
         shape = (c, (frames - 1) // 4 + 1, height // 8, width // 8)
@@ -469,21 +523,21 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     from hydra import compose, initialize_config_dir
 
     from diffalign.config.compose import CONFIG_DIR, setup_hydra
-    from diffalign.config.validation import validate_train_config
     from diffalign.runtime.console import WarningCounts
     from diffalign.runtime.faults import StopSignals
+    from diffalign.train.prepare import build_run, check_run
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     peaks = Peaks()
-    folder = model_folder(model, size if model != "wan21_t2v" else None, work, in_memory=in_memory)
+    folder = model_folder(model, folder_size(model, size), work, in_memory=in_memory)
     if in_memory:
-        in_memory_loading(load_arch(MODELS[model]["arch"]), size if model != "wan21_t2v" else None)
+        in_memory_loading(run_arch(model), folder_size(model, size))
     run_dir = Path(tempfile.mkdtemp(prefix=f"{model}-{method}-", dir=work / "runs"))
     overrides = overrides_for(model, method, dtype, folder, size, work, run_dir)
     setup_hydra()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    validate_train_config(cfg, overrides=overrides)
+    check_run(cfg, overrides)  # the checks `diffalign-train` runs; the loop's set-up below builds the run
     row = {"model": model, "method": method, "dtype": dtype, "size": size, "recipe": METHODS[model][method],
            "loading": "in memory" if in_memory else "from_pretrained",
            "lora_rank": cfg.model.lora_rank, "batch": cfg.trainer.batch_size, "load_start": os.getloadavg()[0]}
@@ -514,7 +568,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
             return out
 
         loop.group_rollout, loop._updates = timed_rollout, timed_updates
-        run = loop._setup(cfg)
+        run = loop._setup(build_run(cfg))
         run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.runtime.console)
         row["setup_s"] = time.perf_counter() - t0
         touch(run.policy)
@@ -526,7 +580,7 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
         from diffalign.train import preference as loop
 
         with StopSignals() as stop:
-            run = loop._setup(cfg)
+            run = loop._setup(build_run(cfg))
             run.warnings = WarningCounts()  # what the loop's `train` hands every run (diffalign.runtime.console)
             touch(run.policy)
             row["rss_weights"] = _status("VmRSS")
@@ -565,6 +619,14 @@ def child(model: str, method: str, dtype: str, size, work: Path, in_memory: bool
     row["grads_finite"] = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
     row["lora_changed"] = any(bool(p.detach().abs().sum() > 0) for n, p in policy.denoiser.named_parameters()
                               if "lora_B" in n and p.requires_grad)
+    if MODELS[model].get("depth"):
+        row["stand_in_depth"] = MODELS[model]["depth"]
+    experts = [name for name in ("transformer", "transformer_2") if isinstance(getattr(policy.denoiser, name, None),
+                                                                              torch.nn.Module)]
+    if len(experts) == 2:  # Wan 2.2: did the update reach each expert's LoRA?
+        row["experts_changed"] = {name: any(bool(p.detach().abs().sum() > 0) for n, p in
+                                            getattr(policy.denoiser, name).named_parameters()
+                                            if "lora_B" in n and p.requires_grad) for name in experts}
     shutil.rmtree(run_dir, ignore_errors=True)
     return row
 
@@ -585,7 +647,7 @@ def need_gib(model: str, dtype: str, min_free_gib: float | None) -> float:
     spec = MODELS[model]
     if spec["big"] and dtype == "float32":
         return min_free_gib if min_free_gib is not None else 16.0
-    arch = load_arch(spec["arch"])
+    arch = run_arch(model)  # a reduced-depth stand-in needs its own size, not the published one
     params = sum(n for name, n in published_sizes(arch).items()
                  if arch["components"][name].get("stand_in") is None)
     return params * (4 if dtype == "float32" else 2) / GIB + 4
@@ -631,7 +693,7 @@ def fmt_gib(n) -> str:
 
 
 def size_label(model: str, size) -> str:
-    if model == "wan21_t2v":
+    if MODELS[model].get("video"):
         f, h, w = size
         return f"{f}×{h}×{w}"
     return f"{size * 8} px"
@@ -644,6 +706,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         recipe = r.get("recipe", METHODS[r["model"]][r["method"]])
         method = f"{r['method']} ({'–' if recipe == '~recipe' else recipe})"
+        depth = MODELS[r["model"]].get("depth")
+        if depth:  # a reduced-depth stand-in: the blocks that ran
+            method += " [stand-in: " + ", ".join(f"{k} {v}" for k, v in depth.items()) + "]"
         if "skipped" in r:
             reason = r["skipped"].split(" | ")[-1][:160].replace("|", "/")
             lines.append(f"| {r['model']} | {method} | {r['dtype']} | {size_label(r['model'], r['size'])} | "
@@ -685,17 +750,20 @@ GPUS = ((24, "24 GB (RTX 4090, A10G, L4)"), (48, "48 GB (L40S, RTX 6000 Ada, A40
         (141, "141 GB (H200)"))
 
 
-TEXT_TOKENS = {"sd35_medium": 77 + 256}  # SD3.5's joint attention also runs the text tokens (CLIP + T5 positions)
+# the joint attention also runs the text tokens: SD3.5's CLIP + T5 positions, FLUX's T5 positions (CLIP gives only a
+# pooled vector)
+TEXT_TOKENS = {"sd35_medium": 77 + 256, "flux1_dev": 512}
 
 
 def tokens(model: str, size) -> int:
     """Positions the denoiser's activations scale with: h·w latent cells (UNets), (h/2)·(w/2) patches plus the 333
-    text positions of the joint attention (SD3.5), F_lat·(h/2)·(w/2) patches (Wan; `size` = (frames, height px,
-    width px)). The UNets' and Wan's text enters only through cross-attention keys and values, left out."""
-    if model == "wan21_t2v":
+    text positions of the joint attention (SD3.5; FLUX: packed 2×2 latents and its 512 T5 positions),
+    F_lat·(h/2)·(w/2) patches (Wan; `size` = (frames, height px, width px)). The UNets' and Wan's text enters only
+    through cross-attention keys and values, left out."""
+    if MODELS[model].get("video"):
         frames, height, width = size
         return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
-    if model == "sd35_medium":
+    if model in TEXT_TOKENS:
         return (size // 2) ** 2 + TEXT_TOKENS[model]
     return size * size
 
@@ -764,14 +832,14 @@ def estimate(rows: list[dict], work: Path) -> str:
             frozen += published_sizes(load_arch("dinov2_large"))["backbone"] * 4  # the PSM backbone, float32
         lora = r["lora_params"] * cfg.model.lora_rank / r["lora_rank"]
         adapters = 16 * lora + 4 * r["frozen_adapter_params"] * cfg.model.lora_rank / r["lora_rank"]
-        if model == "wan21_t2v":
+        if MODELS[model].get("video"):
             sizes_px = [((cfg.model.num_frames, cfg.model.height, cfg.model.width), "")]
         else:
             native = arch["components"][arch["denoiser"]]["config"]["sample_size"]
             # the SD3.5 recipes sample at the checkpoint's 1024 px (no SD3 resolution option); the papers at 512 px
             sizes_px = [(native, "")] + ([(64, " at the papers' 512 px")] if model == "sd35_medium" else [])
         for size, label in sizes_px:
-            where = f"{size[0]}×{size[1]}×{size[2]}" if model == "wan21_t2v" else f"{size * 8} px"
+            where = f"{size[0]}×{size[1]}×{size[2]}" if MODELS[model].get("video") else f"{size * 8} px"
             n_tok = tokens(model, size)
             grad_rows = GRAD_ROWS[method] * cfg.trainer.batch_size
             c = step_increase(r)
@@ -832,7 +900,7 @@ def main() -> None:
     for model in args.models:
         for size in [MODELS[model][name] for name in args.sizes]:
             # writes the weights once
-            model_folder(model, size if model != "wan21_t2v" else None, args.work, in_memory=args.in_memory)
+            model_folder(model, folder_size(model, size), args.work, in_memory=args.in_memory)
             for method in METHODS[model]:
                 if args.methods and method not in args.methods:
                     continue

@@ -65,6 +65,15 @@ TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.sampler.nu
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
     "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK),
+    # the Flow-GRPO recipe with another rollout sampler (docs/guides/samplers.md), all else equal: CPS (noise_level
+    # 0.8, its released default) and MixGRPO's windowed SDE at the recipe's 10 steps (a 4-step window starting at
+    # steps 0-7, moved by 1 every 2 epochs: the 20 epochs visit every start, 0 and 1 twice; MixGRPO: 25 steps, moved
+    # every 25 iterations)
+    "flow_grpo_cps": Method("tiny_flow_grpo", True, ["sampler=cps_sde"], quick=ONLINE_QUICK),
+    "flow_grpo_window": Method("tiny_flow_grpo", True, ["sampler=window_sde", "sampler.num_inference_steps=10",
+                                                        "sampler.shift_interval=2"], quick=ONLINE_QUICK),
+    "grpo_guard": Method("tiny_grpo_guard", True, quick=ONLINE_QUICK),  # tiny_flow_grpo with the guard alone
+    "flow_grpo_flux": Method("tiny_flow_grpo_flux", True, quick=ONLINE_QUICK),  # the tiny FLUX-format model
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08

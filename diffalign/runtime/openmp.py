@@ -4,9 +4,12 @@ loads (docs/guides/performance.md#shared-machines).
 PyTorch's Linux wheels run their CPU kernels on libgomp. A libgomp thread that finished its share of a parallel region
 keeps spinning on its core (``GOMP_SPINCOUNT``: 300,000 iterations by default) waiting for the next one, which makes
 an idle machine fast and a shared one slow: beside another CPU-bound process, the spinning threads take time slices
-from the working ones, and the main job took 8x its idle time on a 2-core machine (issue 33). With
-``OMP_WAIT_POLICY=PASSIVE`` a waiting thread sleeps instead, which costs the idle machine (a forward + backward of the
-tiny UNet at 64 rows 1.7x slower) and saves the shared one (2.2x faster).
+from the working ones (issue 33: the main job at 8x its idle time on a 2-core machine). With
+``OMP_WAIT_POLICY=PASSIVE`` a waiting thread sleeps instead, which costs the idle machine and saves the shared one:
+measured in one run beside one competing process (``scripts/bench_shared_machine.py``, docs/results/performance.md),
+the shortened main job and a ``tiny_flow_grpo`` epoch took 2.94x and 3.50x their idle time by default and 1.57x and
+1.37x with this module's choice, whose idle runs took 0.87x and 1.01x the default's; PASSIVE always would cost the
+idle runs 1.56x and 1.71x.
 
 So ``diffalign-train`` and ``diffalign-eval`` look, before anything imports torch, at how busy the CPUs they may run
 on are (`others_busy_cores`: the busy time of those CPUs over 0.2 s, from ``/proc/stat``), and set

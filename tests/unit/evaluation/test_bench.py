@@ -94,3 +94,64 @@ def test_list_prints_the_runs_without_running_them(capsys):
                  "trainer.optimizer.lr=5e-3"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert line.endswith("trainer.optimizer.lr=5e-3")
+
+
+def _composed(name: str, tmp_path) -> dict:
+    """The benchmark's brightness run of entry `name`, seed 0, composed and checked as ``diffalign-train`` would."""
+    from conftest import compose_cfg
+    from omegaconf import OmegaConf
+
+    from diffalign.train.prepare import check_run
+
+    overrides = run_overrides(METHODS[name], "brightness", 0, quick=False)
+    cfg = compose_cfg([*overrides, f"output_dir={tmp_path}"])
+    check_run(cfg, overrides)
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> set[str]:
+    """The dotted keys whose values differ between two nested config dicts."""
+    keys = set(a) | set(b)
+    out = set()
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.add(f"{prefix}{k}")
+    return out
+
+
+def test_the_sampler_guard_and_flux_rows_change_only_what_they_name_against_flow_grpo(tmp_path):
+    """Each new row is the Flow-GRPO row with one thing changed, so its figures compare that thing alone: the CPS row
+    its sampler, the windowed row its sampler (at the recipe's 10 steps), the Guard row its method (RatioNorm and the
+    1/Δt reweighting, the rest of the method equal), the FLUX row its model; all compose and pass ``check_run``."""
+    from diffalign.samplers.base import build_sampler
+    from diffalign.samplers.cps import CPSSampler
+    from diffalign.samplers.window_sde import WindowSDESampler
+
+    base = _composed("flow_grpo", tmp_path)
+    rows = {name: _composed(name, tmp_path) for name in ("flow_grpo_cps", "flow_grpo_window", "grpo_guard",
+                                                         "flow_grpo_flux")}
+    assert _differences(base, rows["flow_grpo_cps"]) == {"sampler.name", "sampler.noise_level"}
+    assert rows["flow_grpo_cps"]["sampler"]["noise_level"] == 0.8  # CPS's released default, Flow-GRPO's `cps` type
+    assert _differences(base, rows["flow_grpo_window"]) == {  # its noise_level (0.7), steps and CFG are Flow-GRPO's
+        "sampler.name", "sampler.window_size", "sampler.shift_interval", "sampler.window_stride"}
+    window = rows["flow_grpo_window"]["sampler"]
+    assert (window["num_inference_steps"], window["window_size"], window["shift_interval"]) == (10, 4, 2)
+    assert window["num_inference_steps"] == base["sampler"]["num_inference_steps"]  # the same rollout budget
+    assert _differences(base, rows["grpo_guard"]) == {"method._target_", "method.ratio_norm", "method.grad_reweight"}
+    assert rows["grpo_guard"]["method"]["ratio_norm"] is True
+    assert rows["grpo_guard"]["method"]["grad_reweight"] == "inverse_dt"
+    for key in ("clip_range", "beta_kl"):
+        assert rows["grpo_guard"]["method"][key] == base["method"][key]
+    flux = _differences(base, rows["flow_grpo_flux"])
+    assert "model._target_" in flux and all(k.startswith("model.") for k in flux)
+    assert isinstance(build_sampler(_cfg(rows["flow_grpo_cps"]["sampler"])), CPSSampler)
+    assert isinstance(build_sampler(_cfg(window)), WindowSDESampler)
+
+
+def _cfg(values: dict):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(values)

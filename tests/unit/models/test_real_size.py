@@ -4,7 +4,8 @@ independent count by hand from the config; the LoRA of each ``model=`` config (i
 out) parameters over the targeted layers, counted by hand; SD1.5 (the one that fits in a few GiB) is wrapped by the
 project's policy and runs one forward at its minimum size, and FLUX.1-dev (33 GB in bfloat16, more than this machine
 has) runs as a real-width slice, one block of each kind. The step of every method at real size is
-``scripts/bench_real_size.py`` (docs/guides/real_size.md; FLUX.1-dev is not in it yet)."""
+``scripts/bench_real_size.py`` (docs/guides/real_size.md; FLUX.1-dev and Wan 2.2 as real-width, reduced-depth
+stand-ins)."""
 
 from __future__ import annotations
 
@@ -198,6 +199,82 @@ def test_wan22_a14b_experts_counted_by_hand():
     add_trainable_lora(expert, cfg["lora_rank"], cfg["lora_alpha"], ["attn1.to_q", "attn1.to_k", "attn1.to_v",
                        "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"], 0)
     assert sum(p.numel() for p in expert.parameters() if p.requires_grad) == cfg["lora_rank"] * 2 * d * 8 * layers
+
+
+def _flux_blocks(d: int) -> tuple[int, int, int]:
+    """(double-stream block, single-stream block, outside the blocks) parameters of a FLUX transformer of width d, the
+    block-by-block count of `test_flux1_dev_transformer_counted_by_hand`."""
+    outside = (65 * d) + 2 * (256 * d + d + d * d + d) + (768 * d + d + d * d + d) + (4096 * d + d) \
+        + (2 * d * d + 2 * d) + (64 * d + 64)
+    return 36 * d * d + 30 * d + 4 * 128, 15 * d * d + 11 * d + 2 * 128, outside
+
+
+def _wan_blocks(d: int, f: int) -> tuple[int, int]:
+    """(block, outside the blocks) parameters of a Wan transformer of width d and FFN f, the count of
+    `test_wan22_a14b_experts_counted_by_hand`."""
+    block = 8 * (d * d + d) + 4 * d + 2 * d + (2 * d * f + f + d) + 6 * d
+    outside = (64 * d + d) + (256 * d + d + d * d + d) + (6 * d * d + 6 * d) + (4096 * d + d + d * d + d) \
+        + (64 * d + 64) + 2 * d
+    return block, outside
+
+
+def test_the_real_size_benchmark_sizes_flux_and_wan22_as_published_and_runs_their_slices():
+    """``scripts/bench_real_size.py``'s FLUX.1-dev and Wan2.2-T2V-A14B entries, on the meta device: the published
+    configs give FLUX.1-dev's transformer 11.9 B (the hub's count; "12 billion" in the model card) and each Wan 2.2
+    expert the 14.3 B of the Wan 14B architecture (the "A14B" of its name, 14 B to the nearest billion), both within
+    1 % and exactly the block-by-block counts; the Wan 2.2 arch file (built from diffusers' conversion script, no
+    hub access) has two experts of the release's config (dim 5120, FFN 13824, 40 heads, 40 layers) and boundary
+    0.875. What the rows run: the same configs with 1 + 1 FLUX blocks and 1 layer per Wan expert, so each stand-in
+    is the published count less the blocks it drops."""
+    bench = _bench()
+    flux = bench.published_sizes(bench.load_arch(bench.MODELS["flux1_dev"]["arch"]))
+    double, single, outside = _flux_blocks(3072)
+    assert abs(flux["transformer"] / 11.9e9 - 1) < 0.01 and flux["transformer"] == 19 * double + 38 * single + outside
+    flux_run = bench.published_sizes(bench.run_arch("flux1_dev"))
+    assert flux_run["transformer"] == double + single + outside
+    assert {k: v for k, v in flux_run.items() if k != "transformer"} == {k: v for k, v in flux.items()
+                                                                       if k != "transformer"}
+
+    arch = bench.load_arch(bench.MODELS["wan22_t2v_a14b"]["arch"])
+    config = arch["components"]["transformer"]["config"]
+    assert arch["components"]["transformer_2"]["config"] == config
+    assert (config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"], config["num_layers"]) \
+        == (5120, 13824, 40)
+    assert arch["pipeline_kwargs"] == {"boundary_ratio": 0.875}
+    wan = bench.published_sizes(arch)
+    block, outside = _wan_blocks(5120, 13824)
+    for expert in ("transformer", "transformer_2"):
+        assert wan[expert] == 40 * block + outside and abs(wan[expert] / 14.3e9 - 1) < 0.01
+        assert round(wan[expert] / 1e9) == 14
+    wan_run = bench.published_sizes(bench.run_arch("wan22_t2v_a14b"))
+    assert wan_run["transformer"] == wan_run["transformer_2"] == block + outside
+    assert wan_run["vae"] == wan["vae"] == bench.published_sizes(bench.load_arch("wan21_t2v_1_3b"))["vae"]
+
+
+@pytest.mark.parametrize("model", ["flux1_dev", "wan22_t2v_a14b"])
+def test_the_real_size_rows_of_flux_and_wan22_compose_and_pass_the_checks(model, tmp_path):
+    """The training config a FLUX.1-dev / Wan 2.2 row's child composes (its overrides, with the weightless folder of
+    ``--in-memory``: model_index.json and the configs) passes ``check_run``: FLUX at 16 px through the policy's
+    height/width, Wan 2.2 with 6 steps so that flow_grpo's 5 trained transitions reach the low-noise expert (shift
+    12: σ = 1/3 maps to t = 12σ / (1 + 11σ) = 0.857 < the boundary 0.875; the 4th step, σ = 1/2, to 0.923)."""
+    from conftest import compose_cfg
+
+    from diffalign.train.prepare import check_run
+
+    bench = _bench()
+    size = bench.MODELS[model]["min"]
+    folder = bench.model_folder(model, bench.folder_size(model, size), tmp_path, in_memory=True)
+    overrides = bench.overrides_for(model, "flow_grpo", "bfloat16", folder, size, tmp_path, tmp_path / "run")
+    cfg = compose_cfg(overrides)
+    check_run(cfg, overrides)
+    assert cfg.model.torch_dtype == "bfloat16" and cfg.online.group_size == 2
+    if model == "flux1_dev":
+        assert (cfg.model.height, cfg.model.width) == (16, 16) and cfg.sampler.guidance_scale == 3.5
+    else:
+        assert cfg.sampler.num_inference_steps == 6 and cfg.model.lora_experts == "both"
+        shift, sigmas = cfg.model.flow_shift, [1 - k / 6 for k in range(6)]
+        t = [shift * s / (1 + (shift - 1) * s) for s in sigmas]
+        assert [x >= 0.875 for x in t[:5]] == [True, True, True, True, False]
 
 
 def _unet_attention_layers(config: dict) -> list[tuple[int, int]]:
