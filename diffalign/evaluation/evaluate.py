@@ -40,6 +40,25 @@ from diffalign.runtime.media import VIDEO_FORMATS
 from diffalign.runtime.storage import disk_full_as_error, write_text
 
 
+def check_inputs(rows: list[dict], variants: dict, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
+    """The variant labels and their folder names (`label_slug`), after `evaluate_policy`'s input checks.
+
+    Raises:
+        ValueError: for no rows, no variants, two labels with the same folder name, or an unknown video format.
+    """
+    if not rows:
+        raise ValueError("eval.prompts selected no prompts; point eval.prompts at a non-empty file")
+    if not variants:
+        raise ValueError("no variants to evaluate; pass e.g. {'base': True}")
+    if cfg.video_format not in VIDEO_FORMATS:
+        raise ValueError(f"eval.video_format must be one of {VIDEO_FORMATS}, got {cfg.video_format!r}")
+    labels = list(variants)
+    slugs = {label: label_slug(label) for label in labels}
+    if len(set(slugs.values())) != len(labels):
+        raise ValueError(f"variant labels {labels} map to the same folder names {list(slugs.values())}; rename them")
+    return labels, slugs
+
+
 def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, out_dir: Path,
                     variants: dict[str, bool | str | Path], log=write, *, resume: bool = True,
                     context: dict | None = None, progress: bool = True, base_key: dict | None = None) -> dict:
@@ -79,18 +98,9 @@ def evaluate_policy(policy, rows: list[dict], rewards: dict, cfg: EvalConfig, ou
         ValueError: for no rows, no variants, two labels with the same file name, or an unknown video format.
         DiskFullError: the disk filled up (naming the file; nothing half-written is kept, a re-run continues).
     """
+    labels, slugs = check_inputs(rows, variants, cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not rows:
-        raise ValueError("eval.prompts selected no prompts; point eval.prompts at a non-empty file")
-    if not variants:
-        raise ValueError("no variants to evaluate; pass e.g. {'base': True}")
-    if cfg.video_format not in VIDEO_FORMATS:
-        raise ValueError(f"eval.video_format must be one of {VIDEO_FORMATS}, got {cfg.video_format!r}")
-    labels = list(variants)
-    slugs = {label: label_slug(label) for label in labels}
-    if len(set(slugs.values())) != len(labels):
-        raise ValueError(f"variant labels {labels} map to the same folder names {list(slugs.values())}; rename them")
     seeds = list(cfg.seeds)
     cfg = dataclasses.replace(cfg, sampler=eval_sampler(cfg))  # (a bad node fails here, before any sampling)
 
