@@ -383,7 +383,10 @@ def overrides_for(model: str, method: str, dtype: str, folder: Path, size, work:
     if method in ONLINE:
         out += ["online.num_epochs=1", "online.groups_per_epoch=1", "online.group_size=2",
                 "online.updates_per_epoch=1", "online.num_inner_epochs=1", "online.rollout_batch_size=2",
-                "online.checkpointing_epochs=null", "trainer.batch_size=2", "sampler.num_inference_steps=2"]
+                "online.checkpointing_epochs=null", "trainer.batch_size=2", "sampler.num_inference_steps=2",
+                # the one update must move the adapter: a warmup's first update has learning rate 0 (the trainer's
+                # default warmup is 10; a recipe's own may be 0), as for the preference methods below
+                "trainer.lr_warmup_steps=0"]
         if method == "vipo":
             frames, height, width = size
             out += [f"model.num_frames={frames}", f"model.height={height}", f"model.width={width}",
