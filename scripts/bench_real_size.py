@@ -481,7 +481,7 @@ def probe_latents(policy, model: str, size, rows: int):
     """Random latents of `rows` samples at `size` in the policy's layout."""
     import torch
 
-    if MODELS[model].get("video"):
+    if MODELS.get(model, {}).get("video"):  # (gpu_check passes its own family names)
         frames, height, width = size
         c = policy.latent_shape[0]
         shape = (c, (frames - 1) // 4 + 1, height // 8, width // 8)

@@ -119,7 +119,7 @@ def smoke_overrides(tmp_path: Path, steps: int = 2) -> list[str]:
     """A `steps`-update preference run of the tiny random model on 16 renderer pairs into `tmp_path`, no evaluation."""
     return [f"output_dir={tmp_path}", "model=tiny_random", f"trainer.max_steps={steps}", "trainer.batch_size=2",
             "trainer.checkpointing_steps=1", "trainer.keep_last=-1", "trainer.log_with=none", "eval.enabled=false",
-            "data=shapes_pairs", "data.num_pairs=16", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=1"]
+            "data=shapes_pairs", "data.num_pairs=16", "trainer.optimizer.lr=1e-2", "trainer.lr_warmup_steps=0"]
 
 
 def online_overrides(tmp_path, epochs: int = 2) -> list[str]:
