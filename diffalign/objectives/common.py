@@ -110,3 +110,18 @@ def draw_timesteps_and_noise(
     timesteps = randint(timestep_min, t_max + 1, shape[0], generator)
     noise = randn(shape, generator)
     return timesteps, noise
+
+
+def check_timestep_range(config) -> None:
+    """``method.timestep_min`` / ``method.timestep_max`` of a preference method's config (DDSPO, SePPO): the range of
+    training timesteps, `timestep_max` None for the scheduler's last one.
+
+    Raises:
+        ValueError: `timestep_min` < 0, or `timestep_max` below `timestep_min` (naming the field and the fix).
+    """
+    if config.timestep_min < 0:
+        raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
+    if config.timestep_max is not None and config.timestep_max < config.timestep_min:
+        raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
+                         f"{config.timestep_min}; set timestep_max >= timestep_min, or null for the scheduler's "
+                         "last timestep.")

@@ -43,7 +43,14 @@ from torch import nn
 from diffalign.config.schemas import config_schema
 from diffalign.data.degrade import random_word_removal
 from diffalign.methods import method_config
-from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, rand, randint
+from diffalign.objectives.common import (
+    Generators,
+    check_timestep_range,
+    draw_timesteps_and_noise,
+    per_sample_mse,
+    rand,
+    randint,
+)
 from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
 from diffalign.types import PreferenceBatch, PromptEmbeds
 
@@ -306,12 +313,7 @@ class DDSPO(nn.Module):
         if config.cpp == "dd" and not (config.target_lora_w and config.target_lora_l):
             raise ValueError("method.cpp=dd needs method.target_lora_w and method.target_lora_l (the winner/ and loser/"
                              " folders of diffalign-ddcpp-targets).")
-        if config.timestep_min < 0:
-            raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
-        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
-            raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
-                             f"{config.timestep_min}; set timestep_max >= timestep_min, or null for the scheduler's "
-                             "last timestep.")
+        check_timestep_range(config)
         self.beta, self.cpp, self.loss_weighting = config.beta, config.cpp, config.loss_weighting
         self.prediction_space = config.prediction_space
         self.rand_cond, self.rand_cond_schedule = config.rand_cond, config.rand_cond_schedule

@@ -38,7 +38,14 @@ from torch import nn
 
 from diffalign.config.schemas import config_schema
 from diffalign.methods import method_config
-from diffalign.objectives.common import Generators, draw_timesteps_and_noise, per_sample_mse, randint, randn
+from diffalign.objectives.common import (
+    Generators,
+    check_timestep_range,
+    draw_timesteps_and_noise,
+    per_sample_mse,
+    randint,
+    randn,
+)
 from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
 from diffalign.runtime.console import warn_repeated
 from diffalign.samplers.base import build_sampler
@@ -263,12 +270,7 @@ class SePPO(nn.Module):
             raise ValueError(f"method.aaf_mode={config.aaf_mode!r} must be one of {list(AAF_MODES)}.")
         if config.aaf_tie not in ("loser", "winner"):
             raise ValueError(f"method.aaf_tie={config.aaf_tie!r} must be 'loser' or 'winner'.")
-        if config.timestep_min < 0:
-            raise ValueError(f"method.timestep_min={config.timestep_min} must be >= 0.")
-        if config.timestep_max is not None and config.timestep_max < config.timestep_min:
-            raise ValueError(f"method.timestep_max={config.timestep_max} is below method.timestep_min="
-                             f"{config.timestep_min}; set timestep_max >= timestep_min, or null for the scheduler's "
-                             "last timestep.")
+        check_timestep_range(config)
         if config.sample_cache not in SAMPLE_CACHE_MODES:
             raise ValueError(f"method.sample_cache={config.sample_cache!r} must be one of {list(SAMPLE_CACHE_MODES)}.")
         self.sampler = None if config.sampler is None else build_sampler(config.sampler, "sampler")
