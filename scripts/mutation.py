@@ -65,7 +65,8 @@ MODULES: dict[str, list[str]] = {
                       "-k", "not train and not loop and not resume"],
     "reference/old_policy": ["tests/unit/objectives/test_dgpo.py", "tests/unit/reference/test_old_policy.py", "-k",
                              "not online and not loop"],
-    "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_resume_rng.py"],
+    "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_checkpoint_contract.py",
+                           "tests/unit/runtime/test_resume_rng.py"],
     "runtime/runlock": ["tests/integration/test_runlock.py"],
 }
 

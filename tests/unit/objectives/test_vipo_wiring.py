@@ -94,7 +94,7 @@ def test_without_rows_the_maps_are_made_for_the_minibatch(policy_and_rollout):
     torch.testing.assert_close(loss, torch.tensor(-0.25), rtol=1e-4, atol=1e-5)
 
 
-def test_prepare_plan_and_loss_as_the_online_loop_calls_them(policy_and_rollout):
+def test_prepare_plan_and_loss_as_the_training_loop_calls_them(policy_and_rollout):
     policy, traj = policy_and_rollout
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     vipo = ViPO(map="ones", timestep_fraction=0.6, timestep_selection="per_sample")
