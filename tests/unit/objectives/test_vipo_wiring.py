@@ -122,3 +122,50 @@ def test_prepare_with_one_advantage_per_reward_takes_the_reward_weights(policy_a
     vipo.prepare_epoch(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1))
     loss, _ = vipo(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1), 0, rows=torch.arange(4))
     torch.testing.assert_close(loss, torch.tensor(-(0.25 * 1 + 2.0 * -1)), rtol=1e-4, atol=1e-5)
+
+
+def test_prepare_and_the_minibatch_maps_decode_with_the_policy(policy_and_rollout):
+    """Without stored images `prepare` (and a call without ``rows``) decode the final latents with the policy: the
+    PSM sees ``policy.decode(x_0)`` of the rows it maps."""
+    policy, traj = policy_and_rollout
+    no_images = dataclasses.replace(traj, images=None)
+    with torch.no_grad():
+        decoded = policy.decode(traj.latents[:, -1])
+    backbone = RecordingBackbone()
+    vipo = ViPO(backbone=backbone)
+    stats = vipo.prepare(policy, epoch_of(no_images, torch.ones(4)))
+    assert torch.equal(backbone.seen[-1], decoded) and stats["vipo/map_fallback"] == 0.25
+    vipo = ViPO(backbone=backbone)
+    vipo(policy, no_images.index(torch.tensor([1, 3])), torch.ones(2), 1)
+    assert torch.equal(backbone.seen[-1], decoded[[1, 3]])
+
+
+def test_the_consistency_alarm_checks_vipos_per_position_log_probs(policy_and_rollout):
+    """During an epoch's first update a stored per-position log-prob off by 0.5 (> the tolerance 0.1) stops the run,
+    naming the epoch and the transition trained."""
+    from types import SimpleNamespace
+
+    from diffalign.runtime.faults import RolloutMismatchError
+
+    policy, traj = policy_and_rollout
+    log_probs = traj.log_probs.clone()
+    log_probs[2, 1, 0, 0] += 0.5
+    shifted = dataclasses.replace(traj, log_probs=log_probs)
+    vipo = ViPO(map="ones", logprob_tolerance=0.1)
+    updates = vipo.checked_updates(SimpleNamespace(epoch=6), iter([["update 0"], ["update 1"]]))
+    next(updates)
+    vipo(policy, shifted, torch.ones(4), 0)  # transition 0 matches
+    with pytest.raises(RolloutMismatchError, match=r"before the first update of epoch 6 \(transition 1\): max "
+                       r"\|Δ log π\| = 0\.5 > method\.logprob_tolerance=0\.1 "):
+        vipo(policy, shifted, torch.ones(4), 1)
+
+
+def test_per_reward_advantages_without_their_coefficients_are_refused(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_per_reward=True)
+    with pytest.raises(ValueError, match="^2 per-reward advantages need 2 reward_coefficients; the training loop sets "
+                       r"them from reward\.<name>\.weight$"):
+        vipo(policy, traj, torch.ones(4, 2), 0)
+    vipo.reward_coefficients = torch.ones(3)
+    with pytest.raises(ValueError, match="^2 per-reward advantages need 2 reward_coefficients"):
+        vipo(policy, traj, torch.ones(4, 2), 0)
