@@ -5,6 +5,7 @@ on the fly without ``rows``, and the `prepare` / `plan` / `loss` contract the on
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -169,3 +170,46 @@ def test_per_reward_advantages_without_their_coefficients_are_refused(policy_and
     vipo.reward_coefficients = torch.ones(3)
     with pytest.raises(ValueError, match="^2 per-reward advantages need 2 reward_coefficients"):
         vipo(policy, traj, torch.ones(4, 2), 0)
+
+
+def test_metrics_by_hand(policy_and_rollout):
+    """Stored log-probs set to log π_θ − d per position (d = 0.2 at one position of each sample, else 0), A = (1, −2,
+    0.5, 3) on an all-ones map, ε = 0.1: ratio = mean exp(d), clipfrac = the share of positions with |exp(d) − 1| > ε,
+    approx_kl = mean ½ d², adv_map_abs = mean |A^p| — the released ViPO/DanceGRPO logging."""
+    from diffalign.samplers.rollout import recompute_step
+
+    policy, traj = policy_and_rollout
+    k = 1
+    with torch.no_grad():
+        now = recompute_step(policy, traj, k, reduction="per_position", detach_unconditional=True).log_prob
+    d = torch.zeros_like(now)
+    d[:, 0, 0] = 0.2
+    log_probs = traj.log_probs.clone()
+    log_probs[:, k] = now - d
+    shifted = dataclasses.replace(traj, log_probs=log_probs)
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    vipo = ViPO(map="ones", clip_range=0.1)
+    loss, metrics = vipo(policy, shifted, adv, k)
+    positions = d[0].numel()
+    assert set(metrics) == {"loss", "ratio", "clipfrac", "approx_kl", "adv_map_abs"}
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    ratio = (positions - 1 + torch.exp(torch.tensor(0.2))) / positions
+    torch.testing.assert_close(metrics["ratio"], ratio, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["clipfrac"], torch.tensor(1 / positions))
+    torch.testing.assert_close(metrics["approx_kl"], torch.tensor(0.5 * 0.2 ** 2 / positions), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(metrics["adv_map_abs"], torch.tensor((1 + 2 + 0.5 + 3) / 4))
+
+
+def test_the_psm_maps_the_stored_images_and_mismatched_log_probs_are_named(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    backbone = RecordingBackbone()
+    stored = 1 - traj.images  # not what decoding would give: the stored ones are used as they are
+    ViPO(backbone=backbone).prepare_epoch(policy, dataclasses.replace(traj, images=stored), torch.ones(4))
+    assert torch.equal(backbone.seen[-1], stored)
+    # log-probs stored on another grid (here (B, K, 1, 1), which broadcasts) under reduction=per_position
+    other_grid = dataclasses.replace(traj, log_probs=traj.log_probs.mean((2, 3), keepdim=True))
+    grid = tuple(traj.latents.shape[3:])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"per-position log-probs (4, 1, 1) do not match the advantage maps (4, {grid[0]}, {grid[1]}); the rollout must "
+            "use reduction='per_position'.") + "$"):
+        ViPO(map="ones", logprob_check="off")(policy, other_grid, torch.ones(4), 0)
