@@ -213,3 +213,29 @@ def test_the_psm_maps_the_stored_images_and_mismatched_log_probs_are_named(polic
             f"per-position log-probs (4, 1, 1) do not match the advantage maps (4, {grid[0]}, {grid[1]}); the rollout must "
             "use reduction='per_position'.") + "$"):
         ViPO(map="ones", logprob_check="off")(policy, other_grid, torch.ones(4), 0)
+
+
+def test_config_object_bounds_and_messages():
+    """Every refusal of `ViPO.__init__` with its exact message, and the edges that are allowed."""
+    from diffalign.objectives.vipo import ViPOConfig
+
+    assert ViPO(ViPOConfig(clip_range=0.3, map="ones")).clip_range == 0.3  # the config object is used
+    edges = ViPO(timestep_fraction=1.0, spatial_sigma=0.0, temporal_sigma=0.0, advantage_clip=0.5)
+    assert (edges.timestep_fraction, edges.advantage_clip) == (1.0, 0.5)
+    assert ViPO(advantage_clip=None).advantage_clip is None
+    assert ViPO(map="ones", backbone="not a backbone").map == "ones"  # the backbone is checked for the PSM only
+    refused = [
+        ({"timestep_fraction": 1.5}, "method.timestep_fraction=1.5 must be in (0, 1]."),
+        ({"timestep_selection": "last"},
+         "method.timestep_selection='last' must be one of ('first', 'random', 'per_sample')."),
+        ({"spatial_sigma": -1.0}, "method.spatial_sigma=-1.0 and method.temporal_sigma=0.3 must be >= 0 (0: no "
+                                  "smoothing)."),
+        ({"temporal_sigma": -0.5}, "method.spatial_sigma=1.0 and method.temporal_sigma=-0.5 must be >= 0 (0: no "
+                                   "smoothing)."),
+        ({"advantage_clip": 0.0}, "method.advantage_clip=0.0 must be > 0 (5 in the released code) or null."),
+        ({"backbone": "not a backbone"},
+         "method.backbone='not a backbone' must be 'tiny_clip', 'dinov2:<folder>' or 'python:<module>:<factory>'"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            ViPO(**fields)
