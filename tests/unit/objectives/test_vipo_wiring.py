@@ -239,3 +239,14 @@ def test_config_object_bounds_and_messages():
     for fields, message in refused:
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             ViPO(**fields)
+
+
+def test_before_the_first_epoch(policy_and_rollout):
+    """No maps, statistics or coefficients before `prepare`; the advantage the loop computes ("group", or "per_reward"
+    with advantage_per_reward); rows given before any `prepare_epoch` make the minibatch's maps."""
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_clip=2.0)
+    assert (vipo.maps, vipo.advantage_maps, vipo.map_stats, vipo.reward_coefficients) == (None, None, {}, None)
+    assert vipo.advantage == "group" and ViPO(map="ones", advantage_per_reward=True).advantage == "per_reward"
+    loss, _ = vipo(policy, traj.index(torch.tensor([0, 1])), torch.tensor([3.0, -1.0]), 1, rows=torch.tensor([0, 1]))
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 - 1.0) / 2), rtol=1e-4, atol=1e-5)
