@@ -250,3 +250,24 @@ def test_before_the_first_epoch(policy_and_rollout):
     assert vipo.advantage == "group" and ViPO(map="ones", advantage_per_reward=True).advantage == "per_reward"
     loss, _ = vipo(policy, traj.index(torch.tensor([0, 1])), torch.tensor([3.0, -1.0]), 1, rows=torch.tensor([0, 1]))
     torch.testing.assert_close(loss, torch.tensor(-(2.0 - 1.0) / 2), rtol=1e-4, atol=1e-5)
+
+
+def test_loss_uses_the_epochs_maps_without_mapping_again(policy_and_rollout):
+    """`loss` passes the unit's rows, so the maps `prepare` made are used: the backbone is not run again (the PSM runs
+    once per epoch); before any `prepare` the unit's own advantages make the minibatch's maps."""
+    policy, traj = policy_and_rollout
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    epoch = epoch_of(traj, adv)
+    backbone = RecordingBackbone()
+    vipo = ViPO(backbone=backbone)
+    vipo.prepare(policy, epoch)
+    assert len(backbone.seen) == 1
+    unit = TransitionUnit(epoch, torch.tensor([3, 1]), 0, weight=1.0)
+    loss, metrics = vipo.loss(policy, unit, reference=None)
+    assert len(backbone.seen) == 1
+    # ratio 1: −mean over the rows' positions of M·A (the maps of rows 3 and 1 from the epoch)
+    expected = -(vipo.advantage_maps[[3, 1]]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    fresh = ViPO(map="ones")
+    loss, _ = fresh.loss(policy, unit, reference=None)
+    torch.testing.assert_close(loss, torch.tensor(-(-0.5 - 1.0) / 2), rtol=1e-4, atol=1e-5)
