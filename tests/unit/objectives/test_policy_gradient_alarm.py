@@ -168,8 +168,8 @@ def test_clipped_policy_gradient_defaults_bounds_and_contract():
         "beta_kl": (-0.1, "method.beta_kl=-0.1 must be >= 0."),
         "kl_form": ("approx", "method.kl_form='approx' must be 'code' or 'exact'."),
         "advantage": ("global", "method.advantage='global' must be 'group' or 'per_prompt'."),
-        "timestep_selection": ("last", "method.timestep_selection='last' must be one of ('first', 'random', "
-                               "'per_sample')."),
+        "timestep_selection": ("last", ("method.timestep_selection='last' must be one of ('first', 'random', "
+                                        "'per_sample').")),
     }
     for field, (value, message) in bad.items():
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):

@@ -228,10 +228,10 @@ def test_config_object_bounds_and_messages():
         ({"timestep_fraction": 1.5}, "method.timestep_fraction=1.5 must be in (0, 1]."),
         ({"timestep_selection": "last"},
          "method.timestep_selection='last' must be one of ('first', 'random', 'per_sample')."),
-        ({"spatial_sigma": -1.0}, "method.spatial_sigma=-1.0 and method.temporal_sigma=0.3 must be >= 0 (0: no "
-                                  "smoothing)."),
-        ({"temporal_sigma": -0.5}, "method.spatial_sigma=1.0 and method.temporal_sigma=-0.5 must be >= 0 (0: no "
-                                   "smoothing)."),
+        ({"spatial_sigma": -1.0},
+         "method.spatial_sigma=-1.0 and method.temporal_sigma=0.3 must be >= 0 (0: no smoothing)."),
+        ({"temporal_sigma": -0.5},
+         "method.spatial_sigma=1.0 and method.temporal_sigma=-0.5 must be >= 0 (0: no smoothing)."),
         ({"advantage_clip": 0.0}, "method.advantage_clip=0.0 must be > 0 (5 in the released code) or null."),
         ({"backbone": "not a backbone"},
          "method.backbone='not a backbone' must be 'tiny_clip', 'dinov2:<folder>' or 'python:<module>:<factory>'"),
@@ -263,7 +263,7 @@ def test_loss_uses_the_epochs_maps_without_mapping_again(policy_and_rollout):
     vipo.prepare(policy, epoch)
     assert len(backbone.seen) == 1
     unit = TransitionUnit(epoch, torch.tensor([3, 1]), 0, weight=1.0)
-    loss, metrics = vipo.loss(policy, unit, reference=None)
+    loss, _ = vipo.loss(policy, unit, reference=None)
     assert len(backbone.seen) == 1
     # ratio 1: −mean over the rows' positions of M·A (the maps of rows 3 and 1 from the epoch)
     expected = -(vipo.advantage_maps[[3, 1]]).mean()
