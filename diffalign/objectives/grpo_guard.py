@@ -54,6 +54,9 @@ from diffalign.samplers.rollout import recompute_step
 from diffalign.types import Trajectory
 
 GRAD_REWEIGHTS = ("inverse_dt", "none")
+GUARD_SAMPLERS = ("flow_sde", "window_sde")
+"""The samplers whose trained steps are Flow-GRPO SDE steps (`diffalign.samplers.flow_sde.flow_sde_step`), the step
+the reweighting δ_k = 1/Δt_k is derived for."""
 
 
 @config_schema("method", "grpo_guard")
@@ -120,8 +123,10 @@ def grad_weight(sigmas: torch.Tensor, k: int, form: str = "inverse_dt") -> float
 
 class GRPOGuard(ClippedPolicyGradient):
     """GRPO-Guard: Flow-GRPO (`diffalign.objectives.flow_grpo.FlowGRPO`, same defaults) with RatioNorm and gradient
-    reweighting (module docstring). Flow models with ``sampler=flow_sde`` only (the reweighting's δ is derived for the
-    Flow-GRPO SDE, as in the released implementations). The other arguments are `ClippedPolicyGradient`'s, with
+    reweighting (module docstring). Flow models with Flow-GRPO SDE steps only: ``sampler=flow_sde``, or
+    ``sampler=window_sde`` (MixGRPO's window, whose trained steps are Flow-GRPO SDE steps; the two compose as in
+    Flow-Factory's GRPO trainer); the reweighting's δ is derived for the Flow-GRPO SDE, as in the released
+    implementations, so CPS and DanceGRPO's SDE are refused. The other arguments are `ClippedPolicyGradient`'s, with
     `FlowGRPO`'s defaults.
 
     Built from `GRPOGuardConfig`, the one place its defaults are written: ``GRPOGuard(config)`` or
@@ -149,24 +154,26 @@ class GRPOGuard(ClippedPolicyGradient):
 
     @classmethod
     def check_config(cls, cfg, num_processes: int | None = None) -> None:
-        """Raises ValueError unless the rollouts are Flow-GRPO SDE ones with a noise level > 0."""
+        """Raises ValueError unless the rollouts' trained steps are Flow-GRPO SDE ones (`GUARD_SAMPLERS`) with a
+        noise level > 0."""
         super().check_config(cfg, num_processes)
-        if cfg.sampler.get("name") != "flow_sde":
+        if cfg.sampler.get("name") not in GUARD_SAMPLERS:
             raise ValueError(f"method=grpo_guard reweights the Flow-GRPO SDE's steps, but sampler.name="
-                             f"{cfg.sampler.get('name')!r}. Use sampler=flow_sde with a flow model (model=tiny_sd3, "
-                             "sd35_medium, flux1_dev, wan21_t2v)")
+                             f"{cfg.sampler.get('name')!r}. Use sampler=flow_sde (or window_sde) with a flow model "
+                             "(model=tiny_sd3, sd35_medium, flux1_dev, wan21_t2v)")
 
     def prepare(self, policy, epoch) -> dict[str, float]:
         """μ_old of every stored transition of the epoch, recomputed without gradients before the first update
         (θ = θ_old), in minibatches of ``trainer.batch_size`` rows; stored for `loss`.
 
         Raises:
-            ValueError: if the trajectory is not a Flow-GRPO SDE one (``sampler="flow_sde"``).
+            ValueError: if the trajectory's trained steps are not Flow-GRPO SDE ones (its sampler is not in
+                `GUARD_SAMPLERS`).
         """
         traj = epoch.trajectory
-        if traj.sampler != "flow_sde":
+        if traj.sampler not in GUARD_SAMPLERS:
             raise ValueError(f"method=grpo_guard needs Flow-GRPO SDE rollouts; the trajectory's sampler is "
-                             f"{traj.sampler!r}. Use sampler=flow_sde")
+                             f"{traj.sampler!r}. Use sampler=flow_sde (or window_sde)")
         self._old_means = None
         if not self.ratio_norm:
             return {}

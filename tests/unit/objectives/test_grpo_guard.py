@@ -189,7 +189,51 @@ def test_the_tiny_recipe_trains_and_its_first_update_has_ratio_exactly_one(tmp_p
     assert any(not torch.equal(first[key], final[key]) for key in first)
 
 
+def test_on_the_windowed_sde_it_trains_only_the_window_with_ratio_one_at_each_epochs_first_update(tmp_path,
+                                                                                                    monkeypatch):
+    """``sampler=window_sde`` (MixGRPO's window, Flow-GRPO SDE steps inside it): 6 steps, window 2 moved every epoch,
+    so epoch 0 trains steps {0, 1} and epoch 1 steps {1, 2} (l(e) = e, by the schedule's formula); μ_old is recomputed
+    for the window's steps only, so each epoch's first update sees log ρ̂ = 0 to float noise, and δ_k = 1/Δt_k of the
+    trajectory's own sigmas."""
+    from diffalign.objectives import policy_gradient
+    from diffalign.train import online
+
+    events: list[tuple] = []
+    plan, original = policy_gradient.transition_plan, GRPOGuard.clipped_loss
+
+    def spy_plan(epoch, *args, **kwargs):
+        for update in plan(epoch, *args, **kwargs):
+            events.append(("update", epoch.epoch))
+            yield update
+
+    def spy_loss(self, policy, trajectory, advantages, k, step, log_ratio, **kwargs):
+        dt = float(trajectory.sigmas[k] - trajectory.sigmas[k + 1])
+        events.append(("unit", k, float(log_ratio.detach().abs().max()), kwargs["weight"] * dt))
+        return original(self, policy, trajectory, advantages, k, step, log_ratio, **kwargs)
+
+    monkeypatch.setattr(policy_gradient, "transition_plan", spy_plan)
+    monkeypatch.setattr(GRPOGuard, "clipped_loss", spy_loss)
+    cfg = compose_cfg(["recipe=tiny_grpo_guard", *online_overrides(tmp_path), "sampler=window_sde",
+                       "sampler.num_inference_steps=6", "sampler.window_size=2", "sampler.shift_interval=1",
+                       "method.timestep_fraction=1.0", "online.updates_per_epoch=2", "trainer.batch_size=4"])
+    results = online.train(cfg)
+    assert results["global_step"] == 4
+    updates, epoch, trained = [], None, {0: set(), 1: set()}
+    for event in events:
+        if event[0] == "update":
+            epoch = event[1]
+            updates.append((epoch, []))
+        else:
+            trained[epoch].add(event[1])
+            updates[-1][1].append(event[2])
+            assert event[3] == pytest.approx(1.0)
+    assert trained == {0: {0, 1}, 1: {1, 2}}
+    assert [e for e, _ in updates] == [0, 0, 1, 1] and all(len(v) == 2 for _, v in updates)  # 4 rows x 2 steps each
+    assert max(updates[0][1] + updates[2][1]) <= 1e-6 and max(updates[1][1] + updates[3][1]) > 1e-6
+
+
 @pytest.mark.parametrize("sampler, match", [("dance_sde", "sampler.name='dance_sde'"),
+                                            ("cps_sde", "sampler.name='cps_sde'"),
                                             ("dpm_ode", "it needs a stochastic sampler")])
 def test_a_sampler_other_than_the_flow_grpo_sde_is_refused_before_any_model_loads(tmp_path, sampler, match):
     from diffalign.config.validation import validate_train_config
