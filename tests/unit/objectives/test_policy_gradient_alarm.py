@@ -183,3 +183,27 @@ def test_clipped_policy_gradient_defaults_bounds_and_contract():
     assert objective.epoch_updates(3, 2) == 6 and objective.prepare(None, None) == {}
     assert (ClippedPolicyGradient.data_flow, ClippedPolicyGradient.rollout_sampler_kind,
             ClippedPolicyGradient.log_prob_reduction) == ("online_trajectories", "sde", "mean")
+
+
+def test_clipped_loss_on_a_given_log_ratio_with_a_weight():
+    """The table of tests/unit/objectives/test_clip_binding.py (ε = 0.2; A = 2, 2, −1, −1; ρ = 1.5, 0.5, 1.5, 0.5):
+    terms −2.4, −1.0, 1.5, 0.8, mean −0.275; the weight (GRPO-Guard's reweighting) multiplies it, a weight of 1 (int,
+    float) leaves it; ``approx_kl`` is over the raw log π_θ − log π_old (here 0.2 for row 0 at k = 1), not the given
+    log-ratio."""
+    objective = ClippedPolicyGradient(clip_range=0.2)
+    log_probs = torch.zeros(4, 3)
+    log_probs[:, 1] = torch.tensor([-0.2, 0.0, 0.0, 0.0])
+    trajectory = SimpleNamespace(log_probs=log_probs)
+    step = SimpleNamespace(log_prob=torch.zeros(4))
+    log_ratio = torch.tensor([1.5, 0.5, 1.5, 0.5]).log()
+    adv = torch.tensor([2, 2, -1, -1])  # (integers: made float)
+    weights = ((1, 1.0), (1.0, 1.0), (0.5, 0.5), (2, 2.0), (torch.tensor(0.5), 0.5), (torch.tensor(1.0), 1.0))
+    for weight, factor in weights:
+        loss, metrics = objective.clipped_loss(None, trajectory, adv, 1, step, log_ratio, weight=weight)
+        torch.testing.assert_close(loss, torch.tensor(-0.275 * factor), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(metrics["ratio"], torch.tensor(1.0))
+    assert metrics["clipfrac"].item() == 1.0 and metrics["kl"].item() == 0.0
+    torch.testing.assert_close(metrics["approx_kl"], torch.tensor(0.5 * 0.2 ** 2 / 4))
+    assert set(metrics) == {"loss", "ratio", "clipfrac", "approx_kl", "kl"}
+    inside = objective.clipped_loss(None, trajectory, adv, 1, step, torch.tensor([1.1, 0.9, 1.0, 1.19]).log())[1]
+    assert inside["clipfrac"].item() == 0.0
