@@ -207,3 +207,35 @@ def test_clipped_loss_on_a_given_log_ratio_with_a_weight():
     assert set(metrics) == {"loss", "ratio", "clipfrac", "approx_kl", "kl"}
     inside = objective.clipped_loss(None, trajectory, adv, 1, step, torch.tensor([1.1, 0.9, 1.0, 1.19]).log())[1]
     assert inside["clipfrac"].item() == 0.0
+
+
+def test_the_warning_edges_its_kind_and_the_end_of_the_epoch(monkeypatch, caplog):
+    """A worst |Δ| exactly at the tolerance is not a mismatch; in a training loop's console summary the warning is
+    counted under "logprob_mismatch" (one per epoch); it is shared (every process sees the same agreed value), so only
+    process 0 reports it; after the epoch's updates the alarm is off again."""
+    from diffalign.runtime import console
+
+    objective = ClippedPolicyGradient(logprob_check="warn", logprob_tolerance=0.5)
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.5]), torch.tensor([0.0]), 0)
+        assert list(updates) == [["update 1"]] and caplog.messages == []
+    with console.console_summary() as counts:
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.75]), torch.tensor([0.0]), 0)
+        list(updates)
+        assert counts.pending() == {"logprob_mismatch": 1}
+    caplog.clear()  # (the summary's "at the end" line)
+    monkeypatch.setattr(console, "_first_process", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.75]), torch.tensor([0.0]), 0)
+        list(updates)
+    assert caplog.messages == []
+    stop = ClippedPolicyGradient(logprob_tolerance=0.5)
+    assert list(stop.checked_updates(SimpleNamespace(epoch=0), iter([["only update"]]))) == [["only update"]]
+    stop.check_logprobs(torch.tensor([9.0]), torch.tensor([0.0]), 0)  # (after the epoch: not checked)
+
+
+def test_one_stored_transition_is_enough_per_sample():
+    assert per_sample_transitions(2, 1, 0.5, torch.Generator().manual_seed(0)).tolist() == [[0], [0]]
