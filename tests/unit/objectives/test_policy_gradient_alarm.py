@@ -239,3 +239,25 @@ def test_the_warning_edges_its_kind_and_the_end_of_the_epoch(monkeypatch, caplog
 
 def test_one_stored_transition_is_enough_per_sample():
     assert per_sample_transitions(2, 1, 0.5, torch.Generator().manual_seed(0)).tolist() == [[0], [0]]
+
+
+def test_the_worst_difference_is_agreed_over_the_processes(monkeypatch):
+    """On several processes the largest |Δ| is all-reduced with MAX, so every process stops (or not) alike: here this
+    process's 0.1 and another's 0.9 (a faked two-process group: the reduction sets the other's value)."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM):
+        calls.append(op)
+        assert op == dist.ReduceOp.MAX and tensor.shape == (1,)
+        tensor.copy_(torch.maximum(tensor, torch.tensor([0.9])))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    objective = ClippedPolicyGradient(logprob_tolerance=0.5)
+    first_update(objective)
+    with pytest.raises(RolloutMismatchError, match=r"max \|Δ log π\| = 0\.9 > method\.logprob_tolerance=0\.5"):
+        objective.check_logprobs(torch.tensor([0.1]), torch.tensor([0.0]), 0)
+    assert calls == [dist.ReduceOp.MAX]
