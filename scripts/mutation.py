@@ -57,6 +57,7 @@ MODULES: dict[str, list[str]] = {
                              "tests/unit/objectives/test_timestep_selection.py",
                              "tests/unit/objectives/test_flow_grpo_config.py", "-k", "not online and not loop"],
     "objectives/common": ["tests/unit/objectives/test_common.py"],
+    "objectives/ddpo": ["tests/unit/objectives/test_ddpo_config.py"],
     "reference/frozen_base": ["tests/unit/reference/test_reference.py",
                               "tests/unit/reference/test_ema_and_frozen_base.py", "-k",
                               "not train and not loop and not resume"],
