@@ -196,16 +196,22 @@ def test_shipped_video_model_generates_coherent_objects_but_not_yet_motion():
     `TextToVideoSDPipeline.from_pretrained` and as a policy; 8 held-out prompts give 8 videos of 8 frames, whose
     objects the motion verifier tracks across frames (identity kept, the dense score's 2 of 3 constraints) while the
     direction of motion is not learned (docs/results/video.md: dense score 0.65, strict accuracy 0 on 112 videos)."""
-    from diffusers import TextToVideoSDPipeline
+    from diffusers import AutoencoderKL, TextToVideoSDPipeline
 
     from diffalign.models.text_to_video import TextToVideoPolicy
     from diffalign.rewards.video import VideoMotion
     from diffalign.samplers.rollout import rollout
     from diffalign.world.prompts import load_prompts
 
-    pipe = TextToVideoSDPipeline.from_pretrained(asset_path("tiny_t2v"), torch_dtype=torch.float32)
+    # the folder stores no VAE: tiny_sd3's is the same tiny world VAE, stored once (model.vae in model=tiny_t2v)
+    assert not (ASSETS / "tiny_t2v" / "vae").exists()
+    pipe = TextToVideoSDPipeline.from_pretrained(asset_path("tiny_t2v"), torch_dtype=torch.float32,
+                                                 vae=AutoencoderKL.from_pretrained(asset_path("tiny_sd3/vae")))
     assert list(pipe.unet.config.block_out_channels) == [48, 96]
-    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=None)
+    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=None,
+                                               vae=asset_path("tiny_sd3/vae"))
+    with pytest.raises(ValueError, match=r"model.vae='/no/such/vae' is not a VAE folder"):
+        TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), vae="/no/such/vae")
     rows = load_prompts("video_heldout")[::3][:8]
     gens = [torch.Generator().manual_seed(i) for i in range(len(rows))]
     with torch.no_grad():
