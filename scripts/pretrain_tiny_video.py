@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -481,6 +482,7 @@ def main() -> None:
         f"{held['direction_sign']:.3f} {held['per_tag']}; text gap {text_gap:.3f}; probe {probe}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    shutil.rmtree(out / "vae")  # the image VAE, stored once: model=tiny_t2v loads tiny_sd3's (model.vae)
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
                "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe, "text_gap": text_gap,

@@ -54,7 +54,7 @@ from diffalign.models.pipeline_policy import (
     cfg_batch,
     check_lora_arguments,
     load_pipeline,
-    resolve_dtype,
+    load_vae_folder,
 )
 from diffalign.types import PromptEmbeds
 
@@ -209,16 +209,7 @@ class FluxPolicy(RectifiedFlowMixin, PipelinePolicy):
             ValueError: for an unknown `torch_dtype`, a local path that is not a pipeline folder, or a `vae` that is
                 not a VAE folder (before loading).
         """
-        components = {}
-        if vae is not None:
-            from diffusers import AutoencoderKL
-
-            if not os.path.isfile(os.path.join(os.path.expanduser(os.fspath(vae)), "config.json")):
-                raise ValueError(f"model.vae={os.fspath(vae)!r} is not a VAE folder (no config.json); point it at an "
-                                 "AutoencoderKL folder such as <pipeline>/vae, or set model.vae=null to load the "
-                                 "pipeline's own")
-            components["vae"] = AutoencoderKL.from_pretrained(os.path.expanduser(os.fspath(vae)),
-                                                              torch_dtype=resolve_dtype(torch_dtype))
+        components = {} if vae is None else {"vae": load_vae_folder(vae, torch_dtype)}
         pipe = load_pipeline(FluxPipeline, pretrained_model_name_or_path, revision=revision, variant=variant,
                              torch_dtype=torch_dtype, local_files_only=local_files_only, kind="FLUX",
                              example_hub_id="black-forest-labs/FLUX.1-dev", **components)

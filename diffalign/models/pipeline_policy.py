@@ -144,6 +144,25 @@ def load_pipeline(pipeline_class, pretrained_model_name_or_path: str | os.PathLi
                                           local_files_only=local_files_only, **components)
 
 
+def load_vae_folder(vae: str | os.PathLike, torch_dtype: str | torch.dtype = "float32"):
+    """An `AutoencoderKL` from a local folder (with `config.json`; ``~`` expanded), in `torch_dtype`: the ``model.vae``
+    of a pipeline folder that stores no VAE of its own (the shipped tiny FLUX and text-to-video models use tiny_sd3's,
+    ``${diffalign_asset:tiny_sd3/vae}``), passed on as ``Pipeline.from_pretrained(path, vae=...)``.
+
+    Raises:
+        ValueError: for an unknown `torch_dtype`, or a path that is not a VAE folder (before loading).
+    """
+    from diffusers import AutoencoderKL
+
+    dtype = resolve_dtype(torch_dtype)
+    path = os.path.expanduser(os.fspath(vae))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model.vae={os.fspath(vae)!r} is not a VAE folder (no config.json); point it at an "
+                         "AutoencoderKL folder such as <pipeline>/vae, or set model.vae=null to load the "
+                         "pipeline's own")
+    return AutoencoderKL.from_pretrained(path, torch_dtype=dtype)
+
+
 def check_lora_arguments(lora_rank: int | None, lora_target_modules: Sequence[str], denoiser: str,
                          example: Sequence[str]) -> None:
     """The LoRA arguments every policy checks before it touches a module.

@@ -22,6 +22,7 @@ calls work and the weights and saved config are unchanged.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from diffusers import TextToVideoSDPipeline, UNet3DConditionModel, UNetMotionMod
 from diffusers.loaders import PeftAdapterMixin
 from omegaconf import MISSING
 
-from diffalign.models.pipeline_policy import PipelinePolicy, load_pipeline
+from diffalign.models.pipeline_policy import PipelinePolicy, load_pipeline, load_vae_folder
 from diffalign.models.stable_diffusion import DEFAULT_LORA_TARGET_MODULES, StableDiffusionPolicy
 
 
@@ -96,14 +97,25 @@ class TextToVideoPolicy(StableDiffusionPolicy):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, *, num_frames: int = 8, revision: str | None = None,
                         variant: str | None = None, torch_dtype: str | torch.dtype = "float32",
-                        local_files_only: bool | None = None, lora_rank: int | None = 4,
-                        lora_alpha: float | None = None,
+                        local_files_only: bool | None = None, vae: str | os.PathLike | None = None,
+                        lora_rank: int | None = 4, lora_alpha: float | None = None,
                         lora_target_modules: Sequence[str] = DEFAULT_LORA_TARGET_MODULES,
                         lora_seed: int = 0) -> TextToVideoPolicy:
         """Loads a `TextToVideoSDPipeline` folder or hub id (e.g. ``ali-vilab/text-to-video-ms-1.7b``); arguments as
-        `StableDiffusionPolicy.from_pretrained`, plus `num_frames`."""
+        `StableDiffusionPolicy.from_pretrained`, plus `num_frames` and `vae`.
+
+        Args:
+            vae (`str`, *optional*): a local `AutoencoderKL` folder loaded instead of the pipeline's ``vae/``
+                (`load_vae_folder`). The shipped tiny text-to-video model (`model=tiny_t2v`) has no VAE of its own and
+                uses tiny_sd3's (``${diffalign_asset:tiny_sd3/vae}``, the same tiny world VAE, byte for byte).
+
+        Raises:
+            ValueError: for an unknown `torch_dtype`, a local path that is not a pipeline folder, or a `vae` that is
+                not a VAE folder (before loading).
+        """
+        components = {} if vae is None else {"vae": load_vae_folder(vae, torch_dtype)}
         pipe = load_pipeline(TextToVideoSDPipeline, pretrained_model_name_or_path, revision=revision, variant=variant,
-                             torch_dtype=torch_dtype, local_files_only=local_files_only)
+                             torch_dtype=torch_dtype, local_files_only=local_files_only, **components)
         return cls.from_video_pipeline(pipe, num_frames=num_frames, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                        lora_target_modules=lora_target_modules, lora_seed=lora_seed)
 
@@ -158,6 +170,7 @@ class TextToVideoPolicyConfig:
     pretrained_model_name_or_path: str = MISSING
     num_frames: int = 8
     torch_dtype: str = "float32"
+    vae: str | None = None
     lora_rank: int | None = 4
     lora_alpha: float | None = None
     lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES))

@@ -41,14 +41,15 @@ def tiny_unet3d(block_out_channels=(32, 64), cross_attention_dim: int = 32, samp
 def build_tiny_t2v_pipeline(seed: int = 0, vae: AutoencoderKL | None = None, text_encoder=None,
                             unet: UNet3DConditionModel | None = None) -> TextToVideoSDPipeline:
     """A tiny `TextToVideoSDPipeline`; pass trained components to assemble the shipped model."""
-    torch.manual_seed(seed)
     tokenizer = build_tokenizer(video=True)
-    if vae is None:
-        vae = build_tiny_vae(norm_num_groups=8)
-    if text_encoder is None:
-        text_encoder = CLIPTextModel(tiny_text_config(tokenizer, num_hidden_layers=1, num_attention_heads=2))
-    if unet is None:
-        unet = tiny_unet3d(block_out_channels=(16, 32), cross_attention_dim=text_encoder.config.hidden_size)
+    with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
+        torch.manual_seed(seed)
+        if vae is None:
+            vae = build_tiny_vae(norm_num_groups=8)
+        if text_encoder is None:
+            text_encoder = CLIPTextModel(tiny_text_config(tokenizer, num_hidden_layers=1, num_attention_heads=2))
+        if unet is None:
+            unet = tiny_unet3d(block_out_channels=(16, 32), cross_attention_dim=text_encoder.config.hidden_size)
     scheduler = DDIMScheduler.from_config(SD15_SCHEDULER_CONFIG)
     pipe = TextToVideoSDPipeline(vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
                                  scheduler=scheduler)
@@ -65,16 +66,18 @@ def build_tiny_t2v_policy(seed: int = 0, num_frames: int = 4, lora_rank: int | N
 
 def build_tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> WanPipeline:
     """A tiny random `WanPipeline` (32×32 px; 8× spatial, 4× temporal VAE compression, z_dim 4)."""
-    torch.manual_seed(seed)
     tokenizer = build_tokenizer(video=True)
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                               num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                               eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0))
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
-                                        num_layers=2, rope_max_seq_len=32)
+    with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=0))
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                            in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                            num_layers=2, rope_max_seq_len=32)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=flow_shift)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
@@ -88,8 +91,9 @@ def build_tiny_wan22_pipeline(seed: int = 0, flow_shift: float = 3.0, boundary_r
     `transformer_2` (same architecture, seed + 1) for timesteps below ``boundary_ratio · 1000`` (Wan2.2-T2V-A14B:
     0.875; 0.5 here so that short rollouts use both)."""
     base = build_tiny_wan_pipeline(seed, flow_shift=flow_shift)
-    torch.manual_seed(seed + 1)
-    transformer_2 = WanTransformer3DModel.from_config(base.transformer.config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        transformer_2 = WanTransformer3DModel.from_config(base.transformer.config)
     pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
                        transformer=base.transformer, scheduler=base.scheduler, transformer_2=transformer_2,
                        boundary_ratio=boundary_ratio)

@@ -60,6 +60,9 @@ class OnlineConfig:
     split: str = "groups"  # several processes: whole groups per process | members: every group spread over them
     group_size: int = 8  # G samples per prompt (DGPO paper 24, code 16; Flow-GRPO 24)
     rollout_batch_size: int = 64  # images per rollout forward batch (the noise does not depend on it)
+    # true: each group's prompt encoded once per epoch instead of once per sample (faster rollouts; the embeddings
+    # then differ by float rounding, ~1e-7, docs/results/performance.md#encoding-each-prompt-once)
+    encode_prompts_once: bool = False
     shared_initial_noise: bool = False  # true: one initial noise per group (DanceGRPO/ViPO); DGPO/Flow-GRPO: not
     advantage_std: str = "group"  # group | global | none (docs/methods/algorithms.md#group-advantages)
     # std over n - this: 0 population (np.std: flow_grpo, DGPO) | 1 sample (DanceGRPO/ViPO)

@@ -25,6 +25,34 @@ MIN_GAP = 2  # px between object bounding boxes
 MIN_REL_SEPARATION = 6  # px along the relation's axis for position scenes
 
 
+@dataclass(frozen=True)
+class SceneMargins:
+    """How far a scene's objects sit from the verifier's thresholds: the half-size ranges in pixels (inclusive) by
+    number of objects (`radius_1`, `radius_2`, `radius_3`, the last for three or more), the smallest gap between two
+    objects' bounding boxes (`min_gap`, px), the smallest separation along a relation's axis (`min_rel_separation`,
+    px; the verifier needs more than 1.5), and `antialias`, the supersampling factor of `render` (1: hard edges).
+
+    `DEFAULT_MARGINS` is the world as it always was (the shipped models' training data, every ground-truth render of
+    the tests); `WIDE_MARGINS` is the training data of the stronger base (scripts/pretrain_tiny_world.py flow2):
+    no object at half-size 3, where one pixel of erosion turns a triangle into a "circle" for the verifier's fill
+    test, wider gaps so that blurred objects do not merge, relations at 8 px or more.
+    """
+
+    radius_1: tuple[int, int] = (4, 7)
+    radius_2: tuple[int, int] = (3, 6)
+    radius_3: tuple[int, int] = (3, 5)
+    min_gap: float = MIN_GAP
+    min_rel_separation: float = MIN_REL_SEPARATION
+    antialias: int = 1
+
+    def radius_range(self, n_objects: int) -> tuple[int, int]:
+        return {1: self.radius_1, 2: self.radius_2}.get(n_objects, self.radius_3)
+
+
+DEFAULT_MARGINS = SceneMargins()
+WIDE_MARGINS = SceneMargins(radius_1=(5, 7), radius_2=(4, 6), radius_3=(4, 5), min_gap=3, min_rel_separation=8)
+
+
 def plural(shape: str) -> str:
     return shape + "s"
 
@@ -62,14 +90,10 @@ def caption(spec: dict) -> str:
     return " and ".join(phrase(e) for e in inc)
 
 
-def _radius_range(n_objects: int) -> tuple[int, int]:
-    return {1: (4, 7), 2: (3, 6)}.get(n_objects, (3, 5))
-
-
-def _overlaps(a: SceneObject, b: SceneObject) -> bool:
+def _overlaps(a: SceneObject, b: SceneObject, gap: float = MIN_GAP) -> bool:
     ax0, ay0, ax1, ay1 = a.bbox()
     bx0, by0, bx1, by1 = b.bbox()
-    return not (ax1 + MIN_GAP < bx0 or bx1 + MIN_GAP < ax0 or ay1 + MIN_GAP < by0 or by1 + MIN_GAP < ay0)
+    return not (ax1 + gap < bx0 or bx1 + gap < ax0 or ay1 + gap < by0 or by1 + gap < ay0)
 
 
 def relation_holds(subject: SceneObject, anchor: SceneObject, relation: str, margin: float) -> bool:
@@ -80,8 +104,10 @@ def relation_holds(subject: SceneObject, anchor: SceneObject, relation: str, mar
     return along > margin and along > abs(across)
 
 
-def scene_from_spec(spec: dict, seed: int, size: int = IMAGE_SIZE) -> list[SceneObject]:
-    """A random scene satisfying `spec` (colours left open are drawn at random), deterministic in `seed`.
+def scene_from_spec(spec: dict, seed: int, size: int = IMAGE_SIZE,
+                    margins: SceneMargins = DEFAULT_MARGINS) -> list[SceneObject]:
+    """A random scene satisfying `spec` (colours left open are drawn at random), deterministic in `seed`, with the
+    object sizes, gaps and relation separations of `margins`.
 
     Raises:
         ValueError: if the spec names an unknown shape, colour or relation.
@@ -96,7 +122,7 @@ def scene_from_spec(spec: dict, seed: int, size: int = IMAGE_SIZE) -> list[Scene
         for _ in range(entry["count"]):
             color = entry.get("color") or list(COLORS)[rng.integers(len(COLORS))]
             wanted.append((entry["class"], color, i))
-    lo, hi = _radius_range(len(wanted))
+    lo, hi = margins.radius_range(len(wanted))
     position = [(i, e["position"]) for i, e in enumerate(spec["include"]) if e.get("position")]
     for _attempt in range(1000):
         objects: list[SceneObject] = []
@@ -107,7 +133,7 @@ def scene_from_spec(spec: dict, seed: int, size: int = IMAGE_SIZE) -> list[Scene
                 cy = float(rng.uniform(r, size - 1 - r))
                 rgb = tuple(int(np.clip(c + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255)) for c in COLORS[color])
                 obj = SceneObject(shape, color, round(cx), round(cy), r, rgb)
-                if not any(_overlaps(obj, o) for o in objects):
+                if not any(_overlaps(obj, o, margins.min_gap) for o in objects):
                     objects.append(obj)
                     break
             else:
@@ -120,31 +146,57 @@ def scene_from_spec(spec: dict, seed: int, size: int = IMAGE_SIZE) -> list[Scene
                 raise ValueError(f"spec position relation {rel!r} is not one of {RELATIONS}")
             subj = next(o for o, w in zip(objects, wanted) if w[2] == i)
             anch = next(o for o, w in zip(objects, wanted) if w[2] == j)
-            ok &= relation_holds(subj, anch, rel, MIN_REL_SEPARATION)
+            ok &= relation_holds(subj, anch, rel, margins.min_rel_separation)
         if ok:
             return objects
     raise RuntimeError(f"could not place a scene for {spec} in 1000 attempts")  # pragma: no cover
 
 
-def render(objects: list[SceneObject], size: int = IMAGE_SIZE) -> np.ndarray:
-    """Draws `objects` on a black `size`×`size` canvas; returns uint8 `(size, size, 3)`."""
-    img = Image.new("RGB", (size, size), (0, 0, 0))
+def render(objects: list[SceneObject], size: int = IMAGE_SIZE, antialias: int = 1) -> np.ndarray:
+    """Draws `objects` on a black `size`×`size` canvas; returns uint8 `(size, size, 3)`.
+
+    With ``antialias = k > 1`` the scene is drawn at ``k * size`` and box-filtered down: edge pixels take the fraction
+    of the pixel each object covers (blended with black), as a camera would. The object covers the same pixel extent
+    as at ``antialias=1``, where PIL fills the pixels from the first to the last coordinate inclusive: an extent
+    ``[a, b]`` in pixel centres becomes the area ``[a - 0.5, b + 0.5]``, drawn at scale k as ``[a k, (b + 1) k - 1]``.
+    ``antialias=1`` draws hard edges (PIL's rasterisation).
+
+    Raises:
+        ValueError: when `antialias` < 1.
+    """
+    if antialias < 1:
+        raise ValueError(f"antialias must be an integer >= 1 (supersampling factor), got {antialias}")
+    k = int(antialias)
+    img = Image.new("RGB", (size * k, size * k), (0, 0, 0))
     draw = ImageDraw.Draw(img)
+
+    def lo(v: float) -> float:  # the first covered coordinate at scale k (k = 1 keeps v exactly: PIL truncates)
+        return v if k == 1 else v * k
+
+    def hi(v: float) -> float:  # the last covered coordinate at scale k
+        return v if k == 1 else (v + 1) * k - 1
+
+    def mid(v: float) -> float:  # a pixel centre at scale k
+        return v if k == 1 else (v + 0.5) * k - 0.5
+
     for o in objects:
         x0, y0, x1, y1 = o.bbox()
         if o.shape == "circle":
-            draw.ellipse((x0, y0, x1, y1), fill=o.rgb)
+            draw.ellipse((lo(x0), lo(y0), hi(x1), hi(y1)), fill=o.rgb)
         elif o.shape == "square":
             s = 0.85 * o.r
-            draw.rectangle((o.cx - s, o.cy - s, o.cx + s, o.cy + s), fill=o.rgb)
+            draw.rectangle((lo(o.cx - s), lo(o.cy - s), hi(o.cx + s), hi(o.cy + s)), fill=o.rgb)
         else:
-            draw.polygon([(o.cx, y0), (x1, y1), (x0, y1)], fill=o.rgb)
+            draw.polygon([(mid(o.cx), lo(y0)), (hi(x1), hi(y1)), (lo(x0), hi(y1))], fill=o.rgb)
+    if k > 1:
+        img = img.resize((size, size), Image.Resampling.BOX)
     return np.asarray(img, dtype=np.uint8).copy()
 
 
-def render_spec(spec: dict, seed: int, size: int = IMAGE_SIZE) -> np.ndarray:
-    """`render(scene_from_spec(spec, seed))`: a ground-truth image for the spec, uint8 `(size, size, 3)`."""
-    return render(scene_from_spec(spec, seed, size), size)
+def render_spec(spec: dict, seed: int, size: int = IMAGE_SIZE, margins: SceneMargins = DEFAULT_MARGINS) -> np.ndarray:
+    """`render(scene_from_spec(spec, seed, size, margins), size, margins.antialias)`: a ground-truth image for the
+    spec, uint8 `(size, size, 3)`."""
+    return render(scene_from_spec(spec, seed, size, margins), size, margins.antialias)
 
 
 def to_tensor(images: np.ndarray):

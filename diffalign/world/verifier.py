@@ -68,30 +68,48 @@ def classify_shape(mask: np.ndarray) -> tuple[str, float]:
     return "circle", fill
 
 
-def detect(image: np.ndarray) -> list[Detection]:
-    """Objects in a uint8 `(H, W, 3)` image (or float in [0, 1]), sorted by (cy, cx)."""
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """A uint8 `(H, W, 3)` image as the verifier reads it: uint8 input unchanged, float in [0, 1] rounded
+    (``clip(x, 0, 1) * 255 + 0.5``, truncated).
+
+    Raises:
+        ValueError: when the image is not channels-last `(H, W, 3)`.
+    """
     img = np.asarray(image)
     if img.dtype != np.uint8:
         img = (np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
     if img.ndim != 3 or img.shape[-1] != 3:
         raise ValueError(f"image must be (H, W, 3), got shape {img.shape}; pass channels-last RGB")
-    pix = img.astype(np.float32)
+    return img
+
+
+def segment(image: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The objects' pixels as the verifier sees them: for a uint8 `(H, W, 3)` image (or float in [0, 1]), one
+    ``(colour name, boolean mask (H, W))`` per connected component of at least `MIN_AREA` pixels, colour by colour in
+    palette order, components in `scipy.ndimage.label` order."""
+    pix = to_uint8(image).astype(np.float32)
     fg = pix.max(axis=-1) > FOREGROUND_THRESHOLD
     nearest = ((pix[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1).argmin(-1)
-    found: list[Detection] = []
+    found: list[tuple[str, np.ndarray]] = []
     for ci, cname in enumerate(_COLOR_NAMES):
         labels, n = ndimage.label(fg & (nearest == ci))
-        if n == 0:
-            continue
-        for sl_idx, sl in enumerate(ndimage.find_objects(labels), start=1):
-            comp = labels[sl] == sl_idx
-            area = int(comp.sum())
-            if area < MIN_AREA:
-                continue
-            shape, fill = classify_shape(comp)
-            ys, xs = np.nonzero(comp)
-            found.append(Detection(shape, cname, float(xs.mean() + sl[1].start), float(ys.mean() + sl[0].start),
-                                   area, fill))
+        for k in range(1, n + 1):
+            mask = labels == k
+            if int(mask.sum()) >= MIN_AREA:
+                found.append((cname, mask))
+    return found
+
+
+def detect(image: np.ndarray) -> list[Detection]:
+    """Objects in a uint8 `(H, W, 3)` image (or float in [0, 1]), sorted by (cy, cx)."""
+    found: list[Detection] = []
+    for cname, mask in segment(image):
+        sl = ndimage.find_objects(mask.astype(np.int32))[0]
+        comp = mask[sl]
+        shape, fill = classify_shape(comp)
+        ys, xs = np.nonzero(comp)  # centroid in the crop's coordinates plus its offset, as always computed
+        found.append(Detection(shape, cname, float(xs.mean() + sl[1].start), float(ys.mean() + sl[0].start),
+                               int(comp.sum()), fill))
     return sorted(found, key=lambda d: (d.cy, d.cx))
 
 

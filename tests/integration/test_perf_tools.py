@@ -333,3 +333,22 @@ def test_bench_shared_machine_runs_idle_and_beside_a_competitor(tmp_path):
     assert [r["adapted"] for r in runs["default"]["contended"]] == [False]
     assert [r["adapted"] for r in runs["adaptive"]["contended"]] == [True]
     assert all("train_seconds" in r["phases"] for c in runs.values() for r in c["idle"] + c["contended"])
+
+
+# ----------------------------------------------------------------------------------------------- profile_rollout
+
+
+def test_profile_rollout_replays_the_epochs_rollout_and_splits_its_time():
+    """Flow-GRPO, 2 prompts x 4 samples, 2 SDE steps, one rollout batch of 8 rows: the replayed rollout calls the
+    denoiser twice on 16 guided rows; after one epoch the LoRA is trained, so the fused replay fuses it."""
+    prof = _script("profile_rollout")
+    p = prof.profile("tiny_flow_grpo", 1, ["online.groups_per_epoch=2", "online.group_size=4",
+                                           "online.rollout_batch_size=8", "trainer.batch_size=8",
+                                           "sampler.num_inference_steps=2"])
+    assert p["rows"] == 8 and len(p["rollouts"]) == 1
+    [(shapes, call)] = p["per_call"].items()
+    assert shapes.startswith("[(16, 4, 8, 8)") and call["n"] == 2 and call["lora_context"] == "fused"
+    assert p["replay"]["bare"] == pytest.approx(2 * call["bare"])
+    assert set(p["split"]) == set(prof.PARTS)
+    assert all(p["split"][k] > 0 for k in ("denoiser", "step", "prompts", "decode"))
+    assert p["split"]["denoiser"] < p["rollout"]

@@ -93,3 +93,42 @@ def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupt
             if value.is_floating_point() and "position_ids" not in name:
                 assert not torch.equal(before[name], value), name
     assert not (tmp_path / "out" / "tiny_flux").exists()  # a stopped run ships nothing
+
+
+@pytest.mark.slow
+def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_path):
+    """The stronger SD3-format base's stage (flow2): five steps in one go against two, a checkpoint, a new process with
+    --resume, three more (an EMA evaluation and save at step 3 in between) give identical step-5 checkpoints; the
+    saved EMA folder loads as a `model=tiny_sd3` policy (what the fragility gate runs on)."""
+    from diffalign.config.compose import asset_path
+    from diffalign.models.sd3 import StableDiffusion3Policy
+
+    shutil.copytree(Path(asset_path("tiny_sd3")) / "vae", tmp_path / "out" / "tiny_sd3" / "vae")
+    base = [sys.executable, str(ROOT / "scripts" / "pretrain_tiny_world.py"), "flow2", "--out", str(tmp_path / "out"),
+            "--num-latents", "16", "--unet-batch", "4", "--flow2-steps", "5", "--flow2-width", "32",
+            "--flow2-layers", "1", "--flow2-eval-every", "3", "--flow2-eval-prompts", "2", "--threads", "1"]
+
+    def run(*extra):
+        res = subprocess.run(base + list(extra), check=False, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    run("--work", str(tmp_path / "a"), "--flow2-stop-at", "5")
+    assert "stopped at step 2" in run("--work", str(tmp_path / "b"), "--flow2-stop-at", "2")
+    at_2 = torch.load(tmp_path / "b" / "flow2_checkpoint.pt", weights_only=False)
+    assert "resumed from" in run("--work", str(tmp_path / "b"), "--flow2-stop-at", "5", "--resume")
+    a = torch.load(tmp_path / "a" / "flow2_checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "flow2_checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 5 and at_2["step"] == 2
+    assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]] == [3]
+    for key in set(a) - {"elapsed"}:
+        assert _same(a[key], b[key]), key
+    for before, after in zip(at_2["modules"], b["modules"]):
+        for name, value in after.items():
+            if value.is_floating_point() and "position_ids" not in name:
+                assert not torch.equal(before[name], value), name
+    # the step-3 EMA save: a pipeline folder the shipped tiny_sd3 config loads
+    policy = StableDiffusion3Policy.from_pretrained(str(tmp_path / "b" / "tiny_sd3_wide"), load_t5=False,
+                                                    max_sequence_length=8, lora_rank=4)
+    assert policy.denoiser.config.num_layers == 1
+    assert not (tmp_path / "out" / "tiny_sd3_wide").exists()  # nothing is shipped

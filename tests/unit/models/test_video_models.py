@@ -183,6 +183,7 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
     import subprocess
     import sys
 
+    from diffalign.config.compose import asset_path
     from diffalign.models.text_to_video import TextToVideoPolicy
 
     out = tmp_path / "tiny_t2v"
@@ -191,7 +192,8 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path):
                    check=True, capture_output=True)
     metrics = json.loads((out / "pretrain_metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["heldout"]["n"] == 2
-    policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4)
+    assert not (out / "vae").exists()  # the image VAE is stored once, as tiny_sd3's
+    policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4, vae=asset_path("tiny_sd3/vae"))
     assert policy.latent_shape == (4, 8, 8, 8) and policy.dtype == torch.float32
     assert len(policy.tokenizer) == 28  # the video tokenizer (motion words)
 
@@ -244,7 +246,8 @@ def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode
 
     raw = UNet3DConditionModel.from_pretrained(asset_path("tiny_t2v"), subfolder="unet")
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in raw.modules())  # what the policy must undo
-    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=4)
+    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=4,
+                                               vae=asset_path("tiny_sd3/vae"))
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.denoiser.modules())
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     policy.denoiser.eval()

@@ -5,6 +5,7 @@ on the fly without ``rows``, and the `prepare` / `plan` / `loss` contract the on
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def test_without_rows_the_maps_are_made_for_the_minibatch(policy_and_rollout):
     torch.testing.assert_close(loss, torch.tensor(-0.25), rtol=1e-4, atol=1e-5)
 
 
-def test_prepare_plan_and_loss_as_the_online_loop_calls_them(policy_and_rollout):
+def test_prepare_plan_and_loss_as_the_training_loop_calls_them(policy_and_rollout):
     policy, traj = policy_and_rollout
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     vipo = ViPO(map="ones", timestep_fraction=0.6, timestep_selection="per_sample")
@@ -122,3 +123,151 @@ def test_prepare_with_one_advantage_per_reward_takes_the_reward_weights(policy_a
     vipo.prepare_epoch(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1))
     loss, _ = vipo(policy, traj, torch.stack([torch.ones(4), -torch.ones(4)], 1), 0, rows=torch.arange(4))
     torch.testing.assert_close(loss, torch.tensor(-(0.25 * 1 + 2.0 * -1)), rtol=1e-4, atol=1e-5)
+
+
+def test_prepare_and_the_minibatch_maps_decode_with_the_policy(policy_and_rollout):
+    """Without stored images `prepare` (and a call without ``rows``) decode the final latents with the policy: the
+    PSM sees ``policy.decode(x_0)`` of the rows it maps."""
+    policy, traj = policy_and_rollout
+    no_images = dataclasses.replace(traj, images=None)
+    with torch.no_grad():
+        decoded = policy.decode(traj.latents[:, -1])
+    backbone = RecordingBackbone()
+    vipo = ViPO(backbone=backbone)
+    stats = vipo.prepare(policy, epoch_of(no_images, torch.ones(4)))
+    assert torch.equal(backbone.seen[-1], decoded) and stats["vipo/map_fallback"] == 0.25
+    vipo = ViPO(backbone=backbone)
+    vipo(policy, no_images.index(torch.tensor([1, 3])), torch.ones(2), 1)
+    assert torch.equal(backbone.seen[-1], decoded[[1, 3]])
+
+
+def test_the_consistency_alarm_checks_vipos_per_position_log_probs(policy_and_rollout):
+    """During an epoch's first update a stored per-position log-prob off by 0.5 (> the tolerance 0.1) stops the run,
+    naming the epoch and the transition trained."""
+    from types import SimpleNamespace
+
+    from diffalign.runtime.faults import RolloutMismatchError
+
+    policy, traj = policy_and_rollout
+    log_probs = traj.log_probs.clone()
+    log_probs[2, 1, 0, 0] += 0.5
+    shifted = dataclasses.replace(traj, log_probs=log_probs)
+    vipo = ViPO(map="ones", logprob_tolerance=0.1)
+    updates = vipo.checked_updates(SimpleNamespace(epoch=6), iter([["update 0"], ["update 1"]]))
+    next(updates)
+    vipo(policy, shifted, torch.ones(4), 0)  # transition 0 matches
+    with pytest.raises(RolloutMismatchError, match=r"before the first update of epoch 6 \(transition 1\): max "
+                       r"\|Δ log π\| = 0\.5 > method\.logprob_tolerance=0\.1 "):
+        vipo(policy, shifted, torch.ones(4), 1)
+
+
+def test_per_reward_advantages_without_their_coefficients_are_refused(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_per_reward=True)
+    with pytest.raises(ValueError, match="^2 per-reward advantages need 2 reward_coefficients; the training loop sets "
+                       r"them from reward\.<name>\.weight$"):
+        vipo(policy, traj, torch.ones(4, 2), 0)
+    vipo.reward_coefficients = torch.ones(3)
+    with pytest.raises(ValueError, match="^2 per-reward advantages need 2 reward_coefficients"):
+        vipo(policy, traj, torch.ones(4, 2), 0)
+
+
+def test_metrics_by_hand(policy_and_rollout):
+    """Stored log-probs set to log π_θ − d per position (d = 0.2 at one position of each sample, else 0), A = (1, −2,
+    0.5, 3) on an all-ones map, ε = 0.1: ratio = mean exp(d), clipfrac = the share of positions with |exp(d) − 1| > ε,
+    approx_kl = mean ½ d², adv_map_abs = mean |A^p| — the released ViPO/DanceGRPO logging."""
+    from diffalign.samplers.rollout import recompute_step
+
+    policy, traj = policy_and_rollout
+    k = 1
+    with torch.no_grad():
+        now = recompute_step(policy, traj, k, reduction="per_position", detach_unconditional=True).log_prob
+    d = torch.zeros_like(now)
+    d[:, 0, 0] = 0.2
+    log_probs = traj.log_probs.clone()
+    log_probs[:, k] = now - d
+    shifted = dataclasses.replace(traj, log_probs=log_probs)
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    vipo = ViPO(map="ones", clip_range=0.1)
+    loss, metrics = vipo(policy, shifted, adv, k)
+    positions = d[0].numel()
+    assert set(metrics) == {"loss", "ratio", "clipfrac", "approx_kl", "adv_map_abs"}
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    ratio = (positions - 1 + torch.exp(torch.tensor(0.2))) / positions
+    torch.testing.assert_close(metrics["ratio"], ratio, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["clipfrac"], torch.tensor(1 / positions))
+    torch.testing.assert_close(metrics["approx_kl"], torch.tensor(0.5 * 0.2 ** 2 / positions), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(metrics["adv_map_abs"], torch.tensor((1 + 2 + 0.5 + 3) / 4))
+
+
+def test_the_psm_maps_the_stored_images_and_mismatched_log_probs_are_named(policy_and_rollout):
+    policy, traj = policy_and_rollout
+    backbone = RecordingBackbone()
+    stored = 1 - traj.images  # not what decoding would give: the stored ones are used as they are
+    ViPO(backbone=backbone).prepare_epoch(policy, dataclasses.replace(traj, images=stored), torch.ones(4))
+    assert torch.equal(backbone.seen[-1], stored)
+    # log-probs stored on another grid (here (B, K, 1, 1), which broadcasts) under reduction=per_position
+    other_grid = dataclasses.replace(traj, log_probs=traj.log_probs.mean((2, 3), keepdim=True))
+    grid = tuple(traj.latents.shape[3:])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"per-position log-probs (4, 1, 1) do not match the advantage maps (4, {grid[0]}, {grid[1]}); the rollout must "
+            "use reduction='per_position'.") + "$"):
+        ViPO(map="ones", logprob_check="off")(policy, other_grid, torch.ones(4), 0)
+
+
+def test_config_object_bounds_and_messages():
+    """Every refusal of `ViPO.__init__` with its exact message, and the edges that are allowed."""
+    from diffalign.objectives.vipo import ViPOConfig
+
+    assert ViPO(ViPOConfig(clip_range=0.3, map="ones")).clip_range == 0.3  # the config object is used
+    edges = ViPO(timestep_fraction=1.0, spatial_sigma=0.0, temporal_sigma=0.0, advantage_clip=0.5)
+    assert (edges.timestep_fraction, edges.advantage_clip) == (1.0, 0.5)
+    assert ViPO(advantage_clip=None).advantage_clip is None
+    assert ViPO(map="ones", backbone="not a backbone").map == "ones"  # the backbone is checked for the PSM only
+    refused = [
+        ({"timestep_fraction": 1.5}, "method.timestep_fraction=1.5 must be in (0, 1]."),
+        ({"timestep_selection": "last"},
+         "method.timestep_selection='last' must be one of ('first', 'random', 'per_sample')."),
+        ({"spatial_sigma": -1.0},
+         "method.spatial_sigma=-1.0 and method.temporal_sigma=0.3 must be >= 0 (0: no smoothing)."),
+        ({"temporal_sigma": -0.5},
+         "method.spatial_sigma=1.0 and method.temporal_sigma=-0.5 must be >= 0 (0: no smoothing)."),
+        ({"advantage_clip": 0.0}, "method.advantage_clip=0.0 must be > 0 (5 in the released code) or null."),
+        ({"backbone": "not a backbone"},
+         "method.backbone='not a backbone' must be 'tiny_clip', 'dinov2:<folder>' or 'python:<module>:<factory>'"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            ViPO(**fields)
+
+
+def test_before_the_first_epoch(policy_and_rollout):
+    """No maps, statistics or coefficients before `prepare`; the advantage the loop computes ("group", or "per_reward"
+    with advantage_per_reward); rows given before any `prepare_epoch` make the minibatch's maps."""
+    policy, traj = policy_and_rollout
+    vipo = ViPO(map="ones", advantage_clip=2.0)
+    assert (vipo.maps, vipo.advantage_maps, vipo.map_stats, vipo.reward_coefficients) == (None, None, {}, None)
+    assert vipo.advantage == "group" and ViPO(map="ones", advantage_per_reward=True).advantage == "per_reward"
+    loss, _ = vipo(policy, traj.index(torch.tensor([0, 1])), torch.tensor([3.0, -1.0]), 1, rows=torch.tensor([0, 1]))
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 - 1.0) / 2), rtol=1e-4, atol=1e-5)
+
+
+def test_loss_uses_the_epochs_maps_without_mapping_again(policy_and_rollout):
+    """`loss` passes the unit's rows, so the maps `prepare` made are used: the backbone is not run again (the PSM runs
+    once per epoch); before any `prepare` the unit's own advantages make the minibatch's maps."""
+    policy, traj = policy_and_rollout
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    epoch = epoch_of(traj, adv)
+    backbone = RecordingBackbone()
+    vipo = ViPO(backbone=backbone)
+    vipo.prepare(policy, epoch)
+    assert len(backbone.seen) == 1
+    unit = TransitionUnit(epoch, torch.tensor([3, 1]), 0, weight=1.0)
+    loss, _ = vipo.loss(policy, unit, reference=None)
+    assert len(backbone.seen) == 1
+    # ratio 1: −mean over the rows' positions of M·A (the maps of rows 3 and 1 from the epoch)
+    expected = -(vipo.advantage_maps[[3, 1]]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+    fresh = ViPO(map="ones")
+    loss, _ = fresh.loss(policy, unit, reference=None)
+    torch.testing.assert_close(loss, torch.tensor(-(-0.5 - 1.0) / 2), rtol=1e-4, atol=1e-5)

@@ -148,3 +148,39 @@ def test_tokenizer_roundtrip():
     ids = tok("a red circle left of a green triangle", padding="max_length", max_length=12).input_ids
     assert len(tok) == 23 and ids[0] == tok.bos_token_id and ids[9] == tok.eos_token_id and ids[10:] == [0, 0]
     assert tok.decode(ids, skip_special_tokens=True) == "a red circle left of a green triangle"
+
+
+def test_wide_margins_keep_every_object_off_the_verifiers_thresholds():
+    from diffalign.world.edges import edge_flips
+    from diffalign.world.render import DEFAULT_MARGINS, WIDE_MARGINS, relation_holds
+
+    rows = ALL["train"][::6]
+    for i, row in enumerate(rows):
+        objects = scene_from_spec(row, i, margins=WIDE_MARGINS)
+        assert min(o.r for o in objects) >= 4
+        for a in range(len(objects)):
+            for b in range(a + 1, len(objects)):
+                (ax0, ay0, ax1, ay1), (bx0, by0, bx1, by1) = objects[a].bbox(), objects[b].bbox()
+                assert max(bx0 - ax1, ax0 - bx1, by0 - ay1, ay0 - by1) > 3
+        if row["tag"] == "position":
+            rel, _ = row["include"][1]["position"]
+            subj = next(o for o in objects if o.shape == row["include"][1]["class"]
+                        and o.color == row["include"][1].get("color", o.color))
+            anch = next(o for o in objects if o is not subj)
+            assert relation_holds(subj, anch, rel, 8)
+    # the default margins are the world as it always was: the same scene for the same seed
+    assert scene_from_spec(rows[0], 3) == scene_from_spec(rows[0], 3, margins=DEFAULT_MARGINS)
+    wide = [render_spec(r, i, margins=WIDE_MARGINS) for i, r in enumerate(rows)]
+    assert edge_flips(wide, rows).n_flipped == 0
+
+
+def test_antialiased_render_blends_edges_and_keeps_the_coverage():
+    obj = [SceneObject("circle", "red", 15, 15, 6, (200, 0, 0))]
+    hard, soft = render(obj), render(obj, antialias=4)
+    assert np.array_equal(render(obj, antialias=1), hard)
+    red = soft[..., 0].astype(int)
+    assert ((red > 0) & (red < 200)).sum() > 10  # blended edge pixels
+    # the covered area: a disc of diameter 13 px (bbox 9..21 inclusive) has area pi * 6.5^2 = 132.7 px
+    assert red.sum() / 200 == pytest.approx(np.pi * 6.5 ** 2, rel=0.05)
+    with pytest.raises(ValueError, match="antialias"):
+        render(obj, antialias=0)
