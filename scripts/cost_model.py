@@ -155,18 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--epochs must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     base, group_size = (QUICK_BASE, 4) if args.quick else (BASE, 8)
-    rows = []
-    for axis, point in points(base):
-        row = {"axis": axis, "value": point[axis] if axis != "base" else "", **measure_point(point, group_size,
-                                                                                           args.quick, args.epochs)}
-        rows.append(row)
-        print(f"{axis:<20} rollouts {row['rollouts']:4d}, {row['num_inference_steps']:3d} steps, "
-              f"{row['resolution_px']:4d} px: epoch {row['epoch_s']:.2f} s (floor {row['epoch_floor_s']:.2f} s)",
-              flush=True)
-    with open(args.out / "cost_model.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    # the pool first (seconds), then the epoch points, the CSV and the plot rewritten after each point: a run stopped
+    # early (a measuring window's end) keeps every point it finished
     pool = pool_memory()
     with open(args.out / "pool_memory.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(pool[0]))
@@ -175,8 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in pool:
         print(f"reference pool K={r['K']}: {r['stored_bytes'] / 2**20:.2f} MiB stored "
               f"({r['adapter_float32_bytes'] / 2**20:.2f} MiB per snapshot), RSS +{r['rss_growth_bytes'] / 2**20:.1f} "
-              "MiB")
-    plot(rows, pool, args.out / "cost_model.png")
+              "MiB", flush=True)
+    rows = []
+    for axis, point in points(base):
+        row = {"axis": axis, "value": point[axis] if axis != "base" else "", **measure_point(point, group_size,
+                                                                                           args.quick, args.epochs)}
+        rows.append(row)
+        print(f"{axis:<20} rollouts {row['rollouts']:4d}, {row['num_inference_steps']:3d} steps, "
+              f"{row['resolution_px']:4d} px: epoch {row['epoch_s']:.2f} s (floor {row['epoch_floor_s']:.2f} s)",
+              flush=True)
+        with open(args.out / "cost_model.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, pool, args.out / "cost_model.png")
     print(f"wrote {args.out / 'cost_model.csv'}, {args.out / 'pool_memory.csv'}, {args.out / 'cost_model.png'}")
     return 0
 
