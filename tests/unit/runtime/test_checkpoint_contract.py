@@ -329,3 +329,19 @@ def test_cuda_rng_states_are_restored_on_as_many_devices(tmp_path, monkeypatch):
             + "$"):
         load_checkpoint(path, optimizer=optimizer, lr_scheduler=None)
     assert len(restored) == 1
+
+
+def test_a_fresh_optimizer_still_writes_its_tensor_file_and_cuda_states_are_saved(tmp_path, monkeypatch):
+    """The layout of the module docstring: ``optimizer.safetensors`` even before the optimizer has state; with CUDA
+    (faked here) one ``cuda.<i>`` RNG state per device beside ``torch_cpu``."""
+    model = torch.nn.Linear(2, 1)
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = save(tmp_path, 1, fresh)
+    assert load_file(str(path / "optimizer.safetensors")) == {}
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in (3, 4)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    path = save(tmp_path, 2, fresh)
+    saved = load_file(str(path / "rng_state.safetensors"))
+    assert sorted(saved) == ["cuda.0", "cuda.1", "torch_cpu"]
+    assert torch.equal(saved["cuda.0"], states[0]) and torch.equal(saved["cuda.1"], states[1])
