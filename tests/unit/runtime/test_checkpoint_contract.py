@@ -345,3 +345,20 @@ def test_a_fresh_optimizer_still_writes_its_tensor_file_and_cuda_states_are_save
     saved = load_file(str(path / "rng_state.safetensors"))
     assert sorted(saved) == ["cuda.0", "cuda.1", "torch_cpu"]
     assert torch.equal(saved["cuda.0"], states[0]) and torch.equal(saved["cuda.1"], states[1])
+
+
+def test_a_failure_that_took_the_temporary_folder_keeps_its_own_error(tmp_path, caplog):
+    """The clean-up ignores a temporary folder that is already gone, so the caller sees the original error; a saved
+    checkpoint is logged by path."""
+    _, optimizer = optimizer_of()
+
+    def writer(directory):
+        directory.rmdir()
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="^the writer failed$"):
+        save_checkpoint(tmp_path, 3, lora_dir_writer=writer, optimizer=optimizer, lr_scheduler=None, state={})
+    assert list(tmp_path.iterdir()) == []
+    with caplog.at_level(logging.INFO, logger="diffalign.runtime.checkpoint"):
+        path = save(tmp_path, 4, optimizer)
+    assert caplog.messages == [f"saved checkpoint {path}"]
