@@ -7,9 +7,9 @@ of that size can show up in held-out accuracy. The gate measures, for one base (
 1. its held-out verifier accuracy (every (prompt, seed) image, the evaluation's per-image seeds);
 2. for each target image drift (default 0.02 and 0.03) and each of `directions` random directions: every LoRA ``B``
    matrix set to ``sigma * N(0, 1)`` (the direction fixed by its seed, ``1000 + d`` as in
-   ``experiments/verifier_fragility_probe.py``), with ``sigma`` calibrated on a subset of the images until the image
-   drift ``mean |image - base image|`` is within `tolerance` (relative) of the target (`calibrate_sigma`), then the
-   accuracy change on every image; mean ± s.e. over the directions;
+   ``experiments/verifier_fragility_probe.py``), with ``sigma`` calibrated (on every image by default, or on a subset)
+   until the image drift ``mean |image - base image|`` is within `tolerance` (relative) of the target
+   (`calibrate_sigma`), then the accuracy change on every image; mean ± s.e. over the directions;
 3. the fraction of the base's correct images that a one-pixel edge change of one object flips to wrong
    (`diffalign.world.edges`: grow, shrink, or shift one object by one pixel).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diffalign.evaluation.generation import EvalConfig, generate, sample_images
+from diffalign.evaluation.generation import EvalConfig, sample_images
 from diffalign.world.edges import EdgeFlips, edge_flips
 from diffalign.world.verifier import parse_caption, verify
 
@@ -217,7 +217,7 @@ def _specs(rows: list[dict]) -> list[dict]:
 
 
 def fragility_gate(policy, rows: list[dict], seeds: list[int], cfg: EvalConfig, drifts=(0.02, 0.03),
-                   directions: int = 4, calibration_images: int = 32, tolerance: float = 0.1,
+                   directions: int = 4, calibration_images: int = 0, tolerance: float = 0.1,
                    sigma_start: float = 0.02, log: Callable[[str], None] | None = None) -> GateReport:
     """Measures the fragility gate of `policy`'s base (module docstring).
 
@@ -229,7 +229,10 @@ def fragility_gate(policy, rows: list[dict], seeds: list[int], cfg: EvalConfig, 
         cfg: the evaluation settings (sampler, batch size).
         drifts: target image drifts (mean absolute pixel difference, pixels in [0, 1]), each > 0.
         directions: random directions per drift, ≥ 2 (for the s.e.).
-        calibration_images: images (evenly spaced through the (seed, prompt) list) on which sigma is calibrated.
+        calibration_images: images (evenly spaced through the (seed, prompt) list) on which sigma is calibrated;
+            0 (the default) or at least every image: on every image, so that the drift reported is the calibrated one
+            and the last calibration's images are the evaluation's (measured on tiny_sd3: σ calibrated on 16 of 117
+            images gave a drift of 0.026 on all of them for a target of 0.02).
         tolerance: relative tolerance of the calibrated drift, in (0, 1).
         sigma_start: the first scale tried for the first direction (later ones start from the last one found).
         log: called with a progress line after each step.
@@ -241,8 +244,8 @@ def fragility_gate(policy, rows: list[dict], seeds: list[int], cfg: EvalConfig, 
         raise ValueError(f"drifts must be a non-empty list of positive image drifts (e.g. 0.02 0.03), got {drifts}")
     if directions < 2:
         raise ValueError(f"directions must be >= 2 (the s.e. is over directions), got {directions}")
-    if calibration_images < 1:
-        raise ValueError(f"calibration_images must be >= 1, got {calibration_images}")
+    if calibration_images < 0:
+        raise ValueError(f"calibration_images must be >= 0 (0: every image), got {calibration_images}")
     if not seeds:
         raise ValueError("seeds must name at least one evaluation seed")
     specs = _specs(rows)
@@ -251,22 +254,34 @@ def fragility_gate(policy, rows: list[dict], seeds: list[int], cfg: EvalConfig, 
     start = time.perf_counter()
     jobs = [(p, s) for s in seeds for p in range(len(rows))]  # generate's order: seeds outer, prompts inner
     all_specs = [specs[p] for p, _ in jobs]
-    pick = np.unique(np.linspace(0, len(jobs) - 1, min(calibration_images, len(jobs))).round().astype(int))
+    every = calibration_images == 0 or calibration_images >= len(jobs)
+    pick = np.arange(len(jobs)) if every else \
+        np.unique(np.linspace(0, len(jobs) - 1, calibration_images).round().astype(int))
     calib_jobs = [jobs[i] for i in pick]
+
+    def sample(job_list: list[tuple[int, int]], use_reference: bool) -> torch.Tensor:  # in generate's batches
+        return torch.cat([sample_images(policy, job_list[i:i + cfg.batch_size], rows, cfg, use_reference)
+                          for i in range(0, len(job_list), cfg.batch_size)])
+
+    def correct(images: torch.Tensor) -> np.ndarray:
+        return np.array([verify(im, sp).correct for im, sp in zip(_pixels(images), all_specs)])
 
     try:
         set_direction(params, 0.0, 0)
-        base_img, _ = generate(policy, rows, seeds, cfg, use_reference=True)
+        base_img = sample(jobs, use_reference=True)
         base_px = _pixels(base_img)
-        base_ok = np.array([verify(im, sp).correct for im, sp in zip(base_px, all_specs)])
+        base_ok = correct(base_img)
         n = len(base_ok)
         acc = float(base_ok.mean())
         say(f"base: accuracy {acc:.3f} on {n} images ({time.perf_counter() - start:.0f} s)")
         calib_base = base_img[torch.as_tensor(pick)]
+        made: dict[float, torch.Tensor] = {}  # calibrated on every image: the images of each sigma tried
 
         def drift_at(sigma: float, seed: int) -> float:
             set_direction(params, sigma, seed)
-            img = sample_images(policy, calib_jobs, rows, cfg, use_reference=False)
+            img = sample(calib_jobs, use_reference=False)
+            if every:
+                made[sigma] = img
             return float((img - calib_base).abs().mean())
 
         levels, sigma = [], sigma_start
@@ -274,12 +289,15 @@ def fragility_gate(policy, rows: list[dict], seeds: list[int], cfg: EvalConfig, 
             level = DriftLevel(target)
             for d in range(directions):
                 seed = 1000 + d
+                made.clear()
                 cal = calibrate_sigma(lambda s, seed=seed: drift_at(s, seed), target, sigma, tolerance)
                 sigma = cal.sigma
-                set_direction(params, cal.sigma, seed)
-                img, _ = generate(policy, rows, seeds, cfg, use_reference=False)
-                ok = np.array([verify(im, sp).correct for im, sp in zip(_pixels(img), all_specs)])
-                diff = ok.astype(int) - base_ok.astype(int)
+                if every:
+                    img = made[cal.sigma]
+                else:
+                    set_direction(params, cal.sigma, seed)
+                    img = sample(jobs, use_reference=False)
+                diff = correct(img).astype(int) - base_ok.astype(int)
                 level.directions.append(DirectionResult(seed, cal.sigma, cal, float((img - base_img).abs().mean()),
                                                         float(diff.mean()), int((diff < 0).sum()),
                                                         int((diff > 0).sum())))

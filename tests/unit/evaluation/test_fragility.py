@@ -35,18 +35,21 @@ def test_gate_on_a_tiny_random_model_hits_the_drift_and_restores_the_base():
     policy = build_tiny_random_policy(seed=0)
     rows = load_prompts("heldout")[::20]  # 6 prompts
     cfg = EvalConfig(sampler={"name": "ode", "num_inference_steps": 2, "guidance_scale": 1.0}, batch_size=16)
-    report = fragility_gate(policy, rows, [0], cfg, drifts=(0.02,), directions=2, calibration_images=6,
-                            tolerance=0.1)
+    report = fragility_gate(policy, rows, [0], cfg, drifts=(0.02,), directions=2, tolerance=0.1)
     (level,) = report.levels
     for d in level.directions:
         assert d.calibration.converged and abs(d.calibration.drift - 0.02) <= 0.002
-        # the calibration subset is every image here, so the measured drift is the calibrated one
-        assert d.drift == pytest.approx(d.calibration.drift, rel=1e-5)
+        # calibrated on every image (the default): the evaluation's images are the last calibration's
+        assert d.drift == d.calibration.drift
         assert d.lost + d.gained <= report.n_images and d.change == (d.gained - d.lost) / report.n_images
     assert level.directions[0].sigma != level.directions[1].sigma  # two directions, each calibrated
     assert report.n_images == 6 and report.edges.n_images == 6
     assert all(not p.any() for p in lora_b_parameters(policy))
     assert not math.isnan(report.accuracy_se) and report.passes is None  # drift 0.03 not measured
+    # calibrated on a subset: the evaluation runs apart, its drift is measured on every image
+    sub = fragility_gate(policy, rows, [0], cfg, drifts=(0.02,), directions=2, calibration_images=3)
+    assert [d.calibration.converged for d in sub.levels[0].directions] == [True, True]
+    assert sub.accuracy == report.accuracy and all(not p.any() for p in lora_b_parameters(policy))
     with pytest.raises(ValueError, match="directions must be >= 2"):
         fragility_gate(policy, rows, [0], cfg, directions=1)
     with pytest.raises(ValueError, match="shapes-world prompts"):

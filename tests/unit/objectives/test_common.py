@@ -28,8 +28,8 @@ def gen(seed: int) -> torch.Generator:
 
 def test_per_sample_mse_by_hand():
     """Sample 0: errors (1, 2, 0, -1) -> (1 + 4 + 0 + 1) / 4 = 1.5; sample 1: errors (3, 0, 0, 0) -> 9 / 4 = 2.25."""
-    pred = torch.tensor([[[1.0, 2.0], [0.0, -1.0]], [[3.0, 0.0], [0.0, 0.0]]])
-    target = torch.zeros(2, 2, 2)
+    target = torch.tensor([[[1.0, -1.0], [2.0, 0.5]], [[0.0, 4.0], [-2.0, 1.0]]])
+    pred = target + torch.tensor([[[1.0, 2.0], [0.0, -1.0]], [[3.0, 0.0], [0.0, 0.0]]])
     loss = per_sample_mse(pred, target)
     assert loss.shape == (2,) and loss.dtype == torch.float32
     torch.testing.assert_close(loss, torch.tensor([1.5, 2.25]), rtol=0, atol=0)
@@ -39,12 +39,12 @@ def test_per_sample_mse_by_hand():
 
 
 def test_per_sample_mse_refuses_bad_shapes():
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(ValueError, match="^" + re.escape(
             "per_sample_mse: pred has shape (2, 3) but target has shape (2, 4); pass a target with the prediction's "
-            "shape (see policy.training_target).")):
+            "shape (see policy.training_target).") + "$"):
         per_sample_mse(torch.zeros(2, 3), torch.zeros(2, 4))
-    with pytest.raises(ValueError, match=re.escape(
-            "per_sample_mse: inputs are 0-dim; pass tensors with a leading batch dimension (B, ...).")):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "per_sample_mse: inputs are 0-dim; pass tensors with a leading batch dimension (B, ...).") + "$"):
         per_sample_mse(torch.tensor(1.0), torch.tensor(0.0))
 
 
@@ -54,6 +54,11 @@ def test_generator_device():
     assert generator_device(gen(0)) == torch.device("cpu")
     assert generator_device([gen(0)]) == torch.device("cpu")  # (the first of a list: a list of one has no second)
     assert generator_device((gen(0), gen(1))) == torch.device("cpu")
+    # (the device is the generator's: one with another device attribute, as a CUDA generator has)
+    elsewhere = SimpleNamespace(device=torch.device("meta"))
+    assert generator_device(elsewhere) == torch.device("meta")
+    assert generator_device([elsewhere, gen(0)]) == torch.device("meta")
+    assert generator_device([gen(0), elsewhere]) == torch.device("cpu")
 
 
 def test_randn_one_generator_and_one_per_sample():
@@ -68,6 +73,16 @@ def test_randn_one_generator_and_one_per_sample():
     # a row does not depend on the other rows' generators (what a batch split across processes relies on)
     torch.testing.assert_close(randn((1, 2, 2), (gen(8),))[0], rows[1], rtol=0, atol=0)
     assert randn((2, 3), None).shape == (2, 3)
+
+
+def test_noise_is_float32_whatever_the_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert randn((2, 3), gen(0)).dtype == torch.float32
+        assert randn((2, 3), [gen(0), gen(1)]).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def test_randint_one_generator_and_one_per_sample():
@@ -126,8 +141,8 @@ def test_draw_timesteps_and_noise_draws_t_then_noise_inclusive_range():
 
 
 def test_draw_timesteps_and_noise_refuses_a_max_outside_the_schedule():
-    with pytest.raises(ValueError, match=re.escape(
-            "method.timestep_max=10 is outside the scheduler's range 0..9; lower it or set it to null.")):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "method.timestep_max=10 is outside the scheduler's range 0..9; lower it or set it to null.") + "$"):
         draw_timesteps_and_noise(policy_with(10), (1, 1), 0, 10, gen(0))
 
 

@@ -183,3 +183,81 @@ def test_clipped_policy_gradient_defaults_bounds_and_contract():
     assert objective.epoch_updates(3, 2) == 6 and objective.prepare(None, None) == {}
     assert (ClippedPolicyGradient.data_flow, ClippedPolicyGradient.rollout_sampler_kind,
             ClippedPolicyGradient.log_prob_reduction) == ("online_trajectories", "sde", "mean")
+
+
+def test_clipped_loss_on_a_given_log_ratio_with_a_weight():
+    """The table of tests/unit/objectives/test_clip_binding.py (ε = 0.2; A = 2, 2, −1, −1; ρ = 1.5, 0.5, 1.5, 0.5):
+    terms −2.4, −1.0, 1.5, 0.8, mean −0.275; the weight (GRPO-Guard's reweighting) multiplies it, a weight of 1 (int,
+    float) leaves it; ``approx_kl`` is over the raw log π_θ − log π_old (here 0.2 for row 0 at k = 1), not the given
+    log-ratio."""
+    objective = ClippedPolicyGradient(clip_range=0.2)
+    log_probs = torch.zeros(4, 3)
+    log_probs[:, 1] = torch.tensor([-0.2, 0.0, 0.0, 0.0])
+    trajectory = SimpleNamespace(log_probs=log_probs)
+    step = SimpleNamespace(log_prob=torch.zeros(4))
+    log_ratio = torch.tensor([1.5, 0.5, 1.5, 0.5]).log()
+    adv = torch.tensor([2, 2, -1, -1])  # (integers: made float)
+    weights = ((1, 1.0), (1.0, 1.0), (0.5, 0.5), (2, 2.0), (torch.tensor(0.5), 0.5), (torch.tensor(1.0), 1.0))
+    for weight, factor in weights:
+        loss, metrics = objective.clipped_loss(None, trajectory, adv, 1, step, log_ratio, weight=weight)
+        torch.testing.assert_close(loss, torch.tensor(-0.275 * factor), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(metrics["ratio"], torch.tensor(1.0))
+    assert metrics["clipfrac"].item() == 1.0 and metrics["kl"].item() == 0.0
+    torch.testing.assert_close(metrics["approx_kl"], torch.tensor(0.5 * 0.2 ** 2 / 4))
+    assert set(metrics) == {"loss", "ratio", "clipfrac", "approx_kl", "kl"}
+    inside = objective.clipped_loss(None, trajectory, adv, 1, step, torch.tensor([1.1, 0.9, 1.0, 1.19]).log())[1]
+    assert inside["clipfrac"].item() == 0.0
+
+
+def test_the_warning_edges_its_kind_and_the_end_of_the_epoch(monkeypatch, caplog):
+    """A worst |Δ| exactly at the tolerance is not a mismatch; in a training loop's console summary the warning is
+    counted under "logprob_mismatch" (one per epoch); it is shared (every process sees the same agreed value), so only
+    process 0 reports it; after the epoch's updates the alarm is off again."""
+    from diffalign.runtime import console
+
+    objective = ClippedPolicyGradient(logprob_check="warn", logprob_tolerance=0.5)
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.5]), torch.tensor([0.0]), 0)
+        assert list(updates) == [["update 1"]] and caplog.messages == []
+    with console.console_summary() as counts:
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.75]), torch.tensor([0.0]), 0)
+        list(updates)
+        assert counts.pending() == {"logprob_mismatch": 1}
+    caplog.clear()  # (the summary's "at the end" line)
+    monkeypatch.setattr(console, "_first_process", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.policy_gradient"):
+        updates = first_update(objective)
+        objective.check_logprobs(torch.tensor([0.75]), torch.tensor([0.0]), 0)
+        list(updates)
+    assert caplog.messages == []
+    stop = ClippedPolicyGradient(logprob_tolerance=0.5)
+    assert list(stop.checked_updates(SimpleNamespace(epoch=0), iter([["only update"]]))) == [["only update"]]
+    stop.check_logprobs(torch.tensor([9.0]), torch.tensor([0.0]), 0)  # (after the epoch: not checked)
+
+
+def test_one_stored_transition_is_enough_per_sample():
+    assert per_sample_transitions(2, 1, 0.5, torch.Generator().manual_seed(0)).tolist() == [[0], [0]]
+
+
+def test_the_worst_difference_is_agreed_over_the_processes(monkeypatch):
+    """On several processes the largest |Δ| is all-reduced with MAX, so every process stops (or not) alike: here this
+    process's 0.1 and another's 0.9 (a faked two-process group: the reduction sets the other's value)."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM):
+        calls.append(op)
+        assert op == dist.ReduceOp.MAX and tensor.shape == (1,)
+        tensor.copy_(torch.maximum(tensor, torch.tensor([0.9])))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    objective = ClippedPolicyGradient(logprob_tolerance=0.5)
+    first_update(objective)
+    with pytest.raises(RolloutMismatchError, match=r"max \|Δ log π\| = 0\.9 > method\.logprob_tolerance=0\.5"):
+        objective.check_logprobs(torch.tensor([0.1]), torch.tensor([0.0]), 0)
+    assert calls == [dist.ReduceOp.MAX]

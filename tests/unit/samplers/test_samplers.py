@@ -197,3 +197,38 @@ def test_every_sde_method_trains_only_the_window(method, tmp_path, monkeypatch):
     assert {k for e, ks in trained if e == 0 for k in ks} == {0, 1}
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert len(history) == 2
+
+
+@pytest.mark.parametrize("method", ["flow_grpo", "vipo"])
+def test_every_sde_method_trains_cps_rollouts_but_never_their_last_step(method, tmp_path, monkeypatch):
+    """Flow-GRPO and ViPO on the tiny flow model with sampler=cps_sde, 4 steps, every trainable step trained: CPS's
+    last step lands on σ = 0 with std 0 and no log-prob, so each update trains steps {0, 1, 2} and never step 3; the
+    first update of the run recomputes the stored log-probs (its consistency check would stop the run otherwise) and
+    the LoRA moves."""
+    from safetensors.torch import load_file
+
+    from diffalign.objectives import policy_gradient
+    from diffalign.train.online import train
+
+    trained = []
+    plan = policy_gradient.transition_plan
+
+    def spy(epoch, *args, **kwargs):
+        for update in plan(epoch, *args, **kwargs):
+            trained.append(sorted({unit.k for unit in update}))
+            yield update
+
+    monkeypatch.setattr(policy_gradient, "transition_plan", spy)
+    if method == "vipo":
+        from diffalign.objectives import vipo
+
+        monkeypatch.setattr(vipo, "transition_plan", spy)
+    cfg = compose_cfg([*online_overrides(tmp_path, epochs=2), "model=tiny_flow_random", f"method={method}",
+                       "sampler=cps_sde", "method.timestep_fraction=1.0"])
+    train(cfg)
+    assert trained and all(ks == [0, 1, 2] for ks in trained)
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    first = load_file(tmp_path / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    final = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    assert any(not torch.equal(first[key], final[key]) for key in first)
