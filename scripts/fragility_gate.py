@@ -53,7 +53,8 @@ def main() -> None:
                       batch_size=args.batch_size)
     print(f"fragility gate: {' '.join(args.overrides) or 'default model'}; {len(rows)} held-out prompts x seeds "
           f"{args.seeds}; {args.steps} steps, CFG {args.guidance_scale}; drifts {args.drifts}, {args.directions} "
-          f"directions, sigma calibrated on {args.calibration_images} images to ±{args.tolerance:.0%}", flush=True)
+          f"directions, sigma calibrated on {args.calibration_images or 'every'} image(s) to ±{args.tolerance:.0%}",
+          flush=True)
     report = fragility_gate(policy, rows, args.seeds, ecfg, drifts=args.drifts, directions=args.directions,
                             calibration_images=args.calibration_images, tolerance=args.tolerance,
                             log=lambda line: print("  " + line, flush=True))
