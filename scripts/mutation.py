@@ -68,6 +68,9 @@ MODULES: dict[str, list[str]] = {
     "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_checkpoint_contract.py",
                            "tests/unit/runtime/test_resume_rng.py"],
     "runtime/runlock": ["tests/integration/test_runlock.py"],
+    "samplers/cps": ["tests/unit/samplers/test_samplers.py", "-k", "not trains and not command_line"],
+    "samplers/window_sde": ["tests/unit/samplers/test_samplers.py", "-k", "not trains and not command_line"],
+    "objectives/grpo_guard": ["tests/unit/objectives/test_grpo_guard.py", "-k", "not trains"],
 }
 
 
