@@ -278,6 +278,15 @@ def _type_text(annotation) -> str:
     return _TYPES.get(text, text)
 
 
+def _whole(value) -> int | None:
+    """`value` as an int when it is a float with no fraction (``1e3`` → 1000), else None."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() else None
+
+
 def _bad_value(cause, full_key: str, override: str | None, source: str | None) -> str:
     key = full_key.rpartition(".")[2]
     schema = cause.object_type
@@ -288,10 +297,13 @@ def _bad_value(cause, full_key: str, override: str | None, source: str | None) -
         expected, where, example = None, reason, None
     else:
         expected = _type_text(field.type)
-        where = f"{getattr(schema, '__name__', schema)}.{key}: {field.type}"
+        annotation = field.type.__name__ if isinstance(field.type, type) else field.type
+        where = f"{getattr(schema, '__name__', schema)}.{key}: {annotation}"
         default = _default(field)
         is_list = expected.startswith("a list") and not str(value).lstrip().startswith("[")
         example = f"[{value}]" if is_list else (_say(default) if default is not None else None)
+        if expected.startswith("an integer") and _whole(value) is not None:  # (1e3, 2.0: a float; write 1000, 2)
+            example = str(_whole(value))
     if source is not None:
         must = f"it must be {expected}" if expected else "it is refused"
         return f"{source} sets {full_key} to {value!r}, but {must} ({where}); fix that file"
