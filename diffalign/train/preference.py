@@ -113,6 +113,31 @@ class LatentCache:
                 self._store[side, indices[k]] = latent
         return torch.stack([self._store[side, i] for i in indices])
 
+    def refill(self, policy, dataset: PreferenceData, batches, sides, device) -> int:
+        """Encodes again what `latents` encoded for `batches` (this process's slices of the batches drawn before a
+        resume, in order), in the same sub-batches, so that a resumed run's cache holds bit for bit what the
+        uninterrupted run's held: on CPU a VAE's output for an image can change at float rounding with the other
+        images of its batch. Data that carries latents, and a disabled cache, encode nothing.
+
+        Returns:
+            `int`: the number of (side, item) latents encoded.
+        """
+        if not self.enabled:
+            return 0
+        encoded = 0
+        for indices in batches:
+            for side in sides:
+                missing = [i for i in indices if (side, i) not in self._store]
+                if not missing:
+                    continue
+                data = dataset.collate(missing)  # each item is the same whatever it is stacked with
+                if f"latents_{side}" in data or f"images_{side}" not in data:
+                    continue
+                for i, latent in zip(missing, policy.encode_images(data[f"images_{side}"].to(device))):
+                    self._store[side, i] = latent
+                encoded += len(missing)
+        return encoded
+
 
 def train(run: PreparedRun | DictConfig) -> dict:
     """Runs a preference fine-tuning job (see ``configs/train.yaml``); returns the final metrics.
@@ -241,6 +266,29 @@ def _resume(run: _Run) -> None:
         run.sampler.load_state_dict(state["sampler"])
     run.guard.load_state_dict(state.get("nonfinite", run.guard.state_dict()))
     run.accelerator.print(f"[diffalign] resumed from {state['checkpoint']} at step {run.global_step}")
+    if state["sampler"] is not None and run.latent_cache.enabled:
+        _refill_latent_cache(run)
+
+
+def _refill_latent_cache(run: _Run) -> None:
+    """After a resume: the latent cache as the uninterrupted run had it at the resumed step (`LatentCache.refill`
+    over the batches the steps before it drew), so that the resumed run continues bit for bit."""
+    tr, rank = run.cfg.trainer, run.accelerator.process_index
+    replay = ResumableSampler(run.sampler.num_items, run.sampler.batch_size, seed=run.sampler.seed,
+                              shuffle=run.sampler.shuffle, drop_last=run.sampler.drop_last)
+    batches = [replay.next_batch()[rank * tr.batch_size:(rank + 1) * tr.batch_size]
+               for _ in range(run.global_step * tr.gradient_accumulation_steps)]
+    if replay.state_dict() != run.sampler.state_dict():  # (not this config's sampler: nothing to replay exactly)
+        run.accelerator.print(f"[diffalign] the checkpoint's data position {run.sampler.state_dict()} is not where "
+                              f"{len(batches)} batches of this config end ({replay.state_dict()}); the latent cache "
+                              "starts empty (the run continues, not bit for bit)")
+        return
+    with torch.no_grad():
+        encoded = run.latent_cache.refill(run.policy, run.dataset, batches,
+                                          BATCH_TYPES[run.objective.data_flow].sides, run.accelerator.device)
+    if encoded:
+        run.accelerator.print(f"[diffalign] latent cache: re-encoded the {encoded} latents the steps before "
+                              f"{run.global_step} encoded, in the same batches")
 
 
 def _batch(run: _Run):

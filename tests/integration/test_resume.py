@@ -52,6 +52,22 @@ def test_preference_loop_resumes_exactly(case, tmp_path):
                        "reference_state.json", "trainer_state.json", "scheduler.json"])
 
 
+def test_preference_resume_in_a_later_epoch_refills_the_latent_cache_exactly(tmp_path):
+    """A resume after step 10 of 30 (16 pairs, batch 2: 8 steps per epoch). From then on the uninterrupted run takes
+    its latents from its cache, encoded in epoch 1's batches; a resumed run that encoded them in the later batches
+    instead ended 1.2e-5 away (a VAE's output on CPU changes at float rounding with its batch's other images): the
+    resume must refill the cache in the original batches (`LatentCache.refill`)."""
+    from diffalign.train.preference import train
+
+    overrides = lambda run: smoke_overrides(tmp_path / run, steps=30) + ["trainer.checkpointing_steps=10"]  # noqa: E731
+    train(compose_cfg(overrides("a")))
+    shutil.copytree(tmp_path / "a" / "checkpoint-10", tmp_path / "b" / "checkpoint-10")
+    results = train(compose_cfg(overrides("b") + ["resume=latest"]))
+    assert results["global_step"] == 30
+    assert_same_files(tmp_path / "a" / "checkpoint-30", tmp_path / "b" / "checkpoint-30",
+                      ["pytorch_lora_weights.safetensors", "optimizer.safetensors", "trainer_state.json"])
+
+
 @pytest.mark.parametrize("case", ["dgpo_sd", "flow_grpo_sd", "ddpo_sd"])
 def test_online_loop_resumes_exactly(case, tmp_path):
     from diffalign.train.online import train

@@ -164,6 +164,50 @@ def test_latent_cache_encodes_each_item_once_and_returns_the_same_latents():
     assert not LatentCache(6, 64, enabled=False).enabled
 
 
+class StoredPairs:
+    """A data set of fixed images: ``collate`` stacks the rows at the given indices."""
+
+    def __init__(self, images):
+        self.images = images
+
+    def collate(self, indices):
+        return {f"images_{s}": self.images[s][list(indices)] for s in ("w", "l")}
+
+
+class BatchRecordingPolicy(CountingPolicy):
+    """Also records which images each `encode_images` call received (to compare the sub-batches)."""
+
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.calls = []
+
+    def encode_images(self, images):
+        self.calls.append(images.clone())
+        return super().encode_images(images)
+
+
+def test_latent_cache_refill_encodes_in_the_batches_the_uninterrupted_run_did():
+    """A resumed run refills its cache over the batches drawn before the resume: the same sub-batches reach the VAE,
+    in the same order, so every cached latent is bit for bit the uninterrupted run's."""
+    policy = build_tiny_random_policy(seed=0)
+    g = torch.Generator().manual_seed(0)
+    data = StoredPairs({side: torch.rand(6, 3, 32, 32, generator=g) for side in ("w", "l")})
+    batches = [[0, 1, 2], [2, 3, 4], [4, 5, 0]]
+    live, replayed = BatchRecordingPolicy(policy), BatchRecordingPolicy(policy)
+    first, second = LatentCache(6, 4 * 4 * 4), LatentCache(6, 4 * 4 * 4)
+    for indices in batches:  # the uninterrupted run: `latents` as the batches come
+        for side in ("w", "l"):
+            first.latents(live, data.collate(indices), side, indices, "cpu")
+    assert second.refill(replayed, data, batches, ("w", "l"), "cpu") == 12
+    assert [c.shape[0] for c in replayed.calls] == [3, 3, 2, 2, 1, 1]  # new items only, batch by batch, w then l
+    assert all(torch.equal(a, b) for a, b in zip(live.calls, replayed.calls, strict=True))
+    for side in ("w", "l"):
+        assert torch.equal(first.latents(live, data.collate(range(6)), side, list(range(6)), "cpu"),
+                           second.latents(replayed, data.collate(range(6)), side, list(range(6)), "cpu"))
+    assert second.refill(replayed, data, batches, ("w",), "cpu") == 0  # nothing left to encode
+    assert LatentCache(6, 64, enabled=False).refill(replayed, data, batches, ("w",), "cpu") == 0
+
+
 class MeanReward:
     def __init__(self):
         self.calls = 0

@@ -292,3 +292,73 @@ def test_the_optimizer_state_comes_back(tmp_path):
     load_checkpoint(path, optimizer=other, lr_scheduler=None)
     for a, b in zip(optimizer.state_dict()["state"].values(), other.state_dict()["state"].values(), strict=True):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_a_tuple_of_tensors_comes_back(tmp_path):
+    x = torch.tensor([1.0, 2.0])
+    write_state({"t": (x, 1)}, tmp_path, "s")
+    back = read_state(tmp_path, "s")["t"]
+    assert isinstance(back, tuple) and torch.equal(back[0], x) and back[1] == 1
+
+
+def test_the_damaged_message_lists_the_last_three_earlier_checkpoints(tmp_path):
+    _, optimizer = optimizer_of()
+    paths = [save(tmp_path, step, optimizer) for step in (1, 2, 3, 4, 5)]
+    (paths[-1] / "rng_state.json").write_text("{")
+    with pytest.raises(ValueError, match=re.escape(
+            f"in {tmp_path}: ['checkpoint-2', 'checkpoint-3', 'checkpoint-4'])")):
+        verify_checkpoint(paths[-1])
+
+
+def test_cuda_rng_states_are_restored_on_as_many_devices(tmp_path, monkeypatch):
+    """(CUDA faked: two saved device states; restored when two devices are visible, refused with one.)"""
+    _, optimizer = optimizer_of()
+    path = save(tmp_path, 1, optimizer)
+    rng = load_file(str(path / "rng_state.safetensors"))
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
+    save_file({**rng, "cuda.0": states[0], "cuda.1": states[1]}, str(path / "rng_state.safetensors"))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.append(list(new)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    load_checkpoint(path, optimizer=optimizer, lr_scheduler=None)
+    assert len(restored) == 1 and all(torch.equal(a, b) for a, b in zip(restored[0], states, strict=True))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{path} holds CUDA RNG states of 2 devices but 1 are visible; resume with the same CUDA_VISIBLE_DEVICES.")
+            + "$"):
+        load_checkpoint(path, optimizer=optimizer, lr_scheduler=None)
+    assert len(restored) == 1
+
+
+def test_a_fresh_optimizer_still_writes_its_tensor_file_and_cuda_states_are_saved(tmp_path, monkeypatch):
+    """The layout of the module docstring: ``optimizer.safetensors`` even before the optimizer has state; with CUDA
+    (faked here) one ``cuda.<i>`` RNG state per device beside ``torch_cpu``."""
+    model = torch.nn.Linear(2, 1)
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = save(tmp_path, 1, fresh)
+    assert load_file(str(path / "optimizer.safetensors")) == {}
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in (3, 4)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    path = save(tmp_path, 2, fresh)
+    saved = load_file(str(path / "rng_state.safetensors"))
+    assert sorted(saved) == ["cuda.0", "cuda.1", "torch_cpu"]
+    assert torch.equal(saved["cuda.0"], states[0]) and torch.equal(saved["cuda.1"], states[1])
+
+
+def test_a_failure_that_took_the_temporary_folder_keeps_its_own_error(tmp_path, caplog):
+    """The clean-up ignores a temporary folder that is already gone, so the caller sees the original error; a saved
+    checkpoint is logged by path."""
+    _, optimizer = optimizer_of()
+
+    def writer(directory):
+        directory.rmdir()
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="^the writer failed$"):
+        save_checkpoint(tmp_path, 3, lora_dir_writer=writer, optimizer=optimizer, lr_scheduler=None, state={})
+    assert list(tmp_path.iterdir()) == []
+    with caplog.at_level(logging.INFO, logger="diffalign.runtime.checkpoint"):
+        path = save(tmp_path, 4, optimizer)
+    assert caplog.messages == [f"saved checkpoint {path}"]
