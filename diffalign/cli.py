@@ -49,6 +49,27 @@ def check_reward_overrides(argv: list[str]) -> None:
                              f"reward=[{known[0]}], or a one-off function with reward=[python:<module>:<function>]")
 
 
+def check_composition(config_name: str, argv: list[str]) -> None:
+    """Composes the config once before ``hydra.main`` does, only to turn a composition error Hydra would report in
+    several lines with wrong advice (``trainer.max_step=2``: "To append to your config use +trainer.max_step=2") into
+    one line naming the key or option, the closest real ones and the fix (`diffalign.config.composition`). Left to
+    Hydra: a config that composes, an error it cannot name, ``HYDRA_FULL_ERROR=1``, ``--help``, ``-m``
+    (`diffalign.config.composition.run_overrides`).
+
+    Raises:
+        ConfigError: the one line (a `ValueError`).
+    """
+    from diffalign.config.checks import ConfigError
+    from diffalign.config.composition import composition_error, run_overrides
+
+    overrides = run_overrides(argv)
+    if overrides is None:
+        return
+    message = composition_error(config_name, overrides)
+    if message is not None:
+        raise ConfigError(message)
+
+
 def _command_line_overrides() -> list[str]:
     """The command line's ``key=value`` overrides (Hydra's task overrides); empty outside a Hydra app."""
     from hydra.core.hydra_config import HydraConfig
@@ -299,6 +320,7 @@ def train() -> None:
     try:
         check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
+        check_composition("train", sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
     try:
@@ -316,6 +338,7 @@ def evaluate() -> None:
     try:
         check_renamed_keys(sys.argv[1:])
         check_reward_overrides(sys.argv[1:])
+        check_composition("evaluate", sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
     try:

@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import warnings
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -30,6 +31,8 @@ from diffalign.config.schemas import discover, register_schemas
 
 GROUPS = {"diffalign.rewards": "reward", "diffalign.models": "model", "diffalign.methods": "method"}
 """Entry-point group → Hydra config group."""
+SAMPLER_OPTIONS = Path(__file__).resolve().parents[1] / "configs" / "sampler"
+"""The shipped sampler options (YAML); a plugin's sampler without a file here is stored as an option itself."""
 REWARD_GROUPS = ("reward", "eval_reward")
 """Hydra config groups holding every reward (training set, evaluation set)."""
 COMBINE_FIELDS = {"weight": 1.0, "normalize": "none"}
@@ -152,7 +155,9 @@ def register_configs() -> dict[str, list[str]]:
     Rewards are stored with ``package="reward.<name>"`` so that the multi-select ``reward=[a,b]`` composes to
     ``cfg.reward.a`` and ``cfg.reward.b`` (and likewise in the ``eval_reward`` group), each with the extra fields
     ``weight`` and ``normalize``; models and methods use their group as package (``cfg.model``, ``cfg.method``).
-    Calling it again re-stores the same nodes.
+    The schemas are stored after the entry points are loaded, so that those a plugin's modules register (a sampler
+    with ``@register_sampler``) are among them; a plugin's sampler is also stored as the option ``sampler/<name>``
+    (`_store_plugin_samplers`). Calling it again re-stores the same nodes.
 
     Raises:
         ValueError: if two distributions declare the same name in one group (both are named), an entry point takes
@@ -162,8 +167,7 @@ def register_configs() -> dict[str, list[str]]:
             plugin that cannot be loaded is skipped with a warning naming it and the error, so one broken package
             does not stop runs that do not use it (selecting it then fails as an unknown option).
     """
-    register_schemas()  # (imports every module of diffalign/rewards: the built-in rewards register themselves)
-    store, stored = ConfigStore.instance(), {}
+    store, stored, plugin_packages = ConfigStore.instance(), {}, set()
     for group, config_group in GROUPS.items():
         registered = registered_reward_configs() if config_group == "reward" else {}
         nodes = {name: (config, config.__module__.split(".")[0]) for name, config in registered.items()}
@@ -172,6 +176,8 @@ def register_configs() -> dict[str, list[str]]:
             provider = eps[name].dist.name if eps[name].dist is not None else None
             try:
                 nodes[name] = (load_entry_point(group, name, eps), provider)
+                if provider != "diffalign":
+                    plugin_packages.add(eps[name].module.split(".")[0])
             except ImportError as err:
                 if provider == "diffalign":
                     raise
@@ -187,4 +193,19 @@ def register_configs() -> dict[str, list[str]]:
                 store.store(group=config_group, name=name, node=node, package=config_group, provider=provider)
         stored[config_group] = sorted(nodes)
     stored["eval_reward"] = stored["reward"]
+    # after the entry points: a plugin's module may register schemas too (a sampler: @register_sampler), and those
+    # stored before it was imported would be missing (then sampler=<its name> could not be composed)
+    schemas = register_schemas()
+    _store_plugin_samplers(store, schemas.get("sampler", {}), plugin_packages)
     return stored
+
+
+def _store_plugin_samplers(store: ConfigStore, samplers: dict[str, type], plugin_packages: set[str]) -> None:
+    """Stores each sampler schema registered by a plugin (a module of a package one of whose entry points was loaded,
+    `plugin_packages`) and without a shipped YAML option as the option ``sampler/<name>`` itself, so ``sampler=<name>``
+    (and ``sampler@eval.sampler=<name>``) selects it with the schema's defaults. Other modules' samplers (a test
+    module's) keep their own YAML option on Hydra's search path: a ConfigStore node of the same name would be matched
+    to it as its schema (Hydra's deprecated automatic schema matching)."""
+    for name, cls in samplers.items():
+        if cls.__module__.split(".")[0] in plugin_packages and not (SAMPLER_OPTIONS / f"{name}.yaml").is_file():
+            store.store(group="sampler", name=name, node=cls, provider=cls.__module__.split(".")[0])

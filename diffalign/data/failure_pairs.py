@@ -54,8 +54,9 @@ class FailurePairs(PreparedPairs):
         samples_per_prompt: images sampled per prompt (≥ 1).
         reward: name of the selected reward (``reward=[...]``) that judges the samples; it must report per-sample
             correctness (``info["correct"]``, as `geneval_shapes` does).
-        sampler: the sampler of the on-policy samples, a `Sampler` or a ``sampler`` config node (the config: DDIM
-            with η = 0 and CFG 4, as the evaluation, at the main job's 10 steps; ``data.sampler.num_inference_steps``).
+        sampler: the sampler of the on-policy samples, a `Sampler` or a ``sampler`` config node (the config: the
+            evaluation's ``ode``, DDIM with η = 0 on an ε/v model, CFG 4, at the main job's 10 steps;
+            ``data.sampler.num_inference_steps``).
         batch_size: images per sampling batch.
         seed: base seed; sample ``j`` of prompt ``i`` starts from the noise of
             ``diffalign.data.onpolicy.sample_seed(seed, i, j)`` (a 63-bit
