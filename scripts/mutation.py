@@ -68,6 +68,12 @@ MODULES: dict[str, list[str]] = {
     "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_checkpoint_contract.py",
                            "tests/unit/runtime/test_resume_rng.py"],
     "runtime/runlock": ["tests/integration/test_runlock.py"],
+    "samplers/cps": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py", "-k",
+                     "not trains and not command_line"],
+    "samplers/window_sde": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py",
+                            "-k", "not trains and not command_line"],
+    "objectives/grpo_guard": ["tests/unit/objectives/test_grpo_guard.py",
+                              "tests/unit/objectives/test_grpo_guard_contract.py", "-k", "not trains"],
 }
 
 
