@@ -482,7 +482,9 @@ def main() -> None:
         f"{held['direction_sign']:.3f} {held['per_tag']}; text gap {text_gap:.3f}; probe {probe}")
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
-    shutil.rmtree(out / "vae")  # the image VAE, stored once: model=tiny_t2v loads tiny_sd3's (model.vae)
+    if out.resolve() == (ASSETS / "tiny_t2v").resolve():  # the shipped model stores no VAE of its own:
+        shutil.rmtree(out / "vae")  # model=tiny_t2v loads tiny_sd3's, the same weights (model.vae); any other --out
+        # folder stays a complete pipeline that TextToVideoSDPipeline.from_pretrained loads alone
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
                "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe, "text_gap": text_gap,
