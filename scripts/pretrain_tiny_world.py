@@ -362,6 +362,39 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def load_stage_checkpoint(ckpt_path: Path, sizes: dict, options: str, *, modules, emas, optimizer, scheduler,
+                          generator) -> tuple[int, object, float, list]:
+    """Restores a resumable stage (flux, flow2) from `ckpt_path` in place: weights, EMAs, optimizer, LR schedule, the
+    data generator and torch's global RNG. Returns (step, running loss, elapsed seconds, evaluations so far).
+
+    Raises:
+        SystemExit: if the checkpoint was written with other `sizes` (naming the stage's `options` to repeat)."""
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    if ckpt["sizes"] != sizes:
+        raise SystemExit(f"--resume: {ckpt_path} was written with {ckpt['sizes']}, this run has {sizes}; pass "
+                         f"the same {options} / --unet-batch / --num-latents options, or drop --resume")
+    for m, state in zip(modules, ckpt["modules"]):
+        m.load_state_dict(state)
+    for ema, state in zip(emas, ckpt["emas"]):
+        ema.load_state_dict(state)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    generator.set_state(ckpt["generator"])
+    torch.set_rng_state(ckpt["torch_rng"])
+    log(f"resumed from {ckpt_path} at step {ckpt['step']}")
+    return ckpt["step"], ckpt["running"], ckpt["elapsed"], ckpt["evals"]
+
+
+def save_stage_checkpoint(ckpt_path: Path, step: int, sizes: dict, *, running, elapsed: float, evals: list, modules,
+                          emas, optimizer, scheduler, generator) -> None:
+    """Writes what `load_stage_checkpoint` restores, atomically (`save_atomic`)."""
+    save_atomic({"step": step, "sizes": sizes, "modules": [m.state_dict() for m in modules],
+                 "emas": [e.state_dict() for e in emas], "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "generator": generator.get_state(),
+                 "torch_rng": torch.get_rng_state(), "running": running, "elapsed": elapsed, "evals": evals}, ckpt_path)
+    log(f"checkpoint at step {step} -> {ckpt_path}")
+
+
 def train_flux(args) -> None:
     """Rectified-flow training of a tiny FLUX.1-format pipeline from scratch: `FluxTransformer2DModel` on packed 2×2
     latents, with its CLIP (pooled) and T5 (token states) encoders from `diffalign.models.tiny_flux`, trained jointly;
@@ -419,29 +452,14 @@ def train_flux(args) -> None:
     sizes = {"steps": args.flux_steps, "batch": args.unet_batch, "lr": args.flux_lr, "layers": args.flux_layers,
              "single_layers": args.flux_single_layers, "heads": args.flux_heads, "num_latents": args.num_latents}
     ckpt_path = work / "flux_checkpoint.pt"
+    resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
     start, running, elapsed, evals = 0, None, 0.0, []
     if args.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["sizes"] != sizes:
-            raise SystemExit(f"--resume: {ckpt_path} was written with {ckpt['sizes']}, this run has {sizes}; pass "
-                             "the same --flux-* / --unet-batch / --num-latents options, or drop --resume")
-        for m, state in zip(modules, ckpt["modules"]):
-            m.load_state_dict(state)
-        for ema, state in zip(emas, ckpt["emas"]):
-            ema.load_state_dict(state)
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        gen.set_state(ckpt["generator"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        start, running, elapsed, evals = ckpt["step"], ckpt["running"], ckpt["elapsed"], ckpt["evals"]
-        log(f"resumed from {ckpt_path} at step {start}")
+        start, running, elapsed, evals = load_stage_checkpoint(ckpt_path, sizes, "--flux-*", **resumable)
 
     def checkpoint(step: int) -> None:
-        save_atomic({"step": step, "sizes": sizes, "modules": [m.state_dict() for m in modules],
-                     "emas": [e.state_dict() for e in emas], "optimizer": opt.state_dict(),
-                     "scheduler": sched.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                     "running": running, "elapsed": elapsed + time.time() - t0, "evals": evals}, ckpt_path)
-        log(f"checkpoint at step {step} -> {ckpt_path}")
+        save_stage_checkpoint(ckpt_path, step, sizes, running=running, elapsed=elapsed + time.time() - t0,
+                              evals=evals, **resumable)
 
     def evaluate_ema(step: int) -> None:
         for ema, m in zip(emas, modules):
@@ -609,29 +627,14 @@ def train_flow2(args) -> bool:
     sizes = {"steps": args.flow2_steps, "batch": args.unet_batch, "lr": args.flow2_lr, "width": args.flow2_width,
              "layers": args.flow2_layers, "ema": args.flow2_ema, "num_latents": args.num_latents}
     ckpt_path = work / "flow2_checkpoint.pt"
+    resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
     start, running, elapsed, evals = 0, None, 0.0, []
     if args.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["sizes"] != sizes:
-            raise SystemExit(f"--resume: {ckpt_path} was written with {ckpt['sizes']}, this run has {sizes}; pass "
-                             "the same --flow2-* / --unet-batch / --num-latents options, or drop --resume")
-        for m, state in zip(modules, ckpt["modules"]):
-            m.load_state_dict(state)
-        for ema, state in zip(emas, ckpt["emas"]):
-            ema.load_state_dict(state)
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        gen.set_state(ckpt["generator"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        start, running, elapsed, evals = ckpt["step"], ckpt["running"], ckpt["elapsed"], ckpt["evals"]
-        log(f"resumed from {ckpt_path} at step {start}")
+        start, running, elapsed, evals = load_stage_checkpoint(ckpt_path, sizes, "--flow2-*", **resumable)
 
     def checkpoint(step: int) -> None:
-        save_atomic({"step": step, "sizes": sizes, "modules": [m.state_dict() for m in modules],
-                     "emas": [e.state_dict() for e in emas], "optimizer": opt.state_dict(),
-                     "scheduler": sched.state_dict(), "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                     "running": running, "elapsed": elapsed + time.time() - t0, "evals": evals}, ckpt_path)
-        log(f"checkpoint at step {step} -> {ckpt_path}")
+        save_stage_checkpoint(ckpt_path, step, sizes, running=running, elapsed=elapsed + time.time() - t0,
+                              evals=evals, **resumable)
 
     def save_ema(step: int, final: bool = False) -> None:
         """EMA weights, rounded to float16 as shipped, evaluated and saved as <work>/tiny_sd3_wide."""
