@@ -111,7 +111,7 @@ def test_compare_gives_the_dense_score_gain_beside_the_accuracy_gain():
     assert out["v/mean_gain"]["se"] == pytest.approx((var / 4) ** 0.5)
     assert out["v/accuracy_gain"]["gain"] == pytest.approx(0.5)
     assert out["v/accuracy_gain"]["se"] == pytest.approx((1 / 3 / 4) ** 0.5)
-    assert list(out)[0] == "v/accuracy_gain"  # the headline takes accuracy first
+    assert next(iter(out)) == "v/accuracy_gain"  # the headline takes accuracy first
     # a reward without correctness has the score's gain only
     assert set(compare({"r": {"scores": [1.0, 2.0]}}, {"r": {"scores": [2.0, 2.0]}}, "a", "b")) == {
         "r/mean_gain", "r/win_rate"}
