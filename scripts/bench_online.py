@@ -31,6 +31,11 @@ of the first call of each shape, timed in the same process right after the epoch
     python scripts/bench_online.py --quick                      # small epochs (2 groups x 4, 4 steps): a smoke test
     python scripts/bench_online.py --compare e5cbf18 --repeats 3   # the same at commit e5cbf18, alternating (ABAB)
     python scripts/bench_online.py --json out.json -- online.group_size=16   # extra Hydra overrides after --
+    OMP_NUM_THREADS=1 python scripts/bench_online.py --clock process        # CPU seconds, for a loaded machine
+
+``--clock process`` reads every phase and replay with the measuring process's CPU time (`time.process_time`): with
+one thread a phase's CPU seconds are its work whatever else the machine runs (they leave out waiting, e.g. a reward
+server; with several threads they add up every thread's spinning). The wall clock (default) is for a quiet machine.
 
 Every (recipe, checkout) measurement runs in a subprocess of its own (``--child``); with ``--compare REV`` the
 commit's package is checked out into a temporary worktree and the same measurement (this script's hooks) runs
@@ -60,6 +65,8 @@ CHILD_ENV = dict(os.environ)
 RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_video",
            "tiny_flow_grpo_flux"]
 PHASES = ("rollout", "reward", "advantages", "update")
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_now = time.perf_counter  # every phase and replay is read with this clock (`--clock`)
 HOOKED = ("_setup", "_epoch", "group_rollout", "ChunkScorer", "_advantages", "_updates")
 # every measurement: no evaluation, trackers, checkpoints or monitors (not part of an epoch)
 COMMON = ["eval.enabled=false", "trainer.log_with=none", "online.checkpointing_epochs=null", "monitor.every=0",
@@ -146,11 +153,11 @@ class Recorder:
     @contextlib.contextmanager
     def timing(self, phase: str):
         outer, self.phase = self.phase, phase
-        start = time.perf_counter()
+        start = _now()
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + _now() - start
             self.phase = outer
 
     def pre_hook(self, module, args, kwargs):
@@ -212,9 +219,9 @@ def side_replay_seconds(originals: dict, recorder: Recorder, repeats: int, sync)
                 call()  # warm-up
                 times = []
                 for _ in range(repeats):
-                    start = time.perf_counter()
+                    start = _now()
                     call()
-                    times.append(time.perf_counter() - start)
+                    times.append(_now() - start)
                 out[signature] = statistics.median(times)
     finally:
         recorder.paused = False
@@ -263,9 +270,9 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
                 call()  # warm-up
                 times = []
                 for _ in range(repeats):
-                    start = time.perf_counter()
+                    start = _now()
                     call()
-                    times.append(time.perf_counter() - start)
+                    times.append(_now() - start)
                 out[signature] = statistics.median(times)
     finally:
         recorder.paused = False
@@ -422,9 +429,9 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
     try:
         for e in range(warmup + epochs):
             recorder.reset()
-            start = time.perf_counter()
+            start = _now()
             logs = loop._epoch(run)
-            total = time.perf_counter() - start
+            total = _now() - start
             run.epoch += 1
             if e < warmup:
                 continue
@@ -501,7 +508,7 @@ def print_result(result: dict, label: str = "") -> None:
 
 def child_command(recipe: str, args, extra: list[str]) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", recipe, "--epochs", str(args.epochs),
-           "--warmup", str(args.warmup), "--floor-repeats", str(args.floor_repeats)]
+           "--warmup", str(args.warmup), "--floor-repeats", str(args.floor_repeats), "--clock", args.clock]
     if args.quick:
         cmd.append("--quick")
     if args.device:
@@ -532,12 +539,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="measurements per checkout with --compare")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the loop's own choice)")
     p.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1: for a loaded machine)")
     p.add_argument("--child", metavar="RECIPE", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --) for every recipe")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.warmup < 0 or args.floor_repeats < 1 or args.repeats < 1:
         p.error("--epochs, --floor-repeats and --repeats must be >= 1, --warmup >= 0")
     if args.child:
+        global _now
+        _now = CLOCKS[args.clock]
         result = measure(args.child, recipe_overrides(args.child, args.quick, args.overrides), warmup=args.warmup,
                          epochs=args.epochs, floor_repeats=args.floor_repeats, device=args.device)
         print("RESULT " + json.dumps(result), flush=True)
