@@ -225,7 +225,7 @@ def _eval_main(cfg: DictConfig) -> None:
         validate_eval_config,
         validate_reward_modality,
     )
-    from diffalign.evaluation.files import resolve_checkpoints
+    from diffalign.evaluation.files import LORA_FILE, check_checkpoint_exists, resolve_checkpoints
 
     try:
         check_top_level_keys(cfg, train_config_keys("evaluate"), "evaluate.yaml")  # +output=..., +checkpont=...
@@ -242,10 +242,12 @@ def _eval_main(cfg: DictConfig) -> None:
         if cfg.checkpoints is not None:
             variants = resolve_checkpoints(list(cfg.checkpoints))
         else:
-            if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / "pytorch_lora_weights.safetensors").is_file():
-                raise FileNotFoundError(f"checkpoint={cfg.checkpoint!r} holds no pytorch_lora_weights.safetensors; "
-                                        "pass a checkpoint-<step> folder of a diffalign-train run (or its final/ "
-                                        "folder)")
+            if cfg.checkpoint is not None:
+                check_checkpoint_exists("checkpoint", str(cfg.checkpoint))
+            if cfg.checkpoint is not None and not (Path(cfg.checkpoint) / LORA_FILE).is_file():
+                raise FileNotFoundError(f"checkpoint={str(cfg.checkpoint)!r} holds no {LORA_FILE}; pass a "
+                                        "checkpoint-<step>/ or final/ folder of a diffalign-train run (a run folder "
+                                        "goes in checkpoints=[base,<run folder>]: every checkpoint of it)")
             if cfg.checkpoint is None and not cfg.include_base:
                 raise ValueError("nothing to evaluate: pass checkpoint=<folder>, checkpoints=[...] or include_base=true")
             variants = {"base": True} if cfg.include_base else {}

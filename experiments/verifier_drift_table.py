@@ -2,7 +2,8 @@
 folder, the held-out verifier change (accuracy and dense score, paired over the evaluation's images), how far the
 fine-tuned images moved from the base's at the same prompt and seed (image drift: mean absolute pixel difference in [0,
 1]), how many images the verifier flipped each way, and from history.jsonl the training reward's first-2 / last-3 epoch
-means and the mean fraction of zero-variance groups.
+means, the mean fraction of zero-variance groups, the last epoch's KL to the base and the mean clip fraction and
+approximate KL of the updates.
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
@@ -61,6 +62,10 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None)
             out["train_last3"] = statistics.fmean(curve[-3:])
         if z:
             out["zero_std"] = statistics.fmean(z)
+        for key, name in (("kl", "kl_last"), ("clipfrac", "clipfrac_mean"), ("approx_kl", "approx_kl_mean")):
+            values = [r[key] for r in h if key in r]
+            if values:
+                out[name] = values[-1] if name.endswith("_last") else statistics.fmean(values)
     return out
 
 
@@ -107,8 +112,9 @@ def flips(paths: list[str]) -> None:
 
 def main(paths: list[str]) -> None:
     """Rows for run folders; a ``diffalign-eval`` folder (``samples.jsonl`` at its top) gives a row per variant."""
-    cols = ["run", "overrides", "acc_change", "acc_se", "dense_change", "image_drift", "lost", "gained",
-            "brightness_change", "train_first2", "train_last3", "zero_std", "seconds"]
+    cols = ["run", "overrides", "acc_change", "acc_se", "dense_change", "dense_se", "image_drift", "lost", "gained",
+            "brightness_change", "train_first2", "train_last3", "zero_std", "kl_last", "clipfrac_mean",
+            "approx_kl_mean", "seconds"]
     print("\t".join(cols))
     for p in paths:
         if (Path(p) / "samples.jsonl").is_file():  # a diffalign-eval folder: every variant against its base
@@ -119,7 +125,7 @@ def main(paths: list[str]) -> None:
         for f in found:
             if f is None:
                 continue
-            print("\t".join(f"{f[c]:.3f}" if isinstance(f.get(c), float) else str(f.get(c, "")) for c in cols))
+            print("\t".join(f"{f[c]:.4f}" if isinstance(f.get(c), float) else str(f.get(c, "")) for c in cols))
 
 
 if __name__ == "__main__":

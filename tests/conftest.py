@@ -4,6 +4,7 @@ config helpers that compose ``diffalign-train`` configs, and small data helpers.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
@@ -151,6 +152,54 @@ def boxed_group_loss(loss_theta: torch.Tensor, loss_ref: torch.Tensor, advantage
     with βλ_t = β/G), for one group given as `(G,)` tensors: the oracle the production surrogate's gradient is checked
     against (tests/unit/objectives/test_dgpo.py; its values by hand in tests/unit/objectives/test_dgpo_by_hand.py)."""
     return -torch.nn.functional.logsigmoid(-(beta / group_size) * (advantages * (loss_theta - loss_ref)).sum())
+
+
+def column(values) -> torch.Tensor:
+    """`values` as one-number latents, float32 of shape `(len(values), 1, 1, 1)`."""
+    return torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1, 1)
+
+
+class OneNumberPolicy:
+    """DGPO's stand-in policy (tests/unit/objectives/test_dgpo_by_hand.py, test_dgpo_contract.py): one-number latents
+    whose prediction is v (θ, trainable), r (inside `reference()` or a strategy's `use`), o (θ⁻, inside
+    `OneNumberOldPolicy.use`; v when not given) or r + 1 (inside "ema"), whatever x_t; the target is ε, so
+    ℓ_i = (pred_i − ε_i)². Records every call's mode or name, timestep shape and guidance scale in `calls`."""
+
+    def __init__(self, v, r, o=None):
+        self.v = torch.nn.Parameter(column(v))
+        self.r, self.o = column(r), column(o if o is not None else v)
+        self.mode, self.calls = "theta", []
+        self.denoiser = torch.nn.Identity()
+
+    @contextlib.contextmanager
+    def switched(self, mode: str):
+        previous, self.mode = self.mode, mode
+        try:
+            yield self
+        finally:
+            self.mode = previous
+
+    def reference(self):
+        return self.switched("reference")
+
+    def add_noise(self, x0, noise, t):
+        self.calls.append(("add_noise", tuple(t.shape), None))
+        return x0 + noise
+
+    def training_target(self, x0, noise, t):
+        self.calls.append(("training_target", tuple(t.shape), None))
+        return noise
+
+    def predict(self, x_t, t, cond, guidance_scale=1.0):
+        self.calls.append((self.mode, tuple(t.shape), guidance_scale))
+        return {"theta": self.v, "reference": self.r, "old": self.o, "ema": self.r + 1}[self.mode]
+
+
+class OneNumberOldPolicy:
+    """θ⁻ for `OneNumberPolicy`: its `use` switches the policy to its o output."""
+
+    def use(self, policy):
+        return policy.switched("old")
 
 
 # --------------------------------------------------------------------------------------------------- data helpers

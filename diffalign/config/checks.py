@@ -286,6 +286,12 @@ def check_renamed_keys(overrides) -> None:
             raise renamed_key_error(key)
 
 
+RUN_MODEL_KEYS = ("init_lora",)
+"""Keys configs/train.yaml adds to every ``model`` node, read by diffalign and taken out before the model is built
+(`diffalign.lora.initial.model_config`): accepted on a model plugin's structured node (a ``diffalign.models`` entry
+point's dataclass), which does not declare them."""
+
+
 def check_structured_keys(cfg: DictConfig) -> None:
     """Refuses a key that a structured config node (``trainer``, ``online``, ``sampler``, ``eval``, ``data``,
     ``reference``, a method's or a reward's schema) does not have. Hydra refuses ``trainer.max_step=2`` itself, but
@@ -303,7 +309,7 @@ def check_structured_keys(cfg: DictConfig) -> None:
                 continue
             schema = OmegaConf.get_type(sub)
             if dataclasses.is_dataclass(schema):
-                check_node_keys(sub, name, schema)
+                check_node_keys(sub, name, schema, also=RUN_MODEL_KEYS if name == "model" else ())
 
 
 def target_modality(target: str | None) -> str | None:
@@ -371,17 +377,17 @@ def check_top_level_keys(cfg: DictConfig, known, source: str = "train.yaml") -> 
                           f"the run would ignore). Its settings: {', '.join(sorted(known))}")
 
 
-def check_node_keys(node, name: str, schema: type) -> None:
-    """Refuses a key of config node `name` that its dataclass `schema` does not have, e.g. ``+monitor.evry=1`` on a
-    plain node (it would otherwise crash or be ignored after the model loads) or a key added with ``+`` to a structured
-    one (`check_structured_keys`); a key of `RENAMED_KEYS` names its new key.
+def check_node_keys(node, name: str, schema: type, also: tuple[str, ...] = ()) -> None:
+    """Refuses a key of config node `name` that its dataclass `schema` does not have (nor `also`), e.g.
+    ``+monitor.evry=1`` on a plain node (it would otherwise crash or be ignored after the model loads) or a key added
+    with ``+`` to a structured one (`check_structured_keys`); a key of `RENAMED_KEYS` names its new key.
 
     Raises:
         ConfigError: naming the key, the closest real ones and the fix.
     """
     if not isinstance(node, DictConfig):
         return
-    fields = {f.name for f in dataclasses.fields(schema)}
+    fields = {f.name for f in dataclasses.fields(schema)} | set(also)
     for key in node:
         if f"{name}.{key}" in RENAMED_KEYS:
             raise renamed_key_error(f"{name}.{key}")

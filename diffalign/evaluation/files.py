@@ -19,6 +19,32 @@ from diffalign.runtime.storage import atomic_file, write_text
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+def check_checkpoint_exists(field: str, spec: str) -> None:
+    """Refuses a checkpoint path that does not exist, in one line naming the field (``checkpoint`` or ``checkpoints``)
+    and the fix, before any model loads; where the path's parent folder exists, the line lists the LoRA folders in it
+    (a typo such as ``runs/x/finall``).
+
+    Args:
+        field (`str`): the config field the path came from, as the user typed it.
+        spec (`str`): the path.
+
+    Raises:
+        FileNotFoundError: `spec` does not exist.
+    """
+    path = Path(spec)
+    if path.exists():
+        return
+    parent = path.parent
+    beside = [p.name for p in parent.iterdir() if (p / LORA_FILE).is_file()] if parent.is_dir() else []
+    beside.sort(key=lambda name: (re.sub(r"\d+", "", name), int(re.sub(r"\D", "", name) or 0), name))
+    where = f" ({str(parent)!r} holds {', '.join(beside)})" if beside else ""
+    listed = field == "checkpoints"
+    named = f"{field}: {spec!r}" if listed else f"{field}={spec!r}"
+    example = "checkpoints=[base,runs/my-run/final]" if listed else "checkpoint=runs/my-run/final"
+    raise FileNotFoundError(f"{named} does not exist{where}; pass the checkpoint-<step>/ or final/ folder of a "
+                            f"diffalign-train run, e.g. {example}")
+
+
 def resolve_checkpoints(specs: list[str]) -> dict[str, bool | Path]:
     """Variants for `evaluate_policy` from a checkpoint list such as ``[base, runs/x/final, runs/x]``.
 
@@ -28,7 +54,8 @@ def resolve_checkpoints(specs: list[str]) -> dict[str, bool | Path]:
 
     Raises:
         ValueError: for an empty list or a checkpoint listed twice (two equal labels).
-        FileNotFoundError: for an entry that is neither ``base``, a LoRA folder nor a run folder.
+        FileNotFoundError: for an entry that does not exist (`check_checkpoint_exists`) or is neither ``base``, a
+            LoRA folder nor a run folder.
     """
     if not specs:
         raise ValueError("checkpoints is empty; pass e.g. checkpoints=[base,runs/my-run/final]")
@@ -44,6 +71,7 @@ def resolve_checkpoints(specs: list[str]) -> dict[str, bool | Path]:
         if spec == "base":
             add("base", True)
             continue
+        check_checkpoint_exists("checkpoints", spec)
         path = Path(spec)
         if (path / LORA_FILE).is_file():
             add(f"{path.resolve().parent.name}/{path.name}", path)

@@ -8,7 +8,8 @@ background, asynchronous scoring). Nothing is silently replaced by zero.
   `CheckedReward` wraps a reward so that every call goes through `score_or_raise` (for code that calls rewards itself,
   such as on-policy data preparation and evaluation); it counts its calls as the batch index. Its ``submit`` does the
   same for a reward scored in the background. `stop_on_reward_error` is the loops' context manager: on a `RewardError`
-  it saves a checkpoint, logs where and why, and re-raises; the CLI turns it into a clean exit with that message.
+  it saves a checkpoint and re-raises with the checkpoint's folder in the message; the CLI prints that message once,
+  as its exit line.
 - Combine: `WeightedSum`, the weighted sum of the multi-select ``reward=[a,b]`` (``reward.<name>.weight`` and
   ``reward.<name>.normalize``), and `reward_metrics` for the trackers.
 - Asynchronous scoring (docs/guides/rewards.md#rewards-served-over-http): a reward may offer ``submit(images, prompts,
@@ -24,7 +25,7 @@ metadata) ->
 Usage in a loop (``diffalign/train/preference.py``)::
 
     rewards = checked_rewards(build_selected_rewards(cfg.reward))
-    with stop_on_reward_error(lambda: write_checkpoint(global_step), log=accelerator.print):
+    with stop_on_reward_error(lambda: write_checkpoint(global_step)):
         for step in ...:
             set_reward_step(rewards, global_step)
             outputs = score_or_raise(rewards, images, prompts, metadata, step=global_step, batch_index=i)
@@ -297,14 +298,13 @@ def set_reward_step(rewards, step: int, reset_calls: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callable[[str], None] = print
-                         ) -> Iterator[None]:
-    """Saves a checkpoint and re-raises when the body raises `RewardError`.
+def stop_on_reward_error(save_checkpoint: Callable[[], Path | None]) -> Iterator[None]:
+    """Saves a checkpoint and re-raises when the body raises `RewardError`. It prints nothing: the raised error's
+    message is the one report of the failure (``diffalign-train`` exits with it; a library caller sees it raised).
 
     Args:
         save_checkpoint (`Callable[[], Path | None]`): writes a checkpoint of the current state and returns its folder
             (or `None` where this process does not write checkpoints). Called only on a `RewardError`.
-        log (`Callable[[str], None]`, defaults to `print`): where the stop message goes.
 
     Raises:
         RewardError: the reward's error with the saved folder as ``checkpoint`` and in the message ("— checkpoint
@@ -319,12 +319,11 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None], log: Callab
             err.checkpoint = save_checkpoint()
         except Exception as save_err:  # noqa: BLE001 (any failure to save is reported with the reward's error)
             raise RuntimeError(f"{err}; saving a checkpoint before stopping also failed: {save_err}") from err
-        where = f"checkpoint saved to {err.checkpoint}" if err.checkpoint is not None else "no checkpoint written"
-        log(f"[diffalign] stopping: {err}; {where}. Fix or deselect the reward, then resume with resume=latest.")
         if err.checkpoint is None:
             raise
-        stop = RewardError(err.reward_name, f"{err.detail} — {where}; fix or deselect the reward, then resume with "
-                           "resume=latest", step=err.step, batch_index=err.batch_index, prompts=err.prompts)
+        stop = RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix or deselect "
+                           "the reward, then resume with resume=latest", step=err.step, batch_index=err.batch_index,
+                           prompts=err.prompts)
         stop.checkpoint = err.checkpoint
         raise stop from err
 

@@ -429,7 +429,7 @@ def final_evaluation(cfg: DictConfig, accelerator: Accelerator, policy, eval_rew
     rows = select_prompts(load_prompts(ecfg.prompts), ecfg.prompts_per_tag)
     set_reward_step(eval_rewards, step, reset_calls=True)
     say = lambda message: write(message, accelerator)  # (around the evaluation's progress bar)
-    with stop_on_reward_error(checkpoint, log=say), bare_forward(policy):
+    with stop_on_reward_error(checkpoint), bare_forward(policy):
         results = {"eval": evaluate_policy(policy, rows, eval_rewards, ecfg, output_dir / "eval",
                                            {"base": True, "finetuned": False}, log=say,
                                            base_key=base_reuse_key(cfg.model, cfg.get("eval_reward") or cfg.reward))}

@@ -275,8 +275,7 @@ def _epoch(run: _Run) -> dict:
             on_chunk=scorer.add)
     policy.denoiser.train()
     # 3. rewards (a failing or non-finite one stops the run after a checkpoint)
-    with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch)),
-                              log=lambda message: write(message, accelerator)):
+    with stop_on_reward_error(lambda: run.checkpoints.before_stop(run.global_step, lambda: run.trainer_state(epoch))):
         scored = scorer.result(traj.images, traj.prompts)
     # 4. advantages
     advantages, adv_stats = _advantages(run, scored, group_ids, traj.prompts)

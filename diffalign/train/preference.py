@@ -230,7 +230,7 @@ def _prepare_data(run: _Run, stop: StopSignals) -> None:
     accelerator, tr, dataset = run.accelerator, run.cfg.trainer, run.dataset
     t_data = time.time()
     set_reward_step(run.rewards, 0)
-    with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=lambda message: write(message, accelerator)):
+    with stop_on_reward_error(lambda: run.checkpoint_before_stop(0)):
         # (nothing for static data; on-policy data resumable in <output_dir>/prepared, diffalign.data.resumable)
         prepare_dataset(dataset, run.policy, run.rewards.rewards, cfg=run.cfg, accelerator=accelerator, stop=stop)
     run.data_seconds = time.time() - t_data
@@ -324,11 +324,11 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
     history = []
     say = lambda message: write(message, accelerator)  # (around the progress bar)
     every = tr.get("warnings_every", 10)
-    interval_start = run.global_step + 1
+    interval_start = run_start = run.global_step + 1
     if run.monitor is not None and run.global_step == 0:  # the monitors' baseline (main process; FSDP: gathered)
         with main_process_work(accelerator, policy) as main:
             if main:
-                with stop_on_reward_error(lambda: run.checkpoint_before_stop(0), log=say), bare_forward(policy):
+                with stop_on_reward_error(lambda: run.checkpoint_before_stop(0)), bare_forward(policy):
                     run.monitor.maybe_log(0, policy, accelerator, log=say)
     while run.global_step < tr.max_steps:
         # SIGTERM / SIGINT: checkpoint, then exit (code 128 + signal in the CLI)
@@ -355,14 +355,16 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
         run.updates.stop_if_exhausted(lambda step=step: run.checkpoints.stop(step, lambda: run.trainer_state(step)),
                                       f"step {step}")
         if step % every == 0 or step == tr.max_steps:  # one line per kind of repeating warning of the interval
-            sums.update(run.warnings.flush(f"steps {interval_start}-{step}", accelerator))
+            # (per-run kinds, e.g. saturation: one line for the whole run, at its last step)
+            run_where = f"steps {run_start}-{step}" if step == tr.max_steps else None
+            sums.update(run.warnings.flush(f"steps {interval_start}-{step}", accelerator, run_where=run_where))
             interval_start = step + 1
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)
         if run.monitor is not None:  # gold reward + diversity every monitor.every steps (main process; FSDP: gathered)
             with main_process_work(accelerator, policy, due=step % run.monitor.every == 0) as main:
                 if main:
-                    with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step), log=say), \
+                    with stop_on_reward_error(lambda step=step: run.checkpoint_before_stop(step)), \
                             bare_forward(policy):
                         run.monitor.maybe_log(step, policy, accelerator, log=say)
         progress.update(1)

@@ -3,7 +3,10 @@
 import dataclasses
 import importlib.metadata
 import inspect
+import re
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +216,61 @@ def test_a_broken_third_party_plugin_is_skipped_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="broken_reward.*someone-elses-rewards"):
         stored = registry.register_configs()
     assert "broken_reward" not in stored["reward"] and "geneval_shapes" in stored["reward"]
+
+
+# ------------------------------------------------------------------------------ the extending guide's plugin example
+
+EXTENDING = Path(__file__).resolve().parents[3] / "docs" / "guides" / "extending.md"
+
+
+def _fenced_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def test_the_extending_guide_documents_every_entry_point_group_the_registry_reads():
+    """Each group `register_configs` reads (`registry.GROUPS`) has a ``[project.entry-points."<group>"]`` example in
+    docs/guides/extending.md (diffalign.models and diffalign.methods had none)."""
+    documented = set(re.findall(r'^\[project\.entry-points\."([^"]+)"\]', EXTENDING.read_text(),
+                                flags=re.MULTILINE))
+    assert documented == set(registry.GROUPS)
+
+
+def test_the_extending_guide_plugin_trains(tmp_path, monkeypatch):
+    """The guide's ``my_pkg`` (its Python block, as written) declared with its TOML block as a package's entry points:
+    ``method=winner_denoise model=my_sd`` compose from the entry points alone, its provider is the package, its own
+    ``check_config`` runs before any model loads, and two steps on the tiny world's SD model move the LoRA."""
+    from conftest import compose_cfg, smoke_overrides
+    from safetensors.torch import load_file
+
+    from diffalign.config.compose import asset_path
+    from diffalign.config.validation import validate_train_config
+    from diffalign.train.preference import train
+
+    text = EXTENDING.read_text()
+    (source,) = [b for b in _fenced_blocks(text, "python") if b.startswith("# my_pkg/__init__.py")]
+    (toml,) = [b for b in _fenced_blocks(text, "toml") if "diffalign.methods" in b]
+    (tmp_path / "src" / "my_pkg").mkdir(parents=True)
+    (tmp_path / "src" / "my_pkg" / "__init__.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.delitem(sys.modules, "my_pkg", raising=False)  # (and removed again when the test ends)
+    monkeypatch.setitem(sys.modules, "my_pkg", importlib.import_module("my_pkg"))
+    # the TOML's tables as a dist-info entry_points.txt: [project.entry-points."g"] -> [g], name = "v" -> name = v
+    entry_points_txt = re.sub(r'^\[project\.entry-points\."([^"]+)"\]$', r"[\1]", toml, flags=re.MULTILINE)
+    entry_points_txt = re.sub(r'^(\w+) = "([^"]+)"$', r"\1 = \2", entry_points_txt, flags=re.MULTILINE)
+    add_entry_points(monkeypatch, fake_distribution(tmp_path, "my-pkg", entry_points_txt))
+
+    run = tmp_path / "run"
+    overrides = [o for o in smoke_overrides(run, steps=2) if not o.startswith(("data.", "model="))]
+    overrides += ["method=winner_denoise", "model=my_sd", f"model.pretrained_model_name_or_path={asset_path('tiny_sd')}",
+                  "data=shapes_winners", "data.num_samples=8"]
+    cfg = compose_cfg(overrides)
+    assert ConfigStore.instance().load("method/winner_denoise.yaml").provider == "my-pkg"
+    assert (cfg.method._target_, cfg.model._target_) == (
+        "my_pkg.WinnerDenoise", "diffalign.models.stable_diffusion.StableDiffusionPolicy.from_pretrained")
+    with pytest.raises(ValueError, match=r"method.timestep=1000 must be in \[0, 1000\)"):
+        validate_train_config(compose_cfg(overrides + ["method.timestep=1000", f"output_dir={tmp_path / 'bad'}"]))
+    validate_train_config(cfg)
+    results = train(cfg)
+    first = load_file(run / "checkpoint-1" / "pytorch_lora_weights.safetensors")
+    final = load_file(run / "final" / "pytorch_lora_weights.safetensors")
+    assert results["global_step"] == 2 and any(not torch.equal(first[k], final[k]) for k in first)

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import perturb_lora_
+from conftest import compose_cfg, perturb_lora_
 from PIL import Image
 
 import diffalign.evaluation.evaluate as evaluate_module
@@ -97,6 +97,24 @@ def test_win_rate_counts_wins_ties_and_losses():
     assert paired_wins([2.0, 1.0, 0.0, 5.0], [1.0, 1.0, 1.0, 5.0]).tolist() == [1.0, 0.5, 0.0, 0.5]
     with pytest.raises(ValueError, match="same pairs"):
         paired_wins([1.0], [1.0, 2.0])
+
+
+def test_compare_gives_the_dense_score_gain_beside_the_accuracy_gain():
+    # by hand: score differences +0.5, 0, -0.25, +0.75 -> mean 0.25 (s.e. from their sample variance); correctness
+    # differences +1, 0, 0, +1 -> mean 0.5, std sqrt(1/3), s.e. sqrt(1/3)/2
+    a = {"v": {"scores": [0.5, 0.5, 0.75, 0.25], "correct": [False, True, True, False]}}
+    b = {"v": {"scores": [1.0, 0.5, 0.5, 1.0], "correct": [True, True, True, True]}}
+    out = compare(a, b, "base", "ft")
+    diffs = [0.5, 0.0, -0.25, 0.75]
+    var = sum((d - 0.25) ** 2 for d in diffs) / 3
+    assert out["v/mean_gain"]["gain"] == pytest.approx(0.25)
+    assert out["v/mean_gain"]["se"] == pytest.approx((var / 4) ** 0.5)
+    assert out["v/accuracy_gain"]["gain"] == pytest.approx(0.5)
+    assert out["v/accuracy_gain"]["se"] == pytest.approx((1 / 3 / 4) ** 0.5)
+    assert next(iter(out)) == "v/accuracy_gain"  # the headline takes accuracy first
+    # a reward without correctness has the score's gain only
+    assert set(compare({"r": {"scores": [1.0, 2.0]}}, {"r": {"scores": [2.0, 2.0]}}, "a", "b")) == {
+        "r/mean_gain", "r/win_rate"}
 
 
 def test_per_tag_breakdown_of_a_geneval_file_is_exact(tmp_path):
@@ -188,8 +206,34 @@ def test_checkpoint_lists_expand_run_folders_in_step_order(tmp_path):
     assert checkpoint_step("my-run/checkpoint-10") == 10
     with pytest.raises(ValueError, match="listed twice"):
         resolve_checkpoints(["base", str(run / "final"), str(run / "final")])
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="neither 'base'"):
-        resolve_checkpoints([str(tmp_path / "nothing")])
+        resolve_checkpoints([str(tmp_path / "empty")])
+    # a path that does not exist says so (it said "neither 'base', a folder ... nor a run folder"), listing the
+    # checkpoint folders beside it in step order (checkpoint-3 holds no weights)
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_checkpoints(["base", str(run / "finall")])
+    assert str(info.value) == (f"checkpoints: {str(run / 'finall')!r} does not exist ({str(run)!r} holds "
+                               "checkpoint-2, checkpoint-10, final); pass the checkpoint-<step>/ or final/ folder of a "
+                               "diffalign-train run, e.g. checkpoints=[base,runs/my-run/final]")
+
+
+def test_eval_command_refuses_a_checkpoint_that_does_not_exist_before_any_model_loads(monkeypatch):
+    """``diffalign-eval checkpoint=/nope/final`` said "... holds no pytorch_lora_weights.safetensors"."""
+    import diffusers
+
+    from diffalign import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", refuse)
+    monkeypatch.setattr(cli, "_evaluate", refuse)
+    with pytest.raises(SystemExit) as info:
+        cli._eval_main(compose_cfg(["checkpoint=/nope/final"], name="evaluate"))
+    assert str(info.value.code) == ("diffalign: error: checkpoint='/nope/final' does not exist; pass the "
+                                    "checkpoint-<step>/ or final/ folder of a diffalign-train run, e.g. "
+                                    "checkpoint=runs/my-run/final")
 
 
 def test_an_interrupted_evaluation_resumes_without_recomputing_finished_prompts(tmp_path, monkeypatch):

@@ -20,12 +20,11 @@ With the clip (ε_c = 0.01), ρ_i = exp(ℓold − ℓθ): row 0 (A > 0, ρ = e�
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
-from conftest import boxed_group_loss
+from conftest import OneNumberOldPolicy, OneNumberPolicy, boxed_group_loss, column
 
 from diffalign.objectives.dgpo import DGPO
 from diffalign.reference.frozen_base import FrozenBaseReference
@@ -42,55 +41,16 @@ def sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-def column(values) -> torch.Tensor:
-    return torch.tensor(values).reshape(-1, 1, 1, 1)
-
-
-class HandPolicy:
-    """Predicts v (θ), r (inside `reference()`) or o (inside `OldPolicy.use`), whatever x_t; the target is ε."""
-
-    def __init__(self):
-        self.v = torch.nn.Parameter(column(V))
-        self.r, self.o = column(R), column(O)
-        self.mode = "theta"
-        self.denoiser = torch.nn.Identity()
-
-    @contextlib.contextmanager
-    def switched(self, mode: str):
-        previous, self.mode = self.mode, mode
-        try:
-            yield self
-        finally:
-            self.mode = previous
-
-    def reference(self):
-        return self.switched("reference")
-
-    def add_noise(self, x0, noise, t):
-        return x0 + noise
-
-    def training_target(self, x0, noise, t=None):
-        return noise
-
-    def predict(self, x_t, t, cond, guidance_scale=1.0):
-        return {"theta": self.v, "reference": self.r, "old": self.o}[self.mode]
-
-
-class OldPolicy:
-    def use(self, policy):
-        return policy.switched("old")
-
-
 def run(policy, **kwargs):
     batch = GroupBatch(torch.zeros(4, 1, 1, 1), ["p"] * 4, None, torch.tensor(A), torch.tensor(GROUPS), G)
     loss, metrics = DGPO(beta=BETA, **kwargs)(policy, batch, timesteps=torch.tensor(500.0), noise=column(EPS),
-                                               reference=FrozenBaseReference(), old_policy=OldPolicy())
+                                               reference=FrozenBaseReference(), old_policy=OneNumberOldPolicy())
     (grad,) = torch.autograd.grad(loss, [policy.v])
     return loss.detach(), grad.flatten(), metrics
 
 
 def test_surrogate_loss_weights_and_gradient_by_hand():
-    loss, grad, metrics = run(HandPolicy())
+    loss, grad, metrics = run(OneNumberPolicy(V, r=R, o=O))
     s7, s3 = sigmoid(-3.0), sigmoid(-0.25)
     assert float(loss) == pytest.approx((s7 * (1 - 4) + s3 * (-0.25 + 0)) / 4, rel=1e-6)
     assert float(metrics["dgpo_z"]) == pytest.approx((-3 - 3 - 0.25 - 0.25) / 4, rel=1e-6)
@@ -112,12 +72,12 @@ def test_boxed_group_loss_by_hand_and_its_gradient_is_beta_times_the_surrogate()
     assert float(boxed[0]) == pytest.approx(math.log(1 + math.exp(-3.0)), rel=1e-6)
     assert float(boxed[1]) == pytest.approx(math.log(1 + math.exp(-0.25)), rel=1e-6)
     (boxed_grad,) = torch.autograd.grad(torch.stack(boxed).mean(), [v])
-    _, grad, _ = run(HandPolicy())
+    _, grad, _ = run(OneNumberPolicy(V, r=R, o=O))
     torch.testing.assert_close(BETA * grad, boxed_grad)
 
 
 def test_clip_detaches_the_rows_outside_the_range_by_hand():
-    loss, grad, metrics = run(HandPolicy(), clip_range=0.01)
+    loss, grad, metrics = run(OneNumberPolicy(V, r=R, o=O), clip_range=0.01)
     s7, s3 = sigmoid(-3.0), sigmoid(-0.25)
     assert float(loss) == pytest.approx((s7 * (1 - 4) + s3 * (-0.25 + 0)) / 4, rel=1e-6)  # the value is unchanged
     assert float(metrics["clipfrac"]) == 0.5
@@ -127,7 +87,7 @@ def test_clip_detaches_the_rows_outside_the_range_by_hand():
 
 def test_kl_term_to_the_frozen_base_by_hand():
     """β_KL · mean (v − r)² = 0.1 · (0 + 1 + 0.25 + 0) / 4, gradient 0.1 · 2 (v − r) / 4 added."""
-    loss, grad, metrics = run(HandPolicy(), beta_kl=0.1)
+    loss, grad, metrics = run(OneNumberPolicy(V, r=R, o=O), beta_kl=0.1)
     s7, s3 = sigmoid(-3.0), sigmoid(-0.25)
     assert float(metrics["kl"]) == pytest.approx(1.25 / 4, rel=1e-6)
     assert float(loss) == pytest.approx((s7 * (1 - 4) + s3 * (-0.25 + 0)) / 4 + 0.1 * 1.25 / 4, rel=1e-6)

@@ -10,12 +10,12 @@ exp(ℓ_old − ℓ_θ), row i is detached when (A_i > 0 and ρ_i > 1 + ε_c) or
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import OneNumberOldPolicy, OneNumberPolicy, column
 from omegaconf import OmegaConf
 
 from diffalign.methods import NOISE, TIMESTEPS, OnlineEpoch, epoch_generator, stream_seed
@@ -23,49 +23,6 @@ from diffalign.objectives import dgpo as dgpo_module
 from diffalign.objectives.dgpo import DGPO, DGPOConfig, group_noise, group_sums, select_train_timesteps
 from diffalign.reference.frozen_base import FrozenBaseReference
 from diffalign.types import GroupBatch, PromptEmbeds, Trajectory
-
-
-def column(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1, 1)
-
-
-class RecordingPolicy:
-    """One-number latents; predicts v (θ, trainable), r (inside `reference()` / a strategy's `use`) or o (θ⁻), whatever
-    x_t; the target is ε. Records every call's timesteps and guidance scale."""
-
-    def __init__(self, v, r, o=None):
-        self.v = torch.nn.Parameter(column(v))
-        self.r, self.o = column(r), column(o if o is not None else v)
-        self.mode, self.calls = "theta", []
-        self.denoiser = torch.nn.Identity()
-
-    @contextlib.contextmanager
-    def switched(self, mode: str):
-        previous, self.mode = self.mode, mode
-        try:
-            yield self
-        finally:
-            self.mode = previous
-
-    def reference(self):
-        return self.switched("reference")
-
-    def add_noise(self, x0, noise, t):
-        self.calls.append(("add_noise", tuple(t.shape), None))
-        return x0 + noise
-
-    def training_target(self, x0, noise, t):
-        self.calls.append(("training_target", tuple(t.shape), None))
-        return noise
-
-    def predict(self, x_t, t, cond, guidance_scale=1.0):
-        self.calls.append((self.mode, tuple(t.shape), guidance_scale))
-        return {"theta": self.v, "reference": self.r, "old": self.o, "ema": self.r + 1}[self.mode]
-
-
-class OldPolicy:
-    def use(self, policy):
-        return policy.switched("old")
 
 
 class EmaLikeReference:
@@ -83,7 +40,7 @@ def batch_of(advantages, group_ids, group_size=2):
 
 def call(method, policy, batch, noise, reference=None, **kwargs):
     loss, metrics = method(policy, batch, timesteps=torch.tensor(500.0), noise=column(noise),
-                           reference=reference or FrozenBaseReference(), old_policy=OldPolicy(), **kwargs)
+                           reference=reference or FrozenBaseReference(), old_policy=OneNumberOldPolicy(), **kwargs)
     (grad,) = torch.autograd.grad(loss, [policy.v])
     return loss.detach(), grad.flatten(), metrics
 
@@ -100,7 +57,7 @@ def test_clip_at_zero_advantage_and_between_the_thresholds_by_hand():
 
     clipfrac = 2/4; the gradient σ A_i 2 v_i / 4 survives on row 1 only (rows 2, 3 have A = 0)."""
     v, o = [1.0, 1.0, 1.0, 1.0], [math.sqrt(1.5), math.sqrt(0.5), math.sqrt(0.5), math.sqrt(1.5)]
-    policy = RecordingPolicy(v, r=v, o=o)
+    policy = OneNumberPolicy(v, r=v, o=o)
     loss, grad, metrics = call(DGPO(beta=4.0, clip_range=0.01), policy, batch_of([0.5, 0.5, 0.0, 0.0], [0] * 4, 4),
                                [0.0] * 4)
     assert float(metrics["clipfrac"]) == 0.5
@@ -111,7 +68,7 @@ def test_clip_at_zero_advantage_and_between_the_thresholds_by_hand():
 def test_each_forward_gets_per_sample_timesteps_and_its_guidance():
     """A scalar training timestep reaches the policy as `(N,)` (a v-prediction target depends on it), the policy and
     θ⁻ forwards are unguided and the reference forward has `reference_guidance_scale` (DGPO mode 2: 4.5)."""
-    policy = RecordingPolicy([1.0, 2.0], r=[1.0, 1.0])
+    policy = OneNumberPolicy([1.0, 2.0], r=[1.0, 1.0])
     call(DGPO(beta=2.0, clip_range=0.01, reference_guidance_scale=4.5), policy, batch_of([1.0, -1.0], [0, 0]),
          [0.0, 0.0])
     assert policy.calls == [("add_noise", (2,), None), ("training_target", (2,), None), ("theta", (2,), 1.0),
@@ -122,7 +79,7 @@ def test_kl_to_the_base_uses_the_reference_guidance_and_is_skipped_without_beta_
     """With an EMA-like DPO reference the KL term needs the base's own forward (guided like the reference); at β_KL = 0
     that forward is skipped and the metric is 0 (`__call__`'s docstring)."""
     v, r = [1.0, 2.0], [1.0, 1.0]
-    policy = RecordingPolicy(v, r=r)
+    policy = OneNumberPolicy(v, r=r)
     loss, _, metrics = call(DGPO(beta=2.0, reference_guidance_scale=3.0), policy, batch_of([1.0, -1.0], [0, 0]),
                             [0.0, 0.0], reference=EmaLikeReference())
     assert [c[0] for c in policy.calls if c[0] not in ("add_noise", "training_target")] == ["theta", "ema"]
@@ -131,7 +88,7 @@ def test_kl_to_the_base_uses_the_reference_guidance_and_is_skipped_without_beta_
     assert float(loss) == pytest.approx(1 / (1 + math.exp(3.0)) * (1 - 4) / 2, rel=1e-6)
     assert float(metrics["loss"]) == float(loss)
 
-    policy = RecordingPolicy(v, r=r)
+    policy = OneNumberPolicy(v, r=r)
     loss_kl, _, metrics = call(DGPO(beta=2.0, beta_kl=0.5, reference_guidance_scale=3.0), policy,
                                batch_of([1.0, -1.0], [0, 0]), [0.0, 0.0], reference=EmaLikeReference())
     assert ("reference", (2,), 3.0) in policy.calls  # the adapter-disabled base, guided
@@ -226,7 +183,7 @@ def test_small_positive_arguments_are_accepted():
 
 
 def test_clip_without_a_rollout_policy_is_refused():
-    policy = RecordingPolicy([1.0, 2.0], r=[1.0, 1.0])
+    policy = OneNumberPolicy([1.0, 2.0], r=[1.0, 1.0])
     with pytest.raises(ValueError, match=r"^method.clip_range is set but the loop passed no rollout policy θ⁻.$"):
         DGPO(clip_range=0.01)(policy, batch_of([1.0, -1.0], [0, 0]), timesteps=torch.tensor(1.0),
                               noise=column([0.0, 0.0]), reference=FrozenBaseReference())
@@ -294,8 +251,8 @@ def test_config_without_a_split_means_whole_groups():
         DGPO.check_config(cfg)
 
 
-class EmbedPolicy(RecordingPolicy):
-    """A `RecordingPolicy` on `(N, 1, 1, 1)` latents with x_t = x_0 + ε·t/1000, predicting v·x_t (θ), r·x_t
+class EmbedPolicy(OneNumberPolicy):
+    """A `OneNumberPolicy` on `(N, 1, 1, 1)` latents with x_t = x_0 + ε·t/1000, predicting v·x_t (θ), r·x_t
     (reference) or o·x_t (θ⁻) plus the mean of the row's prompt embedding; it encodes prompts, with negatives when
     asked (recorded)."""
 
@@ -370,7 +327,7 @@ def test_loss_of_a_unit_is_the_objective_on_its_rows_timestep_and_group_noise():
     epoch = online_epoch(group_size=2, batch_size=2)
     method = DGPO(beta=3.0, timesteps_per_epoch=2, timestep_max_index=2, clip_range=0.05)
     policy = EmbedPolicy()
-    method.rollout_policy = OldPolicy()
+    method.rollout_policy = OneNumberOldPolicy()
     units = [u for update in method.plan(policy, epoch) for u in update]
     unit = units[5]  # timestep 1, rows 2..3 (micro-batches of 2 rows start at 0, 2, 4, 6)
     assert (unit.timestep_index, unit.start) == (1, 2)
@@ -382,13 +339,13 @@ def test_loss_of_a_unit_is_the_objective_on_its_rows_timestep_and_group_noise():
     batch = GroupBatch(epoch.trajectory.latents[rows, -1], epoch.trajectory.prompts[rows],
                        epoch.trajectory.prompt_embeds.index(torch.arange(2, 4)), epoch.advantages[rows], gids, 2)
     expected, expected_metrics = method(policy, batch, timesteps=unit.timesteps[1], noise=noise,
-                                        reference=FrozenBaseReference(), old_policy=OldPolicy())
+                                        reference=FrozenBaseReference(), old_policy=OneNumberOldPolicy())
     assert float(loss) == pytest.approx(float(expected), rel=1e-6) and float(loss) != 0.0
     assert float(metrics["clipfrac"]) == float(expected_metrics["clipfrac"])
     # the group noise, not another draw: the loss with the next timestep index's noise differs
     other = group_noise((1, 1, 1), gids, seed=3, epoch=1, timestep_index=0)
     assert float(method(policy, batch, timesteps=unit.timesteps[1], noise=other, reference=FrozenBaseReference(),
-                        old_policy=OldPolicy())[0]) != pytest.approx(float(loss), rel=1e-6)
+                        old_policy=OneNumberOldPolicy())[0]) != pytest.approx(float(loss), rel=1e-6)
 
 
 def test_setup_makes_the_rollout_policy_with_the_configured_schedule(monkeypatch):

@@ -34,6 +34,11 @@ def nan_on_second_row(images, prompts, metadata=None):
     return scores
 
 
+def raises_always(images, prompts, metadata=None):
+    """A broken reward: its scorer raises."""
+    raise RuntimeError("the scorer is broken")
+
+
 def nan_from_third_call(images, prompts, metadata=None):
     """Fine twice (the monitor's baseline and step 1), NaN from the third call on (step 2)."""
     CALLS["n"] += 1
@@ -172,14 +177,40 @@ def test_score_or_raise_names_reward_step_batch_and_prompt():
             checked(images, prompts)
 
 
-def test_stop_on_reward_error_saves_then_reraises(tmp_path):
-    saved, logs = [], []
-    with pytest.raises(RewardError) as info, stop_on_reward_error(lambda: saved.append(1) or tmp_path, logs.append):
+def test_stop_on_reward_error_saves_then_reraises_without_printing(tmp_path, capsys):
+    saved = []
+    with pytest.raises(RewardError) as info, stop_on_reward_error(lambda: saved.append(1) or tmp_path):
         raise RewardError("r", "returned non-finite scores", step=3)
-    assert saved == [1] and info.value.checkpoint == tmp_path and "stopping" in logs[0] and str(tmp_path) in logs[0]
+    assert saved == [1] and info.value.checkpoint == tmp_path
+    assert str(info.value) == (f"reward 'r': returned non-finite scores — checkpoint saved to {tmp_path}; fix or "
+                               "deselect the reward, then resume with resume=latest (step 3)")
+    assert capsys.readouterr() == ("", "")  # the raised message is the one report (the CLI's exit line)
     with stop_on_reward_error(lambda: saved.append(2)):
         pass
     assert saved == [1]  # nothing saved without an error
+
+
+def test_a_failing_reward_is_reported_once_by_the_cli(tmp_path, capsys, caplog, release_run_locks):
+    """``diffalign-train`` with a reward that raises: the failure's message appears once, as the exit line (the loop
+    said it a second time, "[diffalign] stopping: ..."); the reward's traceback is logged once, for its author."""
+    from diffalign.cli import _train_main
+
+    spec = "python:test_reward_failures:raises_always"
+    registry.register_configs()
+    python_function.register_python_reward(spec)
+    cfg = compose_cfg(base_overrides(tmp_path) + [
+        f"reward=[{spec}]", "data=ranked_pairs", "data.num_prompts=2", "data.samples_per_prompt=2",
+        "data.sampler.num_inference_steps=2", "data.batch_size=4", "data.reward=raises_always"])
+    with pytest.raises(SystemExit) as info:
+        _train_main(cfg)
+    line = str(info.value.code)
+    assert line.startswith("diffalign: error: reward 'raises_always': raised RuntimeError: the scorer is broken — "
+                           f"checkpoint saved to {tmp_path / 'checkpoint-0'}; fix or deselect"), line
+    out, err = capsys.readouterr()
+    said = out + err + "\n".join(r.getMessage() for r in caplog.records)
+    assert said.count("checkpoint saved to") == 0 and said.count("fix or deselect") == 0, said
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "reward 'raises_always' raised at step 0, batch 0"]  # (with the traceback)
 
 
 # ------------------------------------------------------------------------------------------- weighting
