@@ -67,13 +67,18 @@ MODULES: dict[str, list[str]] = {
                              "not online and not loop"],
     "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_checkpoint_contract.py",
                            "tests/unit/runtime/test_resume_rng.py"],
-    "runtime/runlock": ["tests/integration/test_runlock.py"],
+    "runtime/runlock": ["tests/integration/test_runlock.py", "-k", ("not diffalign_train and not resume_latest and "
+                        "not keep_last and not diffalign_eval and not a_run_inside")],
     "samplers/cps": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py", "-k",
                      "not trains and not command_line"],
     "samplers/window_sde": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py",
                             "-k", "not trains and not command_line"],
     "objectives/grpo_guard": ["tests/unit/objectives/test_grpo_guard.py",
                               "tests/unit/objectives/test_grpo_guard_contract.py", "-k", "not trains"],
+    "objectives/diffusion_nft": ["tests/unit/objectives/test_diffusion_nft.py", "-k",
+                                 "not resume and not command_line"],
+    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "-k", "not resume and not cli"],
+    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "-k", "not command"],
 }
 
 

@@ -78,11 +78,13 @@ def randint(low: int, high: int, n: int, generator: Generators) -> torch.Tensor:
 
 
 def rand(n: int, generator: Generators) -> torch.Tensor:
-    """`n` floats uniform in ``[0, 1)`` (float32, on `generator_device`); per sample with a list (see `randn`)."""
+    """`n` floats uniform in ``[0, 1)`` (float32 whatever torch's default dtype, as `randn`: a float64 draw consumes
+    the generator differently, so DDSPO's random-condition mask would change with the default dtype; on
+    `generator_device`); per sample with a list (see `randn`)."""
     device = generator_device(generator)
     if _check_per_sample(generator, n):
-        return torch.cat([torch.rand(1, generator=g, device=device) for g in generator])
-    return torch.rand(n, generator=generator, device=device)
+        return torch.cat([torch.rand(1, generator=g, device=device, dtype=torch.float32) for g in generator])
+    return torch.rand(n, generator=generator, device=device, dtype=torch.float32)
 
 
 def draw_timesteps_and_noise(

@@ -85,6 +85,23 @@ def test_noise_is_float32_whatever_the_default_dtype():
         torch.set_default_dtype(previous)
 
 
+def test_rand_draws_float32_values_whatever_the_default_dtype():
+    """Under a float64 default, `rand` draws what ``torch.rand(..., dtype=torch.float32)`` draws from the same
+    generator (a float64 draw gives other values), for one generator and one per sample."""
+    expected = torch.rand(4, generator=gen(5), dtype=torch.float32)
+    expected_rows = torch.cat([torch.rand(1, generator=gen(s), dtype=torch.float32) for s in (6, 7)])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert not torch.equal(torch.rand(4, generator=gen(5)).float(), expected)  # (the float64 stream differs)
+        out, rows = rand(4, gen(5)), rand(2, [gen(6), gen(7)])
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == rows.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(rows, expected_rows, rtol=0, atol=0)
+
+
 def test_randint_one_generator_and_one_per_sample():
     out = randint(3, 11, 6, gen(1))
     assert out.dtype == torch.long and out.shape == (6,)

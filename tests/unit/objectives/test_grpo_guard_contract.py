@@ -9,13 +9,14 @@ log-probs and ε = (x_{k+1} − μ_old)/s are known by hand; the loss is then th
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from conftest import compose_cfg, online_overrides
 
 from diffalign.methods import OnlineEpoch
-from diffalign.objectives import grpo_guard
+from diffalign.objectives import grpo_guard, policy_gradient
 from diffalign.objectives.flow_grpo import FlowGRPOConfig
 from diffalign.objectives.grpo_guard import GRPOGuard, GRPOGuardConfig, grad_weight
 from diffalign.objectives.policy_gradient import TransitionUnit
@@ -164,3 +165,135 @@ def test_another_sampler_is_refused_with_the_whole_message(tmp_path):
                                          r"'cps_sde'\. Use sampler=flow_sde \(or window_sde\) with a flow model "
                                          r"\(model=tiny_sd3, sd35_medium, flux1_dev, wan21_t2v\)$"):
         GRPOGuard.check_config(cfg)
+
+
+# ------------------------------------------------------------------ the policy, the reference and the alarm (mutation)
+
+
+class Policy:
+    """A stand-in policy whose step mean is μ = a · x_k + k; the reference swaps its `a` (`Reference.use`)."""
+
+    def __init__(self, a: float):
+        self.a = a
+
+
+class Reference:
+    """θ_ref: `use(policy)` sets the policy's slope to `a` for the block and records the policy it was given."""
+
+    def __init__(self, a: float):
+        self.a, self.used = a, []
+
+    def use(self, policy):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            self.used.append(policy)
+            saved, policy.a = policy.a, self.a
+            try:
+                yield policy
+            finally:
+                policy.a = saved
+        return swapped()
+
+
+class PolicyStep:
+    """`recompute_step` stand-in reading the slope of the policy it is given, with a per-row std (row ids are held in
+    ``latents[:, 0, 0]``); records (policy, k, keyword arguments)."""
+
+    def __init__(self, stds: torch.Tensor):
+        self.stds, self.calls = stds, []
+
+    def __call__(self, policy, trajectory, k, **kwargs):
+        self.calls.append((policy, k, kwargs))
+        rows = trajectory.latents[:, 0, 0].long()
+        std = self.stds[rows].reshape(-1, 1)
+        mean = policy.a * trajectory.latents[:, k] + k
+        x_next = trajectory.latents[:, k + 1]
+        d = (x_next - mean) / std
+        log_prob = (-(d ** 2) / 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)).mean(dim=1)
+        return FlowStepOutput(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob)
+
+
+def test_loss_with_per_sample_stds_and_the_kl_to_the_reference_by_hand(monkeypatch):
+    """Per-row step stds s_i (a `(B, 1)` std, as per-sample sigmas give): log ρ̂_i = mean(ε_i Δμ_i) (paper eq. 8),
+    ``ratio_bias`` = mean_i mean(Δμ_i²) / (2 s_i²); the KL term is Flow-GRPO's released ``kl_form="code"``:
+    mean_i mean((μ_θ − μ_ref)²) / (2 σ_i²) with σ_i = s_i / √Δt_k. The policy and the reference reach every forward,
+    and the objective's ``detach_unconditional`` reaches the policy's (not μ_old's)."""
+    stds = torch.tensor([0.4, 0.25, 0.5, 0.3, 0.6])
+    step = PolicyStep(stds)
+    monkeypatch.setattr(grpo_guard, "recompute_step", step)
+    monkeypatch.setattr(policy_gradient, "recompute_step", step)  # (the KL's reference forward)
+    epoch = _epoch(2)
+    traj, k = epoch.trajectory, 2
+    mu_old_all = 2.0 * traj.latents[:, k] + k
+    d = (traj.latents[:, k + 1] - mu_old_all) / stds[:, None]
+    traj.log_probs[:, k] = (-(d ** 2) / 2 - torch.log(stds)[:, None] - 0.5 * math.log(2 * math.pi)).mean(dim=1)
+    policy, reference = Policy(2.0), Reference(1.9)
+    method = GRPOGuard(clip_range=1e6, beta_kl=0.3)
+    method.prepare(policy, epoch)
+    assert all(p is policy and kw == {} for p, _, kw in step.calls)  # μ_old: θ_old's forward
+    policy.a, step.calls = 2.1, []
+    rows = torch.tensor([3, 1])
+    loss, metrics = method.loss(policy, TransitionUnit(epoch, rows, k, weight=1.0), reference=reference)
+
+    x_k, x_next, s = traj.latents[rows, k], traj.latents[rows, k + 1], stds[rows]
+    mu_old, mu_new, mu_ref = 2.0 * x_k + k, 2.1 * x_k + k, 1.9 * x_k + k
+    eps = (x_next - mu_old) / s[:, None]
+    rho = (eps * (mu_new - mu_old)).mean(dim=1).exp()
+    dt = 0.5 - 0.0
+    sigma_t = s / math.sqrt(dt)
+    kl = (((mu_new - mu_ref) ** 2).mean(dim=1) / (2 * sigma_t ** 2)).mean()
+    expected = (1 / dt) * (-epoch.advantages[rows] * rho).mean() + 0.3 * kl
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-5, atol=1e-8)
+    bias = (((mu_new - mu_old) ** 2).mean(dim=1) / (2 * s ** 2)).mean()
+    assert float(metrics["ratio_bias"]) == pytest.approx(float(bias), rel=1e-5)
+    assert [(p, kk) for p, kk, _ in step.calls] == [(policy, k), (policy, k)] and reference.used == [policy]
+    assert step.calls[0][2] == {"detach_unconditional": True} and step.calls[1][2] == {}  # θ's; the reference's
+    step.calls = []
+    GRPOGuard(clip_range=1e6, beta_kl=0.0, detach_unconditional=False, ratio_norm=False)(
+        policy, traj.index(rows), epoch.advantages[rows], k)
+    assert step.calls[0][2] == {"detach_unconditional": False}
+
+
+def test_loss_needs_the_reference_when_beta_kl_is_positive(monkeypatch):
+    monkeypatch.setattr(grpo_guard, "recompute_step", PolicyStep(torch.full((B,), S)))
+    epoch = _epoch(2)
+    method = GRPOGuard(beta_kl=0.1)
+    method.prepare(Policy(2.0), epoch)
+    with pytest.raises(ValueError, match=r"^method.beta_kl > 0 needs a reference; the loop passed none\.$"):
+        method.loss(Policy(2.0), TransitionUnit(epoch, torch.tensor([0, 1]), 2, weight=1.0), reference=None)
+
+
+def test_ratio_norm_without_old_means_is_refused_with_the_whole_message(monkeypatch):
+    monkeypatch.setattr(grpo_guard, "recompute_step", LinearStep(2.0))
+    traj = _epoch(2).trajectory
+    message = ("method.ratio_norm=true needs the rollout's step means μ_old; GRPOGuard.prepare stores them (pass "
+               "old_mean when calling the objective directly)")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        GRPOGuard(beta_kl=0.0)(None, traj, torch.ones(B), 0)
+
+
+def test_the_consistency_alarm_compares_the_recomputed_and_stored_log_probs_in_the_first_update(monkeypatch):
+    """In the epoch's first update (`checked_updates`), θ ≠ θ_old stops the run naming the transition and the largest
+    |log π_θ − log π_old| of the unit, computed here from the two Gaussians."""
+    from types import SimpleNamespace
+
+    from diffalign.runtime.faults import RolloutMismatchError
+
+    monkeypatch.setattr(grpo_guard, "recompute_step", LinearStep(2.0))
+    epoch = _epoch(2)
+    method = GRPOGuard(beta_kl=0.0, logprob_tolerance=1e-3)
+    method.prepare(None, epoch)
+    updates = method.checked_updates(SimpleNamespace(epoch=4), iter([["first"], ["second"]]))
+    next(updates)
+    rows, k = torch.tensor([3, 1]), 2
+    method.loss(None, TransitionUnit(epoch, rows, k, weight=1.0), reference=None)  # θ = θ_old: no alarm
+    monkeypatch.setattr(grpo_guard, "recompute_step", LinearStep(2.1))
+    x_k, x_next = epoch.trajectory.latents[rows, k], epoch.trajectory.latents[rows, k + 1]
+    worst = float((_mean_log_prob(x_next, 2.1 * x_k + k, S) - _mean_log_prob(x_next, 2.0 * x_k + k, S)).abs().max())
+    assert worst > 1e-3
+    with pytest.raises(RolloutMismatchError, match=rf"of epoch 4 \(transition 2\): max \|Δ log π\| = "
+                                                   rf"{re.escape(f'{worst:.3g}')} > method\.logprob_tolerance=0\.001"):
+        method.loss(None, TransitionUnit(epoch, rows, k, weight=1.0), reference=None)
