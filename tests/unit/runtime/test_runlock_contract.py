@@ -70,7 +70,7 @@ def parent_record(**fields) -> dict:
             "process_start": process_start_time(os.getppid()), **fields}
 
 
-def test_a_run_inside_a_live_runs_folder_is_refused_naming_both_folders_and_the_holder(tmp_path):
+def test_an_output_dir_inside_a_live_runs_folder_is_refused_naming_both_folders_and_the_holder(tmp_path):
     run = tmp_path / "run"
     holder = LiveHolder(run, parent_record())
     try:
@@ -240,3 +240,270 @@ def test_the_hydra_callback_turns_a_refusal_into_one_error_line(tmp_path):
             RunLockCallback().on_job_start(SimpleNamespace(output_dir=blocker / "run"))
     finally:
         holder.close()
+
+
+# --------------------------------------------------------------------------- acquire's own paths (mutation survivors)
+
+
+def test_this_processs_own_record_is_neither_refused_nor_reported(tmp_path):
+    """A record naming this very process (pid and host), e.g. left by a release that could not remove the file, is
+    taken without a takeover line; the same pid on another host is another host's run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(pid=os.getpid(), process_start=process_start_time(
+        os.getpid()))))
+    said = []
+    assert acquire(run, log=said.append) and said == []
+    release(run)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / LOCK_NAME).write_text(json.dumps(parent_record(pid=os.getpid(), host="node-17")))
+    with pytest.raises(RunLockedError, match="on host node-17"):
+        acquire(other)
+
+
+def test_refusals_say_the_whole_message_for_this_host_and_another(tmp_path):
+    run = tmp_path / "run"
+    holder = LiveHolder(run, parent_record())
+    try:
+        expected = (f"output_dir={str(run)!r} is in use by another run: pid {os.getppid()} on host {HOST}, started "
+                    f"2026-12-01 19:05:03 UTC (diffalign-train). Wait for it to finish, or pass another "
+                    f"output_dir=<folder>. (Lock file: {run / LOCK_NAME}.)")
+        with pytest.raises(RunLockedError, match=f"^{re.escape(expected)}$"):
+            acquire(run)
+    finally:
+        holder.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / LOCK_NAME).write_text(json.dumps(parent_record(host="node-17")))
+    expected = (f"output_dir={str(other)!r} is in use by another run: pid {os.getppid()} on host node-17, started "
+                f"2026-12-01 19:05:03 UTC (diffalign-train). Wait for it to finish, or pass another output_dir=<folder>. "
+                f"This host cannot tell whether a process on node-17 still runs: once that run has ended, delete "
+                f"{other / LOCK_NAME}.")
+    with pytest.raises(RunLockedError, match=f"^{re.escape(expected)}$"):
+        acquire(other)
+
+
+def test_a_flocked_file_refuses_whatever_its_record_says_and_the_taken_lock_is_a_real_flock(tmp_path):
+    run = tmp_path / "run"
+    holder = LiveHolder(run, parent_record(pid=999_999_999))  # a pid that cannot run: only the flock says "held"
+    try:
+        with pytest.raises(RunLockedError, match="pid 999999999"):
+            acquire(run)
+    finally:
+        holder.close()
+    assert acquire(run)
+    try:
+        other = os.open(run / LOCK_NAME, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert (run / LOCK_NAME).stat().st_mode & 0o777 == 0o644 & ~umask
+        assert json.loads((run / LOCK_NAME).read_text())["program"] == "diffalign"  # acquire's default program
+    finally:
+        release(run)
+
+
+def test_a_holder_that_has_not_written_its_record_is_read_again_ten_times(tmp_path, monkeypatch):
+    """A flocked file still empty is re-read every 0.02 s, ten times at most, before the refusal (its holder may be
+    between its flock and its write); a record already there is read at once."""
+    run = tmp_path / "run"
+    holder = LiveHolder(run, None)
+    sleeps = []
+    monkeypatch.setattr(runlock.time, "sleep", sleeps.append)
+    try:
+        with pytest.raises(RunLockedError, match="in use by another run: a process that has not written its details"):
+            acquire(run)
+        assert sleeps == [0.02] * 10
+        sleeps.clear()
+
+        def write_on_the_third(seconds):
+            sleeps.append(seconds)
+            if len(sleeps) == 3:
+                os.pwrite(holder.fd, json.dumps(parent_record()).encode(), 0)
+        monkeypatch.setattr(runlock.time, "sleep", write_on_the_third)
+        with pytest.raises(RunLockedError, match=f"in use by another run: pid {os.getppid()} on host"):
+            acquire(run)
+        assert sleeps == [0.02] * 3
+        sleeps.clear()
+        with pytest.raises(RunLockedError, match=f"pid {os.getppid()}"):
+            acquire(run)
+        assert sleeps == []
+    finally:
+        holder.close()
+
+
+class ReplacingFlock:
+    """`fcntl` whose first exclusive flock happens just after another run released the folder: the file opened is
+    unlinked (and, with `recreate`, a new one made) before the lock is taken, as a release between our open and our
+    flock does."""
+
+    LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN = fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_SH, fcntl.LOCK_UN
+
+    def __init__(self, path: Path, recreate: bool):
+        self.path, self.recreate, self.calls = path, recreate, 0
+
+    def flock(self, fd, operation):
+        if operation & fcntl.LOCK_EX:
+            self.calls += 1
+            if self.calls == 1:
+                self.path.unlink()
+                if self.recreate:
+                    self.path.write_text("")
+        fcntl.flock(fd, operation)
+
+
+@pytest.mark.parametrize("recreate", [True, False])
+def test_a_lock_file_replaced_before_the_flock_is_opened_again(tmp_path, monkeypatch, recreate):
+    run = tmp_path / "run"
+    fake = ReplacingFlock(run / LOCK_NAME, recreate)
+    monkeypatch.setattr(runlock, "fcntl", fake)
+    assert acquire(run, "diffalign-eval")
+    try:
+        assert fake.calls == 2  # the stale file, then the one at the path
+        held = runlock._HELD[run.resolve()]
+        assert os.fstat(held.fd).st_ino == (run / LOCK_NAME).stat().st_ino
+        assert json.loads((run / LOCK_NAME).read_text())["program"] == "diffalign-eval"
+        umask = os.umask(0)
+        os.umask(umask)
+        assert (run / LOCK_NAME).stat().st_mode & 0o777 == 0o644 & ~umask
+    finally:
+        release(run)
+    assert not (run / LOCK_NAME).exists()
+
+
+class NoFlock:
+    """`fcntl` of a file system without flock (some network mounts): every flock fails with `code`."""
+
+    LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN = fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_SH, fcntl.LOCK_UN
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def flock(self, fd, operation):
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("without", ["ENOLCK", "EOPNOTSUPP", "ENOSYS", "EINVAL", "no fcntl"])
+def test_without_flock_the_record_decides(tmp_path, monkeypatch, without):
+    import errno
+
+    monkeypatch.setattr(runlock, "fcntl", None if without == "no fcntl" else NoFlock(getattr(errno, without)))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps(parent_record()))  # a live process of this host
+    with pytest.raises(RunLockedError, match=rf"^output_dir='.*run/eval' is inside '.*run', which is in use by "
+                                             rf"another run: pid {os.getppid()} on host {HOST}"):
+        acquire(run / "eval")
+    with pytest.raises(RunLockedError, match=rf"^output_dir='.*run' is in use by another run: pid {os.getppid()}"):
+        acquire(run)
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(host="node-17")))  # another host's: cannot be told
+    with pytest.raises(RunLockedError, match="is inside .* on host node-17"):
+        acquire(run / "eval")
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(pid=999_999_999)))  # a dead one: stale
+    assert acquire(run / "eval")
+    release(run / "eval")
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(pid=os.getpid(), process_start=process_start_time(
+        os.getpid()))))  # this process's own
+    assert acquire(run / "eval")
+    release(run / "eval")
+
+
+def test_another_flock_error_is_raised(tmp_path, monkeypatch):
+    import errno
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text("")
+    monkeypatch.setattr(runlock, "fcntl", NoFlock(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        check_nested(run / "eval")
+    with pytest.raises(OSError, match="Input/output error"):
+        acquire(tmp_path / "other")
+
+
+def test_a_stale_lock_is_reported_on_stderr_by_default(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(pid=999_999_999)))
+    assert acquire(run)
+    release(run)
+    assert capsys.readouterr().err == (f"diffalign: taking over the stale lock of {run} left by pid 999999999 on host "
+                                       f"{HOST}, started 2026-12-01 19:05:03 UTC (diffalign-train), which is no longer "
+                                       "running\n")
+
+
+def test_a_single_process_run_with_a_stray_rank_takes_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # WORLD_SIZE unset: one process
+    assert acquire(tmp_path / "run") and holds(tmp_path / "run")
+    release(tmp_path / "run")
+
+
+def test_another_launchs_holder_is_named_to_a_non_zero_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text(json.dumps(parent_record(launcher_pid=1)))
+    with pytest.raises(RunLockedError, match=rf"^output_dir='.*run' is in use by another run: pid {os.getppid()} on "
+                                             rf"host {HOST}, started 2026-12-01 19:05:03 UTC \(diffalign-train\)\."):
+        acquire(run)
+
+
+def test_an_unwritable_output_dir_says_the_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(PermissionError, match=r"cannot be written \(.*\); pass an output_dir=<folder> on a writable "
+                                              r"disk$"):
+        acquire(blocker / "run")
+
+
+def test_a_live_process_ignoring_nothing_is_not_signalled():
+    """The liveness probe is signal 0: a child with SIGHUP's default action (it ends the process) survives it."""
+    code = ("import signal, sys, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); print('ready', flush=True); "
+            "time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert process_alive(child.pid)
+        time.sleep(0.2)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_state_is_read_after_the_last_parenthesis_of_the_command_name():
+    """``/proc/<pid>/stat`` is ``pid (comm) state …`` and comm may hold ``)`` and spaces: a running process named
+    ``a) Z b`` is alive (its state is the field after the *last* ``)``)."""
+    code = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'a) Z b', 0, 0, 0); print('ready', flush=True); "
+            "time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert "(a) Z b)" in Path(f"/proc/{child.pid}/stat").read_text()
+        assert process_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_start_time_exactly_two_seconds_off_is_still_the_same_process():
+    start = process_start_time(os.getpid())
+    assert abs(start - (start + 2.0)) == 2.0
+    assert process_alive(os.getpid(), start + 2.0)  # the tolerance is inclusive: "> 2 s" means another process
+
+
+def test_release_after_the_file_was_removed_by_hand(tmp_path):
+    run = tmp_path / "run"
+    assert acquire(run)
+    fd = runlock._HELD[run.resolve()].fd
+    (run / LOCK_NAME).unlink()
+    release(run)  # no error: the file is already gone
+    assert not holds(run)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
