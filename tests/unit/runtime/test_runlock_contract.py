@@ -507,3 +507,13 @@ def test_release_after_the_file_was_removed_by_hand(tmp_path):
     assert not holds(run)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
+
+
+def test_the_lock_file_is_created_readable_by_all_and_writable_by_its_owner(tmp_path):
+    umask = os.umask(0)
+    os.umask(umask)
+    assert acquire(tmp_path / "run")
+    try:
+        assert (tmp_path / "run" / LOCK_NAME).stat().st_mode & 0o777 == 0o644 & ~umask
+    finally:
+        release(tmp_path / "run")
