@@ -7,7 +7,8 @@ Composes a run's config as ``diffalign-train`` would (recipe + overrides; the se
 takes the method's gradient over every trained transition twice — with the group advantages of the real reward, and
 with those of random scores (standard normal per rollout, normalised in each group the same way). It prints the
 cosine between every pair of epochs' gradients for each kind, and between the real and random gradient of the same
-epoch.
+epoch; per epoch also the rewards' mean spread inside a group, the mean |advantage| and the fraction of zero-variance
+groups.
 
 Reading: random advantages give gradients with cosine ≈ 0 between epochs (n Adam steps then move the weights about
 √n steps' worth); a reward whose gradient has a component that repeats from epoch to epoch (signal, or a bias of the
@@ -49,11 +50,15 @@ def main() -> int:
         traj, group_ids, scores, _ = sample_epoch(setup, epoch, draw="online")
         noise = torch.randn(len(scores), generator=torch.Generator().manual_seed(1000 + epoch))
         for kind, s in (("reward", scores), ("random", noise)):
-            adv, _ = run_advantages(setup, s, group_ids)
+            adv, stats = run_advantages(setup, s, group_ids)
             grads[kind].append(gradient(traj, adv))
-        print(f"epoch {epoch}: reward {float(scores.mean()):.4f} ± {float(scores.std()):.4f} (std); "
-              f"‖g‖ reward {float(grads['reward'][-1].norm()):.3e}, random {float(grads['random'][-1].norm()):.3e}",
-              flush=True)
+            if kind == "reward":
+                reward_adv, zero = adv, stats["zero_std_fraction"]
+        within = torch.stack([scores[group_ids == g].float().std(unbiased=False) for g in group_ids.unique()])
+        print(f"epoch {epoch}: reward {float(scores.mean()):.4f} ± {float(scores.std()):.4f} (std; within a group "
+              f"{float(within.mean()):.4f} on average); advantages: mean |A| {float(reward_adv.abs().mean()):.3f}, "
+              f"zero-variance groups {zero:.3f}; ‖g‖ reward {float(grads['reward'][-1].norm()):.3e}, random "
+              f"{float(grads['random'][-1].norm()):.3e}", flush=True)
 
     def cos(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(torch.nn.functional.cosine_similarity(a, b, dim=0))

@@ -2,10 +2,12 @@
 folder, the held-out verifier change (accuracy and dense score, paired over the evaluation's images), how far the
 fine-tuned images moved from the base's at the same prompt and seed (image drift: mean absolute pixel difference in [0,
 1]), how many images the verifier flipped each way, and from history.jsonl the training reward's first-2 / last-3 epoch
-means and the mean fraction of zero-variance groups.
+means, the mean fraction of zero-variance groups, the last epoch's KL to the base and the mean clip fraction and
+approximate KL of the updates.
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
+    python experiments/verifier_drift_table.py --seeds 0,1 runs/a runs/b  # over evaluation seeds 0 and 1 only
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from PIL import Image
 SKIP = ("eval.", "trainer.log_with", "recipe=", "eval_reward=", "seed=", "data.seed=")
 
 
-def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None) -> dict | None:
-    """One run's figures; or, with `eval_dir`, those of `variant` in a ``diffalign-eval`` folder of checkpoints."""
+def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None,
+            seeds: set[int] | None = None) -> dict | None:
+    """One run's figures; or, with `eval_dir`, those of `variant` in a ``diffalign-eval`` folder of checkpoints; with
+    `seeds`, over the images of those evaluation seeds only (runs evaluated on more seeds then pair with the others)."""
     if eval_dir is None and not (run / "results.json").is_file():
         return None
     res = json.loads((run / "results.json").read_text()) if eval_dir is None else {}
@@ -31,7 +35,7 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None)
     rows = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines()]
     base = {(r["prompt_index"], r["seed"]): r for r in rows if r["variant"] == "base"}
     ft = {(r["prompt_index"], r["seed"]): r for r in rows if r["variant"] == variant}
-    keys = sorted(base.keys() & ft.keys())
+    keys = sorted(k for k in base.keys() & ft.keys() if seeds is None or k[1] in seeds)
     if not keys or "geneval_shapes/correct" not in base[keys[0]]:
         return None  # a run evaluated without the verifier
     acc = np.array([float(ft[k]["geneval_shapes/correct"]) - float(base[k]["geneval_shapes/correct"]) for k in keys])
@@ -43,6 +47,7 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None)
         drift.append(float(np.abs(a - b).mean()))
     n = len(keys)
     out = {"run": run.name if variant == "finetuned" else variant, "acc_base": float(np.mean([base[k]["geneval_shapes/correct"] for k in keys])),
+           "dense_base": float(np.mean([base[k]["geneval_shapes"] for k in keys])),
            "acc_change": acc.mean(), "acc_se": acc.std(ddof=1) / math.sqrt(n),
            "dense_change": dense.mean(), "dense_se": dense.std(ddof=1) / math.sqrt(n),
            "image_drift": statistics.fmean(drift), "lost": int((acc < 0).sum()), "gained": int((acc > 0).sum()),
@@ -61,6 +66,10 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None)
             out["train_last3"] = statistics.fmean(curve[-3:])
         if z:
             out["zero_std"] = statistics.fmean(z)
+        for key, name in (("kl", "kl_last"), ("clipfrac", "clipfrac_mean"), ("approx_kl", "approx_kl_mean")):
+            values = [r[key] for r in h if key in r]
+            if values:
+                out[name] = values[-1] if name.endswith("_last") else statistics.fmean(values)
     return out
 
 
@@ -105,25 +114,28 @@ def flips(paths: list[str]) -> None:
         print(f"  most often lost: {prompt[k]!r} seed {k[1]} ({lost.get(k, 0) / runs:.2f})")
 
 
-def main(paths: list[str]) -> None:
+def main(paths: list[str], seeds: set[int] | None = None) -> None:
     """Rows for run folders; a ``diffalign-eval`` folder (``samples.jsonl`` at its top) gives a row per variant."""
-    cols = ["run", "overrides", "acc_change", "acc_se", "dense_change", "image_drift", "lost", "gained",
-            "brightness_change", "train_first2", "train_last3", "zero_std", "seconds"]
+    cols = ["run", "overrides", "acc_base", "dense_base", "acc_change", "acc_se", "dense_change", "dense_se", "image_drift", "lost", "gained",
+            "brightness_change", "train_first2", "train_last3", "zero_std", "kl_last", "clipfrac_mean",
+            "approx_kl_mean", "seconds"]
     print("\t".join(cols))
     for p in paths:
         if (Path(p) / "samples.jsonl").is_file():  # a diffalign-eval folder: every variant against its base
             variants = dict.fromkeys(json.loads(line)["variant"] for line in (Path(p) / "samples.jsonl").open())
-            found = [figures(Path(p), v, eval_dir=Path(p)) for v in variants if v != "base"]
+            found = [figures(Path(p), v, eval_dir=Path(p), seeds=seeds) for v in variants if v != "base"]
         else:
-            found = [figures(Path(p))]
+            found = [figures(Path(p), seeds=seeds)]
         for f in found:
             if f is None:
                 continue
-            print("\t".join(f"{f[c]:.3f}" if isinstance(f.get(c), float) else str(f.get(c, "")) for c in cols))
+            print("\t".join(f"{f[c]:.4f}" if isinstance(f.get(c), float) else str(f.get(c, "")) for c in cols))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--flips"]:
         flips(sys.argv[2:])
+    elif sys.argv[1:2] == ["--seeds"]:  # --seeds 0,1 <run folders>: the images of evaluation seeds 0 and 1 only
+        main(sys.argv[3:], {int(s) for s in sys.argv[2].split(",")})
     else:
         main(sys.argv[1:])

@@ -17,11 +17,25 @@ gradients as a plain forward + backward of the adapted denoiser (its LoRA traine
 square). The replay runs on a copy of the denoiser (`copy.deepcopy`) under `torch.random.fork_rng`, so the run's
 model, adapters and random streams are as without it.
 
+The rollout's floor is that of issue 33 (the denoiser forwards the rollout needs, bare). Every rollout runs a trained
+adapter unfused by default, the stochastic ones so that their stored log-probs equal the update's recompute and the
+ODE ones (DGPO, DiffusionNFT) as well, so a rollout's ratio includes the LoRA branch's extra matmuls (an all-zero
+adapter, before the first update, is skipped: no branch; ``online.fuse_rollout_lora=true`` folds a trained one into
+the weights). The rollout also encodes its prompts and decodes the final latents for the reward, which that floor
+leaves out, so a second floor is printed beside it (**rollout, with text + VAE**): the bare denoiser's replays plus
+the policy's own `encode_prompts` and `decode` replaying every call the rollout made to them, again with the inputs
+of the first call of each shape, timed in the same process right after the epoch.
+
     python scripts/bench_online.py                              # every tiny online recipe, 1 warm-up + 2 epochs
     python scripts/bench_online.py --recipes tiny_flow_grpo tiny_ddpo --epochs 3
     python scripts/bench_online.py --quick                      # small epochs (2 groups x 4, 4 steps): a smoke test
     python scripts/bench_online.py --compare e5cbf18 --repeats 3   # the same at commit e5cbf18, alternating (ABAB)
     python scripts/bench_online.py --json out.json -- online.group_size=16   # extra Hydra overrides after --
+    OMP_NUM_THREADS=1 python scripts/bench_online.py --clock process        # CPU seconds, for a loaded machine
+
+``--clock process`` reads every phase and replay with the measuring process's CPU time (`time.process_time`): with
+one thread a phase's CPU seconds are its work whatever else the machine runs (they leave out waiting, e.g. a reward
+server; with several threads they add up every thread's spinning). The wall clock (default) is for a quiet machine.
 
 Every (recipe, checkout) measurement runs in a subprocess of its own (``--child``); with ``--compare REV`` the
 commit's package is checked out into a temporary worktree and the same measurement (this script's hooks) runs
@@ -51,6 +65,8 @@ CHILD_ENV = dict(os.environ)
 RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_video",
            "tiny_flow_grpo_flux"]
 PHASES = ("rollout", "reward", "advantages", "update")
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_now = time.perf_counter  # every phase and replay is read with this clock (`--clock`)
 HOOKED = ("_setup", "_epoch", "group_rollout", "ChunkScorer", "_advantages", "_updates")
 # every measurement: no evaluation, trackers, checkpoints or monitors (not part of an epoch)
 COMMON = ["eval.enabled=false", "trainer.log_with=none", "online.checkpointing_epochs=null", "monitor.every=0",
@@ -127,19 +143,21 @@ class Recorder:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, dict[str, int]] = {}
         self.inputs: dict[str, tuple[tuple, dict, bool]] = {}
+        self.side_calls: dict[str, int] = {}  # the rollout's encode_prompts / decode calls (`record_rollout_calls`)
+        self.side_inputs: dict[str, tuple[str, tuple, dict]] = {}
         self.paused = False
 
     def reset(self) -> None:
-        self.seconds, self.calls = {}, {}
+        self.seconds, self.calls, self.side_calls = {}, {}, {}
 
     @contextlib.contextmanager
     def timing(self, phase: str):
         outer, self.phase = self.phase, phase
-        start = time.perf_counter()
+        start = _now()
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + _now() - start
             self.phase = outer
 
     def pre_hook(self, module, args, kwargs):
@@ -155,6 +173,59 @@ class Recorder:
         phase[signature] = phase.get(signature, 0) + 1
         if signature not in self.inputs:
             self.inputs[signature] = (_detached(args), _detached(kwargs), grad)
+
+
+def record_rollout_calls(policy, recorder: Recorder, names=("encode_prompts", "decode")) -> dict:
+    """Wraps the policy's `names` (instance attributes: this run only) so that each call made during the rollout phase
+    is counted in ``recorder.side_calls[signature]`` (the name and the call's prompt count or tensor shapes) and the
+    first call's inputs of each signature are kept in ``recorder.side_inputs``; returns the originals."""
+    originals = {name: getattr(policy, name) for name in names}
+
+    def wrap(name, original):
+        def recorded(*args, **kwargs):
+            if recorder.phase == "rollout" and not recorder.paused:
+                shapes = [len(a) if isinstance(a, (list, tuple)) else tuple(a.shape) if hasattr(a, "shape") else a
+                          for a in args]
+                signature = f"{name} {shapes} {sorted(kwargs.items())}"
+                recorder.side_calls[signature] = recorder.side_calls.get(signature, 0) + 1
+                if signature not in recorder.side_inputs:
+                    recorder.side_inputs[signature] = (name, _detached(args), _detached(kwargs))
+            return original(*args, **kwargs)
+        return recorded
+
+    for name, original in originals.items():
+        setattr(policy, name, wrap(name, original))
+    return originals
+
+
+def side_replay_seconds(originals: dict, recorder: Recorder, repeats: int, sync) -> dict[str, float]:
+    """Median seconds of one call of each recorded `encode_prompts` / `decode` signature (`record_rollout_calls`),
+    replayed with the policy's own methods on the recorded inputs without gradients (random streams left as they
+    were)."""
+    import torch
+
+    out = {}
+    recorder.paused = True
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for signature, (name, args, kwargs) in sorted(recorder.side_inputs.items()):
+                if signature not in recorder.side_calls:
+                    continue
+
+                def call():
+                    originals[name](*args, **kwargs)
+                    sync()
+
+                call()  # warm-up
+                times = []
+                for _ in range(repeats):
+                    start = _now()
+                    call()
+                    times.append(_now() - start)
+                out[signature] = statistics.median(times)
+    finally:
+        recorder.paused = False
+    return out
 
 
 def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync):
@@ -199,9 +270,9 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
                 call()  # warm-up
                 times = []
                 for _ in range(repeats):
-                    start = time.perf_counter()
+                    start = _now()
                     call()
-                    times.append(time.perf_counter() - start)
+                    times.append(_now() - start)
                 out[signature] = statistics.median(times)
     finally:
         recorder.paused = False
@@ -346,6 +417,7 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
     if not _has_adapters(denoiser):
         raise SystemExit(f"bench_online: {recipe}'s denoiser has no LoRA adapters to switch off for the floor")
     handle = denoiser.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True)
+    side_originals = record_rollout_calls(run.policy, recorder)
     dev = str(run.policy.device)
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     result = {"recipe": recipe, "overrides": overrides, "epochs": [], "device": dev,
@@ -357,9 +429,9 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
     try:
         for e in range(warmup + epochs):
             recorder.reset()
-            start = time.perf_counter()
+            start = _now()
             logs = loop._epoch(run)
-            total = time.perf_counter() - start
+            total = _now() - start
             run.epoch += 1
             if e < warmup:
                 continue
@@ -367,12 +439,18 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
             per_call = replay_seconds(denoiser, recorder, signatures, floor_repeats, sync)
             floors = {phase: sum(n * per_call[s] for s, n in calls.items())
                       for phase, calls in recorder.calls.items()}
+            side = side_replay_seconds(side_originals, recorder, floor_repeats, sync)
+            side_floor = sum(n * side[s] for s, n in recorder.side_calls.items())
             result["epochs"].append({"total": total, "seconds": dict(recorder.seconds), "floors": floors,
+                                     "rollout_floor_with_text_vae": floors.get("rollout", 0.0) + side_floor,
+                                     "side_calls": dict(recorder.side_calls), "side_per_call": side,
                                      "calls": {p: dict(c) for p, c in recorder.calls.items()},
                                      "per_call": per_call, "reward": float(logs.get("reward/mean", float("nan")))})
         result["lora_sha256"] = lora_digest(run.policy)
     finally:
         handle.remove()
+        for name in side_originals:
+            delattr(run.policy, name)  # (the instance attributes go; the class's methods show again)
         for name, value in originals.items():
             setattr(loop, name, value)
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -387,6 +465,8 @@ def summarize(result: dict) -> dict:
         med[phase] = statistics.median(e["seconds"].get(phase, 0.0) for e in epochs)
         med[f"{phase}_floor"] = statistics.median(e["floors"].get(phase, 0.0) for e in epochs)
     med["outside"] = med["total"] - sum(med[p] for p in PHASES)
+    if all("rollout_floor_with_text_vae" in e for e in epochs):  # (not in the JSON of older runs of this script)
+        med["rollout_floor_with_text_vae"] = statistics.median(e["rollout_floor_with_text_vae"] for e in epochs)
     return med
 
 
@@ -412,6 +492,10 @@ def print_result(result: dict, label: str = "") -> None:
         floor = med[f"{phase}_floor"]
         ratio = f"{med[phase] / floor:6.2f}x" if floor > 0 else "      -"
         print(f"  {phase:<11} {med[phase]:8.2f}s {floor:8.2f}s {ratio}   {describe_calls(last.get(phase, {}))}")
+        if phase == "rollout" and med.get("rollout_floor_with_text_vae"):
+            second = med["rollout_floor_with_text_vae"]
+            print(f"  {'  +text,VAE':<11} {med[phase]:8.2f}s {second:8.2f}s {med[phase] / second:6.2f}x   the second "
+                  "floor: the same forwards + the rollout's encode_prompts and VAE decode calls")
     if med["other"] or med["other_floor"]:
         print(f"  {'(other)':<11} {med['other']:8.2f}s {med['other_floor']:8.2f}s")
     floor = sum(med[f"{p}_floor"] for p in (*PHASES, "other"))
@@ -424,7 +508,7 @@ def print_result(result: dict, label: str = "") -> None:
 
 def child_command(recipe: str, args, extra: list[str]) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", recipe, "--epochs", str(args.epochs),
-           "--warmup", str(args.warmup), "--floor-repeats", str(args.floor_repeats)]
+           "--warmup", str(args.warmup), "--floor-repeats", str(args.floor_repeats), "--clock", args.clock]
     if args.quick:
         cmd.append("--quick")
     if args.device:
@@ -455,12 +539,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="measurements per checkout with --compare")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the loop's own choice)")
     p.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1: for a loaded machine)")
     p.add_argument("--child", metavar="RECIPE", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --) for every recipe")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.warmup < 0 or args.floor_repeats < 1 or args.repeats < 1:
         p.error("--epochs, --floor-repeats and --repeats must be >= 1, --warmup >= 0")
     if args.child:
+        global _now
+        _now = CLOCKS[args.clock]
         result = measure(args.child, recipe_overrides(args.child, args.quick, args.overrides), warmup=args.warmup,
                          epochs=args.epochs, floor_repeats=args.floor_repeats, device=args.device)
         print("RESULT " + json.dumps(result), flush=True)

@@ -22,6 +22,12 @@ process, one recipe after another; the median of `--repeats` rollouts and of the
     python scripts/profile_rollout.py                                  # tiny_flow_grpo, tiny_diffusion_nft, FLUX
     python scripts/profile_rollout.py --recipes tiny_ddpo --repeats 5
     python scripts/profile_rollout.py --json split.json
+    OMP_NUM_THREADS=1 python scripts/profile_rollout.py --clock process   # CPU seconds: for a loaded machine
+
+``--clock process`` reads every part with this process's CPU time (`time.process_time`) instead of the wall clock:
+with one thread (``OMP_NUM_THREADS=1``) a part's CPU seconds are its work, whatever else the machine runs, so the
+split can be taken on a shared machine (CPU seconds leave out waiting, and with several threads count each thread's
+spinning too; use the wall clock on an idle machine).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_online import COMMON, compose_config, setup_run, warning_counts  # noqa: E402
 
 RECIPES = ["tiny_flow_grpo", "tiny_diffusion_nft", "tiny_flow_grpo_flux"]
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_now = time.perf_counter  # the clock every part is read with (`--clock`)
 PARTS = ("denoiser", "predict_outside", "step", "prompts", "decode", "lora_context", "rest")
 LABELS = {"denoiser": "denoiser forwards (as run)", "predict_outside": "predict, outside the denoiser",
           "step": "sampler step (scheduler + noise + log-prob)", "prompts": "encode_prompts",
@@ -58,11 +66,11 @@ class Clocks:
         if not self.on:
             yield
             return
-        start = time.perf_counter()
+        start = _now()
         try:
             yield
         finally:
-            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+            self.seconds[part] = self.seconds.get(part, 0.0) + _now() - start
 
 
 def _wrap(obj, name: str, clocks: Clocks, part: str, *, generator: bool = False):
@@ -133,11 +141,11 @@ def profile(recipe: str, repeats: int, overrides: list[str]) -> dict:
             calls.setdefault(shapes, (tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in a),
                                       {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                        for k, v in kw.items()}))
-            starts.append(time.perf_counter())
+            starts.append(_now())
 
     def post(module, a, kw, out):
         if clocks.on and starts:
-            clocks.seconds["denoiser"] = clocks.seconds.get("denoiser", 0.0) + time.perf_counter() - starts.pop()
+            clocks.seconds["denoiser"] = clocks.seconds.get("denoiser", 0.0) + _now() - starts.pop()
 
     handles = [denoiser.register_forward_pre_hook(pre, with_kwargs=True),
                denoiser.register_forward_hook(post, with_kwargs=True)]
@@ -165,9 +173,9 @@ def profile(recipe: str, repeats: int, overrides: list[str]) -> dict:
             for _ in range(repeats):
                 clocks.seconds = {}
                 clocks.on = True
-                start = time.perf_counter()
+                start = _now()
                 rollout(*args, **kwargs)
-                total = time.perf_counter() - start
+                total = _now() - start
                 clocks.on = False
                 s = dict(clocks.seconds)
                 split = {"denoiser": s.get("denoiser", 0.0),
@@ -189,9 +197,9 @@ def profile(recipe: str, repeats: int, overrides: list[str]) -> dict:
                     fn()
                     times = []
                     for _ in range(max(3, repeats)):
-                        t0 = time.perf_counter()
+                        t0 = _now()
                         fn()
-                        times.append(time.perf_counter() - t0)
+                        times.append(_now() - t0)
                     return statistics.median(times)
 
                 def bare():
@@ -219,13 +227,13 @@ def profile(recipe: str, repeats: int, overrides: list[str]) -> dict:
     median = {part: statistics.median(s[part] for s in splits) for part in PARTS}
     return {"recipe": recipe, "rollout": statistics.median(totals), "rollouts": totals, "split": median,
             "replay": replay, "per_call": per_call, "threads": torch.get_num_threads(),
-            "rows": len(args[1]) * args[2]}
+            "rows": len(args[1]) * args[2], "clock": "process" if _now is time.process_time else "wall"}
 
 
 def print_profile(p: dict) -> None:
     total, floor = p["rollout"], p["replay"]["bare"]
-    print(f"\n{p['recipe']}: one rollout of {p['rows']} rows, median {total:.3f} s over {len(p['rollouts'])} "
-          f"({p['threads']} threads); floor (bare forwards, adapters off) {floor:.3f} s = rollout / floor "
+    print(f"\n{p['recipe']}: one rollout of {p['rows']} rows, median {total:.3f} {p['clock']} s over "
+          f"{len(p['rollouts'])} ({p['threads']} threads); floor (bare forwards, adapters off) {floor:.3f} s = rollout / floor "
           f"{total / floor:.2f}x")
     print(f"  {'part':<46} {'seconds':>8} {'% of gap':>9}")
     gap = total - floor
@@ -247,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", nargs="+", default=RECIPES)
     ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per recipe (after one warm-up)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall seconds, or this process's CPU seconds (with OMP_NUM_THREADS=1: for a loaded machine)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
+    global _now
+    _now = CLOCKS[a.clock]
     out = []
     for recipe in a.recipes:
         out.append(profile(recipe, a.repeats, a.overrides))

@@ -13,8 +13,13 @@ short continues with ``resume=latest``), then reads back:
   drop;
 - wall seconds and rollouts.
 
-Over the seeds, each figure is a mean ± its standard error (std over seeds / √n), and the gain is also given in units
-of that standard error. The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
+Over the seeds, each figure is a mean ± its standard error (std over seeds / √n). Every seed scores the same held-out
+images, so the s.e. over seeds leaves out which images were drawn: the gain also gets the s.e. over images of the
+seed-averaged per-image gain (paired, base vs fine-tuned), and the gain is given in units of the two combined,
+√(s.e.²_seeds + s.e.²_images). Under a random seed effect, a random image effect and a residual, the variance of
+the grand mean is σ²_seed/S + σ²_image/I + σ²_res/(SI); the two squared s.e. estimate σ²_seed/S + σ²_res/(SI) and
+σ²_image/I + σ²_res/(SI), so their sum counts the residual twice: a conservative s.e. (one seed: the paired s.e. over
+its images alone). The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
 to ``<out>/curves.png``, and each run's sample grids stay in its ``eval/`` folder (linked from the table).
 
     diffalign-bench --quick                              # 4 runs: one method per data flow, a few epochs/steps,
@@ -104,6 +109,8 @@ REWARDS = {
 }
 REWARD_KEY = {"brightness": "brightness/mean", "verifier": "geneval_shapes/accuracy",  # base/fine-tuned summary key
               "control": "brightness/mean"}
+IMAGE_KEY = {"brightness": "brightness", "verifier": "geneval_shapes/correct",  # its per-image field in samples.jsonl
+             "control": "brightness"}
 
 # held-out evaluation of every run: up to 8 prompts per tag (33; some tags have fewer), 2 seeds
 EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "trainer.log_with=none"]
@@ -169,6 +176,20 @@ def diversity(eval_dir: Path, variant: str, embedder) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+def image_gains(eval_dir: Path, field: str) -> dict[str, float]:
+    """Per held-out image (``p<prompt_index>_s<seed>``), the fine-tuned score minus the base score of ``field`` (a
+    per-image column of ``samples.jsonl``; booleans count as 0/1). Images without both variants are left out."""
+    scores: dict[str, dict[str, float]] = {}
+    samples = eval_dir / "samples.jsonl"
+    if not samples.is_file():
+        return {}
+    for line in samples.read_text().splitlines():
+        row = json.loads(line)
+        if field in row and row["variant"] in ("base", "finetuned"):
+            scores.setdefault(f"p{row['prompt_index']}_s{row['seed']}", {})[row["variant"]] = float(row[field])
+    return {k: v["finetuned"] - v["base"] for k, v in scores.items() if len(v) == 2}
+
+
 def read_run(run_dir: Path, reward: str, embedder) -> dict:
     """The figures of one finished run (see the module docstring)."""
     res = json.loads((run_dir / "results.json").read_text())
@@ -182,7 +203,9 @@ def read_run(run_dir: Path, reward: str, embedder) -> dict:
            "verifier_start": base.get("geneval_shapes/accuracy"), "verifier_end": ft.get("geneval_shapes/accuracy"),
            "verifier_change": verifier.get("gain"), "verifier_change_se": verifier.get("se"),
            "diversity_start": diversity(run_dir / "eval", "base", embedder),
-           "diversity_end": diversity(run_dir / "eval", "finetuned", embedder), "rollouts": res.get("rollouts")}
+           "diversity_end": diversity(run_dir / "eval", "finetuned", embedder), "rollouts": res.get("rollouts"),
+           "image_gains": image_gains(run_dir / "eval", IMAGE_KEY[reward]),
+           "verifier_image_gains": image_gains(run_dir / "eval", IMAGE_KEY["verifier"])}
     history = run_dir / "history.jsonl"
     if history.is_file():
         curve = [json.loads(line).get("reward/mean") for line in history.read_text().splitlines()]
@@ -194,7 +217,9 @@ def read_run(run_dir: Path, reward: str, embedder) -> dict:
 
 
 def summarize(results: dict) -> list[dict]:
-    """One row per (method, reward): means ± s.e. over seeds."""
+    """One row per (method, reward): means ± s.e. over seeds; ``gain_se_images``, the s.e. over images of the
+    seed-averaged per-image gain (the images every seed scored); ``gain_over_se``, the gain over the two s.e. combined
+    (the module docstring)."""
     rows = []
     for (method, reward), runs in results.items():
         if not runs:
@@ -207,9 +232,23 @@ def summarize(results: dict) -> list[dict]:
         if len(runs) == 1:  # one seed: the paired s.e. over its images instead
             row["gain_se"] = runs[0].get("gain_se") or row["gain_se"]
             row["verifier_change_se"] = runs[0].get("verifier_change_se") or row["verifier_change_se"]
-        row["gain_over_se"] = row["gain"] / row["gain_se"] if row["gain_se"] and row["gain_se"] > 0 else math.nan
+        row["gain_se_images"] = _image_se([r.get("image_gains") or {} for r in runs]) if len(runs) > 1 else math.nan
+        combined = math.hypot(row["gain_se"], row["gain_se_images"]) if not math.isnan(row["gain_se_images"]) \
+            else row["gain_se"]
+        row["gain_over_se"] = row["gain"] / combined if combined and combined > 0 else math.nan
+        row["verifier_change_se_images"] = (_image_se([r.get("verifier_image_gains") or {} for r in runs])
+                                            if len(runs) > 1 else math.nan)
         rows.append(row)
     return rows
+
+
+def _image_se(gains: list[dict[str, float]]) -> float:
+    """S.e. over images of the per-image gain averaged over runs; NaN unless every run scored the same ≥ 2 images."""
+    keys = set(gains[0])
+    if len(keys) < 2 or any(set(g) != keys for g in gains):
+        return math.nan
+    averaged = [statistics.fmean(g[k] for g in gains) for k in sorted(keys)]
+    return statistics.stdev(averaged) / math.sqrt(len(averaged))
 
 
 def _fmt(value, se=None, digits=3) -> str:
@@ -221,10 +260,16 @@ def _fmt(value, se=None, digits=3) -> str:
     return text
 
 
+def _images(row: dict, key: str = "gain_se_images") -> str:
+    se = row.get(key, math.nan)
+    return "" if se is None or math.isnan(se) else f", ± {se:.3f} images"
+
+
 def markdown(rows: list[dict], command: str) -> str:
     lines = [(f"Generated by `{command}`. Mean ± s.e. over seeds; start/end = base/fine-tuned on held-out prompts "
-             "(up to 8 per tag, 33 prompts × 2 seeds); gain/s.e. = the mean gain over its s.e. across seeds (one seed: the paired s.e. "
-             "over images); train rise = mean training reward of the last 3 epochs − first 2 (online methods); held-out verifier "
+             "(up to 8 per tag, 33 prompts × 2 seeds); gain ± s.e. over seeds, then the s.e. over images of the seed-averaged "
+             "per-image gain; gain/s.e. = the gain over the two combined, √(s.e.² seeds + s.e.² images), conservative "
+             "(one seed: the paired s.e. over its images); the verifier change likewise; train rise = mean training reward of the last 3 epochs − first 2 (online methods); held-out verifier "
              "acc. = geneval_shapes accuracy base → fine-tuned and its change ± s.e. (a hacking monitor on the brightness "
              "rows); diversity = the tiny CLIP's mean pairwise distance across seeds, base → fine-tuned."), "",
              ("| method | reward | seeds | start → end | gain (gain/s.e.) | train rise | held-out verifier acc. | "
@@ -232,9 +277,9 @@ def markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['reward']} | {r['seeds']} | {_fmt(r['start'])} → {_fmt(r['end'])} | "
-            f"{_fmt(r['gain'], r['gain_se'])} ({_fmt(r['gain_over_se'], digits=1)}) | "
+            f"{_fmt(r['gain'], r['gain_se'])}{_images(r)} ({_fmt(r['gain_over_se'], digits=1)}) | "
             f"{_fmt(r['train_rise'], r['train_rise_se'])} | {_fmt(r['verifier_start'])} → {_fmt(r['verifier_end'])} | "
-            f"{_fmt(r['verifier_change'], r['verifier_change_se'])} | "
+            f"{_fmt(r['verifier_change'], r['verifier_change_se'])}{_images(r, 'verifier_change_se_images')} | "
             f"{_fmt(r['diversity_start'])} → {_fmt(r['diversity_end'])} | {_fmt(r['seconds'], digits=0)} |")
     return "\n".join(lines) + "\n"
 

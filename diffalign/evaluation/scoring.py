@@ -95,20 +95,22 @@ def compare(scored_a: dict, scored_b: dict, label_a: str, label_b: str, *, group
             num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict:
     """Variant b against variant a on the same prompts and seeds, per reward ``name``:
 
-    - ``name/accuracy_gain`` (rewards with correctness) or ``name/mean_gain``: the paired difference b − a with its
-      standard error and their ratio;
+    - ``name/mean_gain``: the paired difference of the scores b − a with its standard error and their ratio; for a
+      reward with correctness also ``name/accuracy_gain``, the same for its 0/1 correctness (first in the dict, so
+      the headline and the report take it), e.g. ``geneval_shapes``: accuracy and the dense score side by side;
     - ``name/win_rate``: the mean over (prompt, seed) pairs of 1 (b's score higher), 0.5 (equal) or 0 (lower)
       (`diffalign.evaluation.stats.paired_wins`; identical variants give exactly 0.5), with counts and a prompt-level
       bootstrap interval over `groups` (the prompt index of each pair; each pair its own group when None).
     """
     out = {}
     for name, entry_a in scored_a.items():
-        key = "correct" if "correct" in entry_a else "scores"
-        diff = [float(b) - float(a) for a, b in zip(entry_a[key], scored_b[name][key])]
-        m, se = _mean_se(diff)
-        metric = "accuracy" if key == "correct" else "mean"
-        out[f"{name}/{metric}_gain"] = {"gain": m, "se": se, "gain_over_se": m / se if se > 0 else float("inf"),
-                                        "of": f"{label_b} - {label_a}"}
+        for key, metric in (("correct", "accuracy"), ("scores", "mean")):
+            if key not in entry_a:
+                continue
+            diff = [float(b) - float(a) for a, b in zip(entry_a[key], scored_b[name][key])]
+            m, se = _mean_se(diff)
+            out[f"{name}/{metric}_gain"] = {"gain": m, "se": se, "gain_over_se": m / se if se > 0 else float("inf"),
+                                            "of": f"{label_b} - {label_a}"}
         wins = paired_wins(scored_b[name]["scores"], entry_a["scores"])
         pair_groups = groups if groups is not None else list(range(len(wins)))
         out[f"{name}/win_rate"] = {

@@ -375,11 +375,40 @@ class PipelinePolicy(ForwardModuleMixin, nn.Module):
                 " (lora_rank=None) and keeps no frozen base. Use a frozen-copy reference (a deep copy of the initial"
                 f" {self.denoiser_name}), or set `lora_rank`."
             )
-        self.denoiser.disable_adapters()
+        layers = self._tuner_layers()
+        if layers is None:  # (a denoiser that is not a diffusers model with peft adapters: its own methods)
+            self.denoiser.disable_adapters()
+        else:
+            for layer in layers:
+                layer.enable_adapters(False)
         try:
             yield self
         finally:
-            self.denoiser.enable_adapters()
+            if layers is None:
+                self.denoiser.enable_adapters()
+            else:
+                for layer in layers:
+                    layer.enable_adapters(True)
+
+    def _tuner_layers(self) -> list[nn.Module] | None:
+        """The denoiser's peft tuner layers in module order, found once per denoiser and adapter set; `None` when the
+        denoiser is not a diffusers model with adapters loaded.
+
+        `reference` switches these layers itself, as diffusers' `disable_adapters` / `enable_adapters` do (the same
+        `BaseTunerLayer.enable_adapters` call on every such module, in the same order), without the package-metadata
+        version check and the module walk diffusers repeats on every call: ~8 ms per switch pair on the tiny models,
+        a reference forward is 30–120 ms (docs/results/performance.md#the-reference-switch)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        denoiser = self.denoiser
+        if not getattr(denoiser, "_hf_peft_config_loaded", False):
+            return None
+        key = (id(denoiser), tuple(denoiser.peft_config))
+        cached = self.__dict__.get("_tuner_layer_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)])
+            self.__dict__["_tuner_layer_cache"] = cached
+        return cached[1]
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter weights as detached float32 copies (safe to keep as a snapshot), keyed as the family's

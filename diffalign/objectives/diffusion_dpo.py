@@ -27,7 +27,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SATURATION_THRESHOLD = 30.0
-"""|z| above which `logsigmoid` is flat in float32 (σ(30) = 1 − 9.4e-14): the pair gives (almost) no gradient."""
+"""z above which `logsigmoid` is flat in float32 (σ(30) = 1 − 9.4e-14): the pair gives (almost) no gradient. Below
+−30 it is not: −log σ(z) ≈ −z there, with gradient magnitude 1."""
+
+
+def count_saturated(z: torch.Tensor, method: str, noun: str) -> torch.Tensor:
+    """The number of entries of `z` above `SATURATION_THRESHOLD`, reported with `warn_repeated` (kind
+    ``"saturated"``, once per run inside a training loop: ``per_run=True``).
+
+    Such an entry is one the policy already ranks right by a wide margin (−log σ(z) < 1e-13): it gives ~0 gradient,
+    as the sigmoid intends, and a batch of them logs a loss of 0.0. A few are expected once the policy learns (the
+    default job's count: docs/guides/reliability.md#console-output); most of them saturating means β is too large
+    for the loss scale. A pair with z < −30 is ranked wrong by a wide margin and gets the full gradient (not
+    counted).
+
+    Args:
+        z (`torch.Tensor` of shape `(B,)`): the margins inside −log σ(z).
+        method (`str`): the method's name in the warning, e.g. ``"Diffusion-DPO"``.
+        noun (`str`): what a row is, e.g. ``"pairs"``.
+
+    Returns:
+        `torch.Tensor`: 0-dim int64, the count.
+    """
+    saturated = (z.detach() > SATURATION_THRESHOLD).sum()
+    warn_repeated(logger, "saturated", f"{method}: {{count}} of {{of}} {noun} had z > {SATURATION_THRESHOLD:.0f}: "
+                  "already ranked right by a wide margin, ~0 gradient from them (logsigmoid flat); a few are "
+                  "expected, lower method.beta only if most are", count=int(saturated), of=z.shape[0], per_run=True)
+    return saturated
 
 
 def diffusion_dpo_loss(
@@ -68,9 +94,10 @@ def diffusion_dpo_loss(
         - ``rewards/chosen``, ``rewards/rejected``: mean implicit rewards ``r^w`` and ``r^l``.
         - ``rewards/margins``: mean ``z``.
         - ``model_loss/chosen``, ``model_loss/rejected``, ``ref_loss/chosen``, ``ref_loss/rejected``: mean losses.
-        - ``saturated``: number of pairs with ``|z| > 30``. Such pairs give ~0 gradient, and a batch of them can log
-            a loss of exactly 0.0; a warning is logged whenever the count is non-zero (counted and reported once per
-            logging interval inside a training loop: `diffalign.runtime.console.warn_repeated`).
+        - ``saturated``: number of pairs with ``z > 30`` (`count_saturated`): already ranked right by a wide margin,
+            they give ~0 gradient, and a batch of them can log a loss of exactly 0.0; a warning is logged whenever
+            the count is non-zero (inside a training loop: counted and reported once per run,
+            `diffalign.runtime.console.warn_repeated`).
 
     Raises:
         ValueError: if `beta` ≤ 0 or the four inputs are not 1-D tensors of one shape.
@@ -91,10 +118,7 @@ def diffusion_dpo_loss(
     z = reward_w - reward_l
     loss = -F.logsigmoid(z).mean()
 
-    saturated = (z.detach().abs() > SATURATION_THRESHOLD).sum()
-    warn_repeated(logger, "saturated", "Diffusion-DPO: {count} of {of} pairs have |z| > "
-                  f"{SATURATION_THRESHOLD:.0f} (logsigmoid saturated, ~0 gradient); lower method.beta if this persists",
-                  count=int(saturated), of=z.shape[0])
+    saturated = count_saturated(z, "Diffusion-DPO", "pairs")
     metrics = {
         "loss": loss.detach(),
         "implicit_acc": (z.detach() > 0).float().mean(),

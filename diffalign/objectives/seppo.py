@@ -46,8 +46,7 @@ from diffalign.objectives.common import (
     randint,
     randn,
 )
-from diffalign.objectives.diffusion_dpo import SATURATION_THRESHOLD
-from diffalign.runtime.console import warn_repeated
+from diffalign.objectives.diffusion_dpo import count_saturated
 from diffalign.samplers.base import build_sampler
 from diffalign.samplers.rollout import rollout
 from diffalign.types import WinnerBatch
@@ -136,8 +135,8 @@ def seppo_loss(
         - ``rewards/chosen`` r^w = −β/2 Δ_w, ``rewards/reference_sample`` r^r = −β/2 Δ_r, ``rewards/margins`` mean z;
         - ``anchor_gap``: mean ℓ_θr(x^w) − ℓ_θ(x^w), the AAF statistic (> 0: the policy fits winners better);
         - ``model_loss/chosen``, ``model_loss/reference_sample``, ``ref_loss/chosen``, ``ref_loss/reference_sample``;
-        - ``saturated``: number of samples with |z| > 30 (a warning is logged when non-zero; counted and
-            reported once per logging interval inside a training loop: `diffalign.runtime.console.warn_repeated`).
+        - ``saturated``: number of samples with z > 30, ~0 gradient (`diffalign.objectives.diffusion_dpo.
+            count_saturated`: a warning is logged when non-zero; inside a training loop, once per run).
 
     Raises:
         ValueError: if `beta` ≤ 0, the inputs are not four `(B,)` tensors, or `aaf_mode`/`aaf_tie` is unknown.
@@ -158,10 +157,7 @@ def seppo_loss(
     z = reward_w - s * reward_r
     loss = -F.logsigmoid(z).mean()
 
-    saturated = (z.detach().abs() > SATURATION_THRESHOLD).sum()
-    warn_repeated(logger, "saturated", "SePPO: {count} of {of} samples have |z| > "
-                  f"{SATURATION_THRESHOLD:.0f} (logsigmoid saturated, ~0 gradient); lower method.beta if this persists",
-                  count=int(saturated), of=z.shape[0])
+    saturated = count_saturated(z, "SePPO", "samples")
     metrics = {
         "loss": loss.detach(),
         "implicit_acc": (z.detach() > 0).float().mean(),

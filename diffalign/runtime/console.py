@@ -8,9 +8,11 @@ mode) calls `warn_repeated` instead of ``logger.warning``:
 - inside `console_summary()` (both training loops, the final evaluation, ``diffalign-eval``) the call is counted per
   kind; `WarningCounts.flush`, called by the loop once per interval (``trainer.warnings_every`` optimizer steps, one
   epoch of the online loop, one variant of an evaluation), logs one line per kind seen since the last flush, e.g.
-  ``steps 11-20: Diffusion-DPO: 5 of 320 pairs have |z| > 30 (...)``, and returns the interval's
+  ``steps 11-20: 1 of 10 optimizer updates skipped: a non-finite loss or (...)``, and returns the interval's
   counts for the trackers (``warnings/<kind>``); the run's totals go to ``results.json`` and the progress bar's
-  postfix;
+  postfix. A kind counted with ``per_run=True`` (an expected event whose count is the news: Diffusion-DPO / SePPO
+  saturation) is said once, at the loop's last flush, with the run's counts: ``steps 1-100: Diffusion-DPO: 35 of
+  3200 pairs had z > 30 (...)``;
 - outside it (a library call, e.g. ``diffusion_dpo_loss`` in a notebook) it logs the warning at once, as
   ``logger.warning`` would.
 
@@ -49,13 +51,14 @@ class _Kind:
     of: int = 0
     calls: int = 0
     events: int = 0
+    per_run: bool = False
 
     def add(self, other: _Kind) -> None:
         self.count += other.count
         self.of += other.of
         self.calls += other.calls
         self.events += other.events
-        self.message, self.logger = other.message, other.logger
+        self.message, self.logger, self.per_run = other.message, other.logger, other.per_run
 
     def text(self) -> str:
         return self.message.format(count=self.count, of=self.of)
@@ -75,28 +78,34 @@ class WarningCounts:
         self._lock = threading.Lock()
         self._interval: dict[str, _Kind] = {}
         self._totals: dict[str, _Kind] = {}
+        self._held: dict[str, _Kind] = {}  # per-run kinds flushed but not reported yet
 
-    def add(self, key: str, message: str, count: int, of: int | None, logger: logging.Logger) -> None:
+    def add(self, key: str, message: str, count: int, of: int | None, logger: logging.Logger,
+            per_run: bool = False) -> None:
         """Counts one call of the kind `key` (see `warn_repeated`)."""
         with self._lock:
-            kind = self._interval.setdefault(key, _Kind(message, logger.name))
-            kind.add(_Kind(message, logger.name, count, of or 0, 1, int(count > 0)))
+            kind = self._interval.setdefault(key, _Kind(message, logger.name, per_run=per_run))
+            kind.add(_Kind(message, logger.name, count, of or 0, 1, int(count > 0), per_run))
 
     def pending(self) -> dict[str, int]:
         """This process's counts since the last flush, by kind (kinds counted but with count 0 included)."""
         with self._lock:
             return {key: kind.count for key, kind in self._interval.items()}
 
-    def flush(self, where: str, accelerator=None) -> dict[str, int]:
+    def flush(self, where: str, accelerator=None, run_where: str | None = None) -> dict[str, int]:
         """Reports the kinds counted since the last flush whose count is > 0, one log line each (``<where>: <the
         kind's message with the interval's counts>``, at WARNING on the call site's logger), adds them to `totals`,
-        and starts a new interval.
+        and starts a new interval. A per-run kind (``warn_repeated(..., per_run=True)``) is held instead, and
+        reported once, with its counts summed over the intervals held, by the flush given `run_where` (or at the end
+        of the `console_summary`).
 
         Args:
             where (`str`): the interval, e.g. ``"steps 11-20"``, ``"epoch 3"``, ``"eval base"``.
             accelerator (`accelerate.Accelerator`, *optional*): with several processes the counts of every process
                 are summed first (a collective: every process must call `flush` at the same point) and only the main
                 process logs. Without it the counts are this process's.
+            run_where (`str`, *optional*): given by the run's last flush, the span the held per-run kinds cover, e.g.
+                ``"steps 1-100"``: they are reported now, as ``<run_where>: <message with their sums>``.
 
         Returns:
             ``{"warnings/<kind>": count}`` of the interval, for the kinds with count > 0 (summed over processes).
@@ -114,16 +123,23 @@ class WarningCounts:
             speak = accelerator.is_main_process
         else:
             speak = True
-        out = {}
+        out, say = {}, []
         with self._lock:
             for key, kind in interval.items():
                 self._totals.setdefault(key, _Kind(kind.message, kind.logger)).add(kind)
-        for key, kind in sorted(interval.items()):
-            if kind.count <= 0:
-                continue
-            out[f"warnings/{key}"] = kind.count
-            if speak:
-                logging.getLogger(kind.logger).warning("%s: %s", where, kind.text())
+                if kind.per_run:
+                    self._held.setdefault(key, _Kind(kind.message, kind.logger)).add(kind)
+            for key, kind in sorted(interval.items()):
+                if kind.count > 0:
+                    out[f"warnings/{key}"] = kind.count
+                    if not kind.per_run:
+                        say.append((where, kind))
+            if run_where is not None:
+                held, self._held = self._held, {}
+                say += [(run_where, kind) for _, kind in sorted(held.items()) if kind.count > 0]
+        if speak:
+            for span, kind in say:
+                logging.getLogger(kind.logger).warning("%s: %s", span, kind.text())
         return out
 
     @property
@@ -162,7 +178,7 @@ def _first_process() -> bool:
 
 
 def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1, of: int | None = None,
-                  shared: bool = False, once: str | None = None) -> None:
+                  shared: bool = False, once: str | None = None, per_run: bool = False) -> None:
     """A warning that may repeat at every step: counted under `key` inside `console_summary`, else logged at once.
 
     Call it also when nothing went wrong (``count=0``) so that the summary's ``of`` covers every call of the interval
@@ -180,12 +196,15 @@ def warn_repeated(logger: logging.Logger, key: str, message: str, count: int = 1
             processes): only process 0 counts or logs it, so the summed summary does not multiply it.
         once (`str`, *optional*): the text logged at once outside a summary (plain text, no placeholders); default:
             `message` with this call's counts.
+        per_run (`bool`): inside a summary, report the kind once per run (its sums over the run, at the loop's last
+            flush, `WarningCounts.flush`'s ``run_where``) rather than once per interval: for an expected event whose
+            count, not its timing, is the news (Diffusion-DPO / SePPO saturation).
     """
     if shared and not _first_process():
         return
     counts = active_counts()
     if counts is not None:
-        counts.add(key, message, int(count), of, logger)
+        counts.add(key, message, int(count), of, logger, per_run)
     elif count > 0:
         logger.warning(once if once is not None else message.format(count=count, of=of))
 
@@ -219,7 +238,7 @@ def console_summary() -> Iterator[WarningCounts]:
             try:
                 yield counts
             finally:
-                counts.flush("at the end")
+                counts.flush("at the end", run_where="at the end")
     finally:
         with _stack_lock:
             _stack.remove(counts)

@@ -85,6 +85,7 @@ def group_rollout(
     members: list[int] | None = None,
     on_chunk: Callable[[Trajectory, int, int], None] | None = None,
     encode_prompts_once: bool = False,
+    fuse_lora: bool = False,
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -109,6 +110,11 @@ def group_rollout(
             each row its prompt's embeddings, instead of encoding every row's prompt in each forward batch (P·G rows).
             Faster, but not bit for bit: the text encoders' matmuls round differently at another batch size, so the
             embeddings differ by ~1e-7 (tiny SD3 at 2 vs 8 rows; docs/results/performance.md).
+        fuse_lora (`bool`): fold a trained LoRA adapter into the denoiser's weights for each forward batch
+            (`Sampler.sample`'s `fuse_lora`, `diffalign.models.base.inference_lora`): the bare denoiser's cost
+            instead of the unfused LoRA branch's, but not bit for bit (the weights are summed before the matmul, so
+            the samples differ by float rounding, and a policy-gradient method's stored log-probs no longer equal
+            the update's recompute exactly; docs/results/performance.md). An all-zero adapter is skipped either way.
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64
@@ -144,7 +150,7 @@ def group_rollout(
                 for g, m in members[start:stop]]
         parts.append(sampler.sample(policy, all_prompts[start:stop], generator=gens, latents=noise[start:stop],
                                     prompt_embeds=None if embeds is None else embeds.index(prompt_rows[start:stop]),
-                                    reduction=reduction))
+                                    reduction=reduction, **({"fuse_lora": True} if fuse_lora else {})))
         if on_chunk is not None:
             on_chunk(parts[-1], start, stop)
     group_ids = torch.tensor([g for g, _ in members], dtype=torch.long)

@@ -91,8 +91,10 @@ def ode_rollout(
             `init_noise_sigma`).
         prompt_embeds (`PromptEmbeds`, *optional*): `B` rows (with negatives when w > 1).
         decode (`bool`, defaults to True): decode the final latents to images in [0, 1].
-        fuse_lora (`bool`, defaults to False): fuse a non-zero LoRA adapter into the weights for the rollout
-            (`diffalign.models.base.inference_lora`; evaluation and data).
+        fuse_lora (`bool`, defaults to False): an all-zero LoRA adapter is always skipped (bit for bit the same
+            samples, at the bare denoiser's cost); with `fuse_lora` a non-zero one is fused into the weights for the
+            rollout and restored afterwards (`diffalign.models.base.inference_lora`; outputs equal up to float
+            rounding).
 
     Returns:
         `Trajectory` with float32 `latents` `(B, K+1, C, h, w)`, the solver's `timesteps` `(K,)`, zero `log_probs`,
@@ -111,7 +113,8 @@ def ode_rollout(
         raise ValueError(f"`latents` must have shape {shape}, got {tuple(latents.shape)}.")
     scheduler = make_solver(policy, solver)
     denoiser = getattr(policy, "denoiser", None)
-    with inference_lora(denoiser, fuse=True) if fuse_lora and denoiser is not None else contextlib.nullcontext():
+    # an all-zero adapter is skipped (bit for bit the same samples), a non-zero one fused only with `fuse_lora`
+    with inference_lora(denoiser, fuse=fuse_lora) if denoiser is not None else contextlib.nullcontext():
         return _solve(policy, prompts, scheduler, num_inference_steps, guidance_scale, solver, generator, latents,
                       prompt_embeds, decode, shape)
 

@@ -324,7 +324,7 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
     history = []
     say = lambda message: write(message, accelerator)  # (around the progress bar)
     every = tr.get("warnings_every", 10)
-    interval_start = run.global_step + 1
+    interval_start = run_start = run.global_step + 1
     if run.monitor is not None and run.global_step == 0:  # the monitors' baseline (main process; FSDP: gathered)
         with main_process_work(accelerator, policy) as main:
             if main:
@@ -355,7 +355,9 @@ def _train_steps(run: _Run, stop: StopSignals) -> list[dict]:
         run.updates.stop_if_exhausted(lambda step=step: run.checkpoints.stop(step, lambda: run.trainer_state(step)),
                                       f"step {step}")
         if step % every == 0 or step == tr.max_steps:  # one line per kind of repeating warning of the interval
-            sums.update(run.warnings.flush(f"steps {interval_start}-{step}", accelerator))
+            # (per-run kinds, e.g. saturation: one line for the whole run, at its last step)
+            run_where = f"steps {run_start}-{step}" if step == tr.max_steps else None
+            sums.update(run.warnings.flush(f"steps {interval_start}-{step}", accelerator, run_where=run_where))
             interval_start = step + 1
         history.append({"step": step, **sums})
         accelerator.log(sums, step=step)

@@ -139,16 +139,16 @@ def test_two_process_preference_run_matches_one_process(tmp_path):
 
 
 def test_repeating_warnings_are_summed_over_the_processes_and_said_once(tmp_path):
-    """Every pair counts as saturated (|z| > -1): each process counts its own slice (batch 2), the summary sums them,
+    """Every pair counts as saturated (z > -inf): each process counts its own slice (batch 2), the summary sums them,
     2 processes × 2 pairs × 2 steps = 8 of 8 pairs, in one line (the main process's) and in results.json
     (diffalign.runtime.console)."""
-    prelude = "import diffalign.objectives.diffusion_dpo as dpo\ndpo.SATURATION_THRESHOLD = -1.0"
+    prelude = "import diffalign.objectives.diffusion_dpo as dpo\ndpo.SATURATION_THRESHOLD = float('-inf')"
     res = launch_two_processes([f"output_dir={tmp_path / 'run'}", "model=tiny_random", "trainer.max_steps=2",
                                 "trainer.batch_size=2", "trainer.warnings_every=2", "data=shapes_pairs",
                                 "data.num_pairs=16"], tmp_path, prelude)
     assert res.returncode == 0, res.stderr[-3000:]
     said = [line for line in (res.stdout + res.stderr).splitlines() if "Diffusion-DPO:" in line]
-    assert len(said) == 1 and "steps 1-2: Diffusion-DPO: 8 of 8 pairs have |z| > -1" in said[0], said
+    assert len(said) == 1 and "steps 1-2: Diffusion-DPO: 8 of 8 pairs had z > -inf" in said[0], said
     totals = json.loads((tmp_path / "run" / "results.json").read_text())["warnings"]
     assert totals["saturated"]["count"] == 8 and totals["saturated"]["of"] == 8
 

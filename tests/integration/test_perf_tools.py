@@ -129,6 +129,13 @@ def test_bench_online_counts_the_denoiser_calls_of_each_phase_and_leaves_the_run
         assert epoch["floors"][phase] == pytest.approx(sum(n * epoch["per_call"][s] for s, n in calls[phase].items()))
         assert epoch["seconds"][phase] > 0
     assert set(epoch["seconds"]) >= {"rollout", "reward", "advantages", "update"}
+    # the second rollout floor: one batch's prompts encoded (8 rows, with the negatives for CFG) and its 8 latents
+    # decoded, each replayed once, on top of the bare forwards
+    assert epoch["side_calls"] == {"encode_prompts [8, None] [('do_classifier_free_guidance', True)]": 1,
+                                   "decode [(8, 4, 8, 8)] []": 1}
+    side = sum(epoch["side_per_call"].values())
+    assert epoch["rollout_floor_with_text_vae"] == pytest.approx(epoch["floors"]["rollout"] + side)
+    assert side > 0
 
     # the same two epochs without the benchmark (no timers, hook or floor replays): the same LoRA, bit for bit
     import tempfile

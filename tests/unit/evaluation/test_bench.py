@@ -29,8 +29,9 @@ def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
     assert "reward=[random_control]" in run_overrides(METHODS["ddpo"], "control", 0, quick=False)
 
 
-def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(0, 1)):
-    """A run folder as diffalign-train leaves it: results.json, history.jsonl, eval samples (2 prompts x 2 seeds)."""
+def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(0, 1), per_image=None):
+    """A run folder as diffalign-train leaves it: results.json, history.jsonl, eval samples (2 prompts x 2 seeds);
+    ``per_image`` (optional): {variant: {(prompt, seed): brightness}}, written as each sample's ``brightness``."""
     eval_dir = folder / "eval"
     rows = []
     for variant, value in (("base", base), ("finetuned", finetuned)):
@@ -40,7 +41,10 @@ def _fake_run(folder, base: float, finetuned: float, curve: list[float], seeds=(
                 (eval_dir / path).parent.mkdir(parents=True, exist_ok=True)
                 pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(p * 10 + s)) * 255).byte()
                 Image.fromarray(pixels.numpy()).save(eval_dir / path)
-                rows.append({"variant": variant, "prompt_index": p, "seed": s, "image": path})
+                row = {"variant": variant, "prompt_index": p, "seed": s, "image": path}
+                if per_image is not None:
+                    row["brightness"] = per_image[variant][(p, s)]
+                rows.append(row)
     (eval_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"base": {"brightness/mean": base, "geneval_shapes/accuracy": 0.5},
                "finetuned": {"brightness/mean": finetuned, "geneval_shapes/accuracy": 0.25}}
@@ -80,6 +84,32 @@ def test_a_run_is_read_back_and_seeds_are_summarised_by_hand(tmp_path):
     (one,) = summarize({("vipo", "brightness"): [a]})  # one seed: the paired s.e. over its images
     assert one["verifier_change_se"] == 0.06 and one["gain_se"] == 0.01
     assert "| 0.500 → 0.250 | -0.250 ± 0.060 |" in markdown([one], "diffalign-bench --x")
+
+
+def test_the_gain_gets_the_s_e_over_images_and_its_ratio_uses_both_s_e(tmp_path):
+    """Two seeds score the same 4 images. Per-image gains (fine-tuned − base), by hand:
+    seed a: +0.2, +0.2, +0.0, +0.4 (mean 0.2); seed b: +0.0, +0.2, +0.2, +0.2 (mean 0.15).
+    Seed-averaged per image: 0.1, 0.2, 0.1, 0.3 → mean 0.175, stdev √(((−.075)² + .025² + (−.075)² + .125²)/3)
+    = √(0.0275/3), s.e. over images = that / 2. S.e. over seeds: |0.2 − 0.15| / 2 = 0.025."""
+    base = {(0, 0): 0.1, (0, 1): 0.2, (1, 0): 0.3, (1, 1): 0.0}
+    ft_a = {(0, 0): 0.3, (0, 1): 0.4, (1, 0): 0.3, (1, 1): 0.4}
+    ft_b = {(0, 0): 0.1, (0, 1): 0.4, (1, 0): 0.5, (1, 1): 0.2}
+    _fake_run(tmp_path / "a", 0.15, 0.35, [0.1] * 5, per_image={"base": base, "finetuned": ft_a})
+    _fake_run(tmp_path / "b", 0.15, 0.30, [0.1] * 5, per_image={"base": base, "finetuned": ft_b})
+    a, b = (read_run(tmp_path / n, "brightness", MeanEmbedder()) for n in "ab")
+    assert a["image_gains"] == pytest.approx({"p0_s0": 0.2, "p0_s1": 0.2, "p1_s0": 0.0, "p1_s1": 0.4})
+    (row,) = summarize({("vipo", "brightness"): [a, b]})
+    se_images = math.sqrt(0.0275 / 3) / 2
+    assert row["gain"] == pytest.approx(0.175) and row["gain_se"] == pytest.approx(0.025)
+    assert row["gain_se_images"] == pytest.approx(se_images)
+    assert row["gain_over_se"] == pytest.approx(0.175 / math.sqrt(0.025**2 + se_images**2))
+    assert f"0.175 ± 0.025, ± {se_images:.3f} images (" in markdown([row], "diffalign-bench --x")
+    assert math.isnan(row["verifier_change_se_images"])  # the fake samples carry no per-image verifier field
+    (one,) = summarize({("vipo", "brightness"): [a]})  # one seed: its own paired s.e., no images column
+    assert math.isnan(one["gain_se_images"]) and one["gain_over_se"] == pytest.approx(0.2 / 0.01)
+    c = dict(b, image_gains={"p0_s0": 0.1})  # runs that scored different images: no s.e. over images
+    (mixed,) = summarize({("vipo", "brightness"): [a, c]})
+    assert math.isnan(mixed["gain_se_images"]) and mixed["gain_over_se"] == pytest.approx(0.175 / 0.025)
 
 
 def test_list_prints_the_runs_without_running_them(capsys):

@@ -99,6 +99,24 @@ def test_win_rate_counts_wins_ties_and_losses():
         paired_wins([1.0], [1.0, 2.0])
 
 
+def test_compare_gives_the_dense_score_gain_beside_the_accuracy_gain():
+    # by hand: score differences +0.5, 0, -0.25, +0.75 -> mean 0.25 (s.e. from their sample variance); correctness
+    # differences +1, 0, 0, +1 -> mean 0.5, std sqrt(1/3), s.e. sqrt(1/3)/2
+    a = {"v": {"scores": [0.5, 0.5, 0.75, 0.25], "correct": [False, True, True, False]}}
+    b = {"v": {"scores": [1.0, 0.5, 0.5, 1.0], "correct": [True, True, True, True]}}
+    out = compare(a, b, "base", "ft")
+    diffs = [0.5, 0.0, -0.25, 0.75]
+    var = sum((d - 0.25) ** 2 for d in diffs) / 3
+    assert out["v/mean_gain"]["gain"] == pytest.approx(0.25)
+    assert out["v/mean_gain"]["se"] == pytest.approx((var / 4) ** 0.5)
+    assert out["v/accuracy_gain"]["gain"] == pytest.approx(0.5)
+    assert out["v/accuracy_gain"]["se"] == pytest.approx((1 / 3 / 4) ** 0.5)
+    assert next(iter(out)) == "v/accuracy_gain"  # the headline takes accuracy first
+    # a reward without correctness has the score's gain only
+    assert set(compare({"r": {"scores": [1.0, 2.0]}}, {"r": {"scores": [2.0, 2.0]}}, "a", "b")) == {
+        "r/mean_gain", "r/win_rate"}
+
+
 def test_per_tag_breakdown_of_a_geneval_file_is_exact(tmp_path):
     rows = [
         {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}], "prompt": "a red circle",

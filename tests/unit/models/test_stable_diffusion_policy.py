@@ -181,6 +181,36 @@ def test_reference_is_the_base_unet_and_restores_the_adapter(tiny_policy):
         assert torch.equal(tiny_policy.predict(latents, t, embeds, guidance_scale=3.0), adapted)
 
 
+def test_reference_switches_the_same_layers_as_diffusers_and_follows_a_new_adapter(tiny_policy, monkeypatch):
+    """`reference` toggles the tuner layers itself (no package-metadata check per switch): inside it every LoRA
+    layer is off and no adapter tensor requires grad, as after diffusers' `disable_adapters`; afterwards the flags are
+    those diffusers' `enable_adapters` leaves, also with a second adapter (a reference strategy's) added after the
+    first switch."""
+    from diffusers.loaders.peft import PeftAdapterMixin
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from diffalign.reference.adapter import ReferenceAdapter
+
+    unet = tiny_policy.unet
+
+    def state():
+        layers = [m for m in unet.modules() if isinstance(m, BaseTunerLayer)]
+        return [m.disable_adapters for m in layers], {n: p.requires_grad for n, p in unet.named_parameters()}
+
+    with tiny_policy.reference():  # a first switch (the layers are found), then a second adapter
+        pass
+    ReferenceAdapter(tiny_policy, adapter_name="old")
+    unet.disable_adapters()
+    want_inside = state()
+    unet.enable_adapters()
+    want_after = state()
+    monkeypatch.setattr(PeftAdapterMixin, "disable_adapters", lambda self: pytest.fail("diffusers' switch called"))
+    monkeypatch.setattr(PeftAdapterMixin, "enable_adapters", lambda self: pytest.fail("diffusers' switch called"))
+    with tiny_policy.reference():
+        assert state() == want_inside and all(want_inside[0])
+    assert state() == want_after and not any(want_after[0])
+
+
 def test_reference_without_lora_explains_the_frozen_copy():
     policy = build_tiny_random_policy(lora_rank=None)
     with pytest.raises(ValueError, match="frozen-copy reference"), policy.reference():

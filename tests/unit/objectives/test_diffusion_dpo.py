@@ -139,14 +139,15 @@ def test_loss_mean_over_pairs_and_tie_is_not_a_win():
 
 
 def test_saturation_is_counted_and_warned(caplog):
-    # z = -β/2 · ((1 - 0) - (0 - 0)) = -50 and +50 for the second pair.
+    # z = -β/2 · ((1 - 0) - (0 - 0)) = -50 and +50 for the second pair: only z = +50 is saturated (loss ~0, ~0
+    # gradient); z = -50 has loss 50 and the full gradient
     with caplog.at_level(logging.WARNING, logger="diffalign.objectives.diffusion_dpo"):
         loss, metrics = diffusion_dpo_loss(
             torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.zeros(2), torch.zeros(2), beta=100.0
         )
-    assert metrics["saturated"].item() == 2
+    assert metrics["saturated"].item() == 1
     assert loss.item() == pytest.approx(25.0, abs=1e-4)  # (50 + ~0) / 2
-    assert "2 of 2 pairs" in caplog.text
+    assert "1 of 2 pairs had z > 30" in caplog.text
 
 
 def test_loss_gradient_matches_closed_form():

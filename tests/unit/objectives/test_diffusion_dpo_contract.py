@@ -37,11 +37,16 @@ def test_every_metric_by_hand():
 
 
 def test_saturation_counts_strictly_above_30_under_its_kind(caplog):
-    """|z| = 30 exactly (β = 2, ℓθw − ℓrefw = −30) is not counted; 30.5 is, under the kind "saturated" of a training
-    loop's console summary, and logged at once outside one."""
+    """z = 30 exactly (β = 2, ℓθw − ℓrefw = −30) is not counted; 30.5 is, under the kind "saturated" of a training
+    loop's console summary, and logged at once outside one. z = −31 is not: −log σ(z) ≈ −z there, with gradient
+    magnitude 1 − σ(31) (it was counted as |z| > 30, "~0 gradient")."""
     _, at = diffusion_dpo_loss(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([30.0]), torch.tensor([0.0]),
                                beta=2.0)
     assert float(at["saturated"]) == 0.0
+    w = torch.tensor([0.0], requires_grad=True)  # z = −(β/2)(ℓθw − ℓrefw) = −31
+    below, metrics = diffusion_dpo_loss(w, torch.zeros(1), torch.tensor([-31.0]), torch.zeros(1), beta=2.0)
+    (grad,) = torch.autograd.grad(below, [w])  # ∂(−log σ(z))/∂ℓθw = σ(−z) · β/2 = 1 − σ(−31)
+    assert float(metrics["saturated"]) == 0.0 and float(grad) == pytest.approx(1.0, abs=1e-12)
     with console_summary() as counts:
         _, above = diffusion_dpo_loss(torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([30.5, 0.0]),
                                       torch.zeros(2), beta=2.0)
@@ -49,8 +54,8 @@ def test_saturation_counts_strictly_above_30_under_its_kind(caplog):
     assert float(above["saturated"]) == 1.0
     with caplog.at_level(logging.WARNING, logger="diffalign.objectives.diffusion_dpo"):
         diffusion_dpo_loss(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([31.0]), torch.zeros(1), beta=2.0)
-    assert ("Diffusion-DPO: 1 of 1 pairs have |z| > 30 (logsigmoid saturated, ~0 gradient); lower method.beta if "
-            "this persists") in caplog.text
+    assert ("Diffusion-DPO: 1 of 1 pairs had z > 30: already ranked right by a wide margin, ~0 gradient from them "
+            "(logsigmoid flat); a few are expected, lower method.beta only if most are") in caplog.text
 
 
 def test_loss_arguments_are_checked_with_the_shapes_in_the_message():

@@ -165,3 +165,51 @@ def test_dance_sde_is_refused_for_an_eps_model_and_checked_up_front(tmp_path):
                                            "sampler=ddim"]))
     validate_train_config(compose_cfg([f"output_dir={tmp_path}", "model=tiny_sd3", "method=vipo",
                                        "sampler=dance_sde"]))
+
+
+def test_ode_rollout_skips_only_a_zero_adapter_unless_asked_to_fuse(monkeypatch):
+    """As the step samplers (tests/unit/evaluation/test_performance.py): an all-zero LoRA is switched off for the ODE
+    rollout (bit for bit the adapted samples, at the bare denoiser's cost), a trained one runs unfused unless
+    `fuse_lora`; the images of the adapted model itself (no context at all) are the reference."""
+    import contextlib
+    import sys
+
+    from conftest import perturb_lora_
+
+    from diffalign.models.base import inference_lora
+
+    ode_module = sys.modules["diffalign.samplers.ode"]
+    policy = build_tiny_flow_policy(seed=0)
+    noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    @contextlib.contextmanager
+    def spy(denoiser, fuse=True):
+        with inference_lora(denoiser, fuse=fuse) as what:
+            seen.append((what, all(layer.disable_adapters for layer in _lora_layers(denoiser))))
+            yield what
+
+    def run(**kwargs):
+        return ode_rollout(policy, ["a red circle"] * 2, num_inference_steps=3, latents=noise, **kwargs)
+
+    def as_adapted(**kwargs):  # the adapted model as it is, no folding
+        with monkeypatch.context() as m:
+            m.setattr(ode_module, "inference_lora", lambda denoiser, fuse=True: contextlib.nullcontext("none"))
+            return run(**kwargs)
+
+    monkeypatch.setattr(ode_module, "inference_lora", spy)
+    zero = run()
+    assert torch.equal(zero.latents, as_adapted().latents) and torch.equal(zero.images, as_adapted().images)
+    perturb_lora_(policy, std=0.05)
+    trained, fused = run(), run(fuse_lora=True)
+    assert seen == [("skipped", True), ("unchanged", False), ("fused", True)]
+    assert torch.equal(trained.latents, as_adapted().latents)
+    assert not torch.equal(trained.latents, zero.latents)  # the trained adapter does act
+    torch.testing.assert_close(fused.latents, trained.latents, rtol=0, atol=1e-4)
+    assert not any(layer.disable_adapters for layer in _lora_layers(policy.denoiser))  # switched back on
+
+
+def _lora_layers(denoiser):
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in denoiser.modules() if isinstance(m, LoraLayer)]

@@ -75,3 +75,33 @@ def test_encode_prompts_once_encodes_each_prompt_once():
     encoded.clear()
     group_rollout(policy, PROMPTS, 4, encode_prompts_once=True, **kwargs)
     assert encoded == [(PROMPTS, True)]  # one call of P = 3 prompts; negatives with CFG
+
+
+def test_fuse_lora_folds_the_trained_adapter_into_every_forward_batch():
+    """``fuse_lora`` (``online.fuse_rollout_lora``): each forward batch runs with the adapter folded into the weights
+    (`inference_lora` says "fused", the LoRA layers are off while the denoiser runs); the rollouts equal the unfused
+    ones up to float rounding, and the weights come back bit for bit."""
+    from peft.tuners.lora import LoraLayer
+
+    policy = _nonzero_lora(build_tiny_flow_policy(seed=0))
+    layers = [m for m in policy.denoiser.modules() if isinstance(m, LoraLayer)]
+    weights = {k: v.clone() for k, v in policy.denoiser.state_dict().items()}
+    adapters_off = []
+    hook = policy.denoiser.register_forward_pre_hook(
+        lambda module, args: adapters_off.append(all(layer.disable_adapters for layer in layers)))
+    kwargs = {"group_indices": [4, 9, 11], "seed": 2, "epoch": 1, "rollout_batch_size": 4}
+    try:
+        for sampler in (FlowSDESampler(num_inference_steps=3, guidance_scale=2.0, noise_level=0.7),
+                        DPMSolverSampler(num_inference_steps=3, guidance_scale=1.0)):
+            adapters_off.clear()
+            plain, _ = group_rollout(policy, PROMPTS, 3, sampler=sampler, **kwargs)
+            assert adapters_off and not any(adapters_off)  # the trained adapter runs unfused by default
+            adapters_off.clear()
+            fused, ids = group_rollout(policy, PROMPTS, 3, sampler=sampler, fuse_lora=True, **kwargs)
+            assert len(adapters_off) == 3 * len(plain.timesteps) and all(adapters_off)  # 3 batches of 4, 4, 1 rows
+            torch.testing.assert_close(fused.latents, plain.latents, rtol=0, atol=1e-4)
+            torch.testing.assert_close(fused.log_probs, plain.log_probs, rtol=0, atol=1e-3)
+            assert ids.tolist() == [4] * 3 + [9] * 3 + [11] * 3
+    finally:
+        hook.remove()
+    assert all(torch.equal(weights[k], v) for k, v in policy.denoiser.state_dict().items())
