@@ -67,8 +67,9 @@ MODULES: dict[str, list[str]] = {
                              "not online and not loop"],
     "runtime/checkpoint": ["tests/unit/runtime/test_checkpoint.py", "tests/unit/runtime/test_checkpoint_contract.py",
                            "tests/unit/runtime/test_resume_rng.py"],
-    "runtime/runlock": ["tests/integration/test_runlock.py", "-k", ("not diffalign_train and not resume_latest and "
-                        "not keep_last and not diffalign_eval and not a_run_inside")],
+    "runtime/runlock": ["tests/unit/runtime/test_runlock_contract.py", "tests/integration/test_runlock.py", "-k",
+                        ("not diffalign_train and not resume_latest and not keep_last and not diffalign_eval and not "
+                         "a_run_inside")],
     "samplers/cps": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py", "-k",
                      "not trains and not command_line"],
     "samplers/window_sde": ["tests/unit/samplers/test_samplers.py", "tests/unit/samplers/test_cps_window_contract.py",
