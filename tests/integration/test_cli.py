@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg, smoke_overrides
+from conftest import compose_cfg, run_cli_in_process, smoke_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -104,24 +103,11 @@ def test_empty_prompt_file_is_rejected(tmp_path):
 
 
 def _cli(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
-    """``diffalign-train <args>`` run in this process (the subprocess start, ~10 s of imports, is not what these
-    checks are about): its exit status and what it wrote to stderr, a string exit code included (as Python prints
-    it when the process ends). An exception escaping the CLI (a traceback) fails the test."""
+    """``diffalign-train <args>`` in this process (`conftest.run_cli_in_process`): its exit status and stderr."""
     from diffalign import cli
 
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["diffalign-train", *args])
-    capsys.readouterr()
-    try:
-        cli.train()
-    except SystemExit as ended:
-        code = ended.code
-        stderr = capsys.readouterr().err
-        if isinstance(code, str):
-            return 1, stderr + code + "\n"
-        return code or 0, stderr
-    return 0, capsys.readouterr().err
+    done = run_cli_in_process(cli.train, args, cwd, monkeypatch, capsys)
+    return done.returncode, done.stderr
 
 
 def test_cli_errors_before_any_model_is_loaded(tmp_path, monkeypatch, capsys, release_run_locks):
