@@ -84,6 +84,39 @@ def release_run_locks():
         runlock.release(key)
 
 
+def run_cli_in_process(command, args: list[str], cwd: Path, monkeypatch, capsys):
+    """``diffalign-train <args>`` (`command`: ``diffalign.cli.train`` or another entry point of ``diffalign.cli``) run
+    in this process from `cwd`, for tests about what the command does rather than about its process (a child's start
+    imports torch, diffusers and every reward: ~10-20 s on 2 shared cores). Returns a ``subprocess.CompletedProcess``
+    as the child would have ended: its exit status (1 for a string exit code, which Python prints to stderr) and
+    what it wrote to stdout and stderr. An exception escaping the command (a traceback) is raised here. The root
+    logger's handlers and level (Hydra's job logging sets them) are restored afterwards; a refused run's lock is not
+    (take the ``release_run_locks`` fixture)."""
+    import logging
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["diffalign-train", *args])
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    code = 0
+    try:
+        command()
+    except SystemExit as ended:
+        code = ended.code
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:], root.level = handlers, level
+    out, err = capsys.readouterr()
+    if isinstance(code, str):
+        code, err = 1, err + code + "\n"
+    return subprocess.CompletedProcess(args, code or 0, out, err)
+
+
 @pytest.fixture
 def sd15_ddim_config() -> dict:
     """A copy of the SD1.5 DDIM scheduler config."""

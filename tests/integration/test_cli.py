@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg, smoke_overrides
+from conftest import compose_cfg, run_cli_in_process, smoke_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -105,31 +102,32 @@ def test_empty_prompt_file_is_rejected(tmp_path):
         validate_train_config(compose_cfg([f"eval.prompts={empty}"]))
 
 
-def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, cwd=tmp_path, env=env,
-                          timeout=300)
+def _cli(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """``diffalign-train <args>`` in this process (`conftest.run_cli_in_process`): its exit status and stderr."""
+    from diffalign import cli
+
+    done = run_cli_in_process(cli.train, args, cwd, monkeypatch, capsys)
+    return done.returncode, done.stderr
 
 
-def test_cli_errors_before_any_model_is_loaded(tmp_path):
+def test_cli_errors_before_any_model_is_loaded(tmp_path, monkeypatch, capsys, release_run_locks):
     # unknown method: Hydra names the group and lists the options
-    res = _cli(["method=nope", f"output_dir={tmp_path / 'a'}"], tmp_path)
-    assert res.returncode != 0 and "method" in res.stderr and "diffusion_dpo" in res.stderr
+    code, err = _cli(["method=nope", f"output_dir={tmp_path / 'a'}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "method" in err and "diffusion_dpo" in err
     # beta <= 0: our validation, before the (absent) model path would be touched
-    res = _cli(["method.beta=0", f"output_dir={tmp_path / 'b'}"], tmp_path)
-    assert res.returncode != 0 and "method.beta=0.0 must be > 0" in res.stderr  # (the constructor's check)
-    assert "from_pretrained" not in res.stderr and "instantiate" not in res.stderr and "Traceback" not in res.stderr
+    code, err = _cli(["method.beta=0", f"output_dir={tmp_path / 'b'}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "method.beta=0.0 must be > 0" in err  # (the constructor's check)
+    assert "from_pretrained" not in err and "instantiate" not in err and "Traceback" not in err
     # with a missing model folder too: the config checks name the folder first, before the method is even built
-    res = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
-                f"output_dir={tmp_path / 'b2'}"], tmp_path)
-    assert res.returncode != 0 and "Model folder '/does/not/exist' does not exist" in res.stderr
-    assert "Traceback" not in res.stderr
-    res = _cli(["reward=[nope]", f"output_dir={tmp_path / 'c'}"], tmp_path)
-    assert res.returncode != 0 and "reward" in res.stderr and "geneval_shapes" in res.stderr
+    code, err = _cli(["method.beta=0", "model.pretrained_model_name_or_path=/does/not/exist",
+                      f"output_dir={tmp_path / 'b2'}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "Model folder '/does/not/exist' does not exist" in err
+    assert "Traceback" not in err
+    code, err = _cli(["reward=[nope]", f"output_dir={tmp_path / 'c'}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "reward" in err and "geneval_shapes" in err
     # a comma without quotes is ambiguous without --multirun; no training step runs
-    res = _cli(["+sample.prompt=a,b", f"output_dir={tmp_path / 'd'}"], tmp_path)
-    assert res.returncode != 0 and not list((tmp_path / "d").glob("checkpoint-*"))
+    code, err = _cli(["+sample.prompt=a,b", f"output_dir={tmp_path / 'd'}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and not list((tmp_path / "d").glob("checkpoint-*"))
 
 
 def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffusers(tmp_path):

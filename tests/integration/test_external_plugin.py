@@ -40,50 +40,91 @@ def run_python(site: Path, code: str) -> subprocess.CompletedProcess:
                           env=env)
 
 
-def test_installed_plugin_is_found_by_name_and_scores(installed_plugin):
-    result = run_python(installed_plugin,
-        "import torch\n"
-        "from diffalign.config.registry import entry_point_configs\n"
-        "from diffalign.rewards.reward_set import build_reward, build_rewards\n"
-        "configs = entry_point_configs()\n"
-        "assert configs['example_saturation'].__module__ == 'diffalign_example_reward', configs\n"
-        "reward = build_reward('example_saturation', scale=2.0)\n"
-        "x = torch.zeros(2, 3, 4, 4); x[1, 0] = 1.0\n"
-        "print(reward(x, ['a', 'b']).scores.tolist())\n"
-        "combined = build_rewards({'example_saturation': {'weight': 0.5}, 'jpeg_compressibility': None})\n"
-        "print(sorted(combined.rewards), combined.weights['example_saturation'])\n"
-    )
+# One fresh interpreter runs every check below (each interpreter start imports torch, diffusers and every reward:
+# ~20 s on 2 cores); the two command lines run first, before anything else in that interpreter has read the entry
+# points. Each part's stdout, stderr and exit status (a string exit code is what Python prints to stderr) come back
+# as JSON on the last line of stdout.
+CHECKS = """
+import contextlib, io, json, sys
+results = {}
+
+def part(name, body):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            body()
+        except SystemExit as ended:
+            code = ended.code if isinstance(ended.code, int) else 1
+            if isinstance(ended.code, str):
+                print(ended.code, file=sys.stderr)
+    results[name] = {"stdout": out.getvalue(), "stderr": err.getvalue(), "returncode": code}
+
+def cli(*args):
+    def body():
+        from diffalign.cli import train
+        sys.argv = ['diffalign-train', *args]
+        train()
+    return body
+
+def scores():
+    import torch
+    from diffalign.config.registry import entry_point_configs
+    from diffalign.rewards.reward_set import build_reward, build_rewards
+    configs = entry_point_configs()
+    assert configs['example_saturation'].__module__ == 'diffalign_example_reward', configs
+    reward = build_reward('example_saturation', scale=2.0)
+    x = torch.zeros(2, 3, 4, 4); x[1, 0] = 1.0
+    print(reward(x, ['a', 'b']).scores.tolist())
+    combined = build_rewards({'example_saturation': {'weight': 0.5}, 'jpeg_compressibility': None})
+    print(sorted(combined.rewards), combined.weights['example_saturation'])
+
+def unknown():
+    from diffalign.rewards.reward_set import build_reward
+    try:
+        build_reward('nowhere_reward')
+    except ValueError as err:
+        print(err)
+
+part("cli_select", cli('--cfg', 'job', 'reward=[geneval_shapes,example_saturation]',
+                       'reward.example_saturation.weight=0.25', 'eval_reward=[example_saturation]'))
+part("cli_unknown", cli('reward=[nowhere_reward]'))
+part("unknown", unknown)
+part("scores", scores)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_checks(installed_plugin) -> dict[str, dict]:
+    """Each part of `CHECKS` (run once, in one fresh interpreter with the plugin installed): its stdout, stderr and
+    exit status."""
+    import json
+
+    result = run_python(installed_plugin, CHECKS)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_installed_plugin_is_found_by_name_and_scores(plugin_checks):
+    result = plugin_checks["scores"]
+    assert result["returncode"] == 0, result["stderr"]
+    lines = result["stdout"].strip().splitlines()
     assert lines[0] == "[0.0, 2.0]"
     assert lines[1] == "['example_saturation', 'jpeg_compressibility'] 0.5"
 
 
-def test_installed_plugin_is_selectable_on_the_command_line(installed_plugin):
-    result = run_python(installed_plugin,
-        "import sys\n"
-        "from diffalign.cli import train\n"
-        "sys.argv = ['diffalign-train', '--cfg', 'job', 'reward=[geneval_shapes,example_saturation]',\n"
-        "            'reward.example_saturation.weight=0.25', 'eval_reward=[example_saturation]']\n"
-        "train()\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert "example_saturation:" in result.stdout and "weight: 0.25" in result.stdout
-    assert "_target_: diffalign_example_reward.Saturation" in result.stdout
+def test_installed_plugin_is_selectable_on_the_command_line(plugin_checks):
+    result = plugin_checks["cli_select"]
+    assert result["returncode"] == 0, result["stderr"]
+    assert "example_saturation:" in result["stdout"] and "weight: 0.25" in result["stdout"]
+    assert "_target_: diffalign_example_reward.Saturation" in result["stdout"]
 
 
-def test_a_name_that_exists_nowhere_lists_the_available_rewards(installed_plugin):
-    result = run_python(installed_plugin,
-        "from diffalign.rewards.reward_set import build_reward\n"
-        "try:\n"
-        "    build_reward('nowhere_reward')\n"
-        "except ValueError as err:\n"
-        "    print(err)\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert "unknown reward 'nowhere_reward'" in result.stdout
+def test_a_name_that_exists_nowhere_lists_the_available_rewards(plugin_checks):
+    result = plugin_checks["unknown"]
+    assert result["returncode"] == 0, result["stderr"]
+    assert "unknown reward 'nowhere_reward'" in result["stdout"]
     for name in ("example_saturation", "clip_score", "aesthetic", "pickscore", "hpsv2", "geneval_shapes"):
-        assert name in result.stdout
-    cli = run_python(installed_plugin, "import sys\nfrom diffalign.cli import train\n"
-                     "sys.argv = ['diffalign-train', 'reward=[nowhere_reward]']\ntrain()\n")
-    assert cli.returncode != 0 and "nowhere_reward" in cli.stderr and "example_saturation" in cli.stderr
+        assert name in result["stdout"]
+    cli = plugin_checks["cli_unknown"]
+    assert cli["returncode"] != 0 and "nowhere_reward" in cli["stderr"] and "example_saturation" in cli["stderr"]

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 import safetensors.torch
 import torch
-from conftest import CHILD_ENV, compose_cfg, online_overrides, perturb_lora_
+from conftest import compose_cfg, online_overrides, perturb_lora_, run_cli_in_process
 from diffusers import StableDiffusionPipeline
 
 from diffalign.config.compose import asset_path
@@ -238,14 +236,15 @@ def test_resume_wins_over_init_lora(tmp_path, loras):
 
 
 @pytest.mark.slow
-def test_cli_names_an_explicit_conflict_before_the_model_loads(tmp_path, loras):
+def test_cli_names_an_explicit_conflict_before_the_model_loads(tmp_path, loras, monkeypatch, capsys,
+                                                               release_run_locks):
     """The command line's model.lora_rank=16 against a rank-4 file: refused with both named, before the model (here a
     folder that does not exist, which would fail as soon as it loaded) is touched."""
-    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
+    from diffalign import cli
+
     args = [*dpo_overrides(tmp_path / "run", "tiny_sd"), f"model.init_lora={loras['tiny_sd']['kohya']}",
             "model.lora_rank=16", "model.pretrained_model_name_or_path=/does/not/exist"]
-    proc = subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, env=CHILD_ENV,
-                          cwd=tmp_path, timeout=300)
+    proc = run_cli_in_process(cli.train, args, tmp_path, monkeypatch, capsys)
     assert proc.returncode == 1
     assert ("diffalign: error: model.lora_rank=16 (set on the command line) conflicts with model.init_lora="
             in proc.stderr) and "which has rank 4" in proc.stderr

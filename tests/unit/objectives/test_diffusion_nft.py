@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import compose_cfg, run_cli_in_process
 from diffusers import FlowMatchEulerDiscreteScheduler
 from safetensors.torch import load_file
 
@@ -367,15 +367,14 @@ def test_resume_continues_exactly_with_the_old_policy_restored(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_recipe_smoke_run_from_the_command_line(tmp_path):
-    import subprocess
-    import sys
+def test_tiny_recipe_smoke_run_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from diffalign import cli
 
     out = tmp_path / "run"
-    entry = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
-    cmd = [sys.executable, "-c", entry, "recipe=tiny_diffusion_nft", "online.num_epochs=1",
-           "online.groups_per_epoch=2", "eval.enabled=false", "trainer.log_with=none", f"output_dir={out}"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    args = ["recipe=tiny_diffusion_nft", "online.num_epochs=1", "online.groups_per_epoch=2", "eval.enabled=false",
+            "trainer.log_with=none", f"output_dir={out}"]
+    done = run_cli_in_process(cli.train, args, tmp_path, monkeypatch, capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert len(history) == 1 and history[0]["rollouts"] == 16 and history[0]["step"] == 1
     assert torch.isfinite(torch.tensor(history[0]["loss"])) and 0 <= history[0]["nft/r_mean"] <= 1

@@ -7,14 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import step_sampler
+from conftest import run_cli_in_process, step_sampler
 from safetensors.torch import load_file
 
 from diffalign.models.tiny_random import build_tiny_random_policy
@@ -220,10 +217,10 @@ def _overrides(out: Path, steps: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_cli_two_step_tiny_seppo_run(tmp_path):
-    code = "import sys; from diffalign.cli import train; sys.argv = ['diffalign-train'] + sys.argv[1:]; train()"
-    res = subprocess.run([sys.executable, "-c", code, *_overrides(tmp_path, 2)], capture_output=True, text=True,
-                         check=False, cwd=tmp_path, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_cli_two_step_tiny_seppo_run(tmp_path, monkeypatch, capsys):
+    from diffalign import cli
+
+    res = run_cli_in_process(cli.train, _overrides(tmp_path, 2), tmp_path, monkeypatch, capsys)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "reference pool" in res.stdout
     results = json.loads((tmp_path / "results.json").read_text())
