@@ -129,13 +129,16 @@ def test_text_to_video_policy_feeds_a_motion_unet_one_text_state_per_video(motio
         _policy(policy.unet, text_encoder, tokenizer, num_frames=9)
 
 
-def test_pretrain_script_trains_saves_and_reloads_a_motion_unet(tmp_path):
+def test_pretrain_script_trains_saves_and_reloads_a_motion_unet(tmp_path, monkeypatch):
     """`--inflate --arch motion` runs end to end (training, the direction probe, the held-out evaluation) and writes a
-    `TextToVideoSDPipeline` folder whose UNet is a `UNetMotionModel` that `TextToVideoPolicy.from_pretrained` loads."""
+    `TextToVideoSDPipeline` folder whose UNet is a `UNetMotionModel` that `TextToVideoPolicy.from_pretrained` loads
+    (the script's ``main`` run in this process: a child's start is not what is checked)."""
     out = tmp_path / "motion"
-    subprocess.run([sys.executable, "scripts/pretrain_tiny_video.py", "--inflate", "--arch", "motion", "--steps", "2",
-                    "--batch", "2", "--num-videos", "8", "--eval-seeds", "0", "--eval-prompts", "2", "--eval-steps",
-                    "2", "--out", str(out)], check=True, capture_output=True, cwd=REPO)
+    monkeypatch.setattr(sys, "argv", ["pretrain_tiny_video.py", "--inflate", "--arch", "motion", "--steps", "2",
+                                      "--batch", "2", "--num-videos", "8", "--eval-seeds", "0", "--eval-prompts", "2",
+                                      "--eval-steps", "2", "--out", str(out)])
+    monkeypatch.chdir(REPO)
+    _script().main()
     metrics = json.loads((out / "pretrain_metrics.json").read_text())
     assert metrics["args"]["arch"] == "motion" and metrics["heldout"]["n"] == 2
     assert json.loads((out / "model_index.json").read_text())["unet"] == ["diffusers", "UNetMotionModel"]
