@@ -212,7 +212,7 @@ def side_replay_seconds(originals: dict, recorder: Recorder, repeats: int, sync)
                 if signature not in recorder.side_calls:
                     continue
 
-                def call():
+                def call(name=name, args=args, kwargs=kwargs):  # bound now (called only in this iteration)
                     originals[name](*args, **kwargs)
                     sync()
 

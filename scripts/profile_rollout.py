@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_online import COMMON, compose_config, setup_run, warning_counts  # noqa: E402
+from bench_online import COMMON, compose_config, setup_run, warning_counts
 
 RECIPES = ["tiny_flow_grpo", "tiny_diffusion_nft", "tiny_flow_grpo_flux"]
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -202,17 +202,17 @@ def profile(recipe: str, repeats: int, overrides: list[str]) -> dict:
                         times.append(_now() - t0)
                     return statistics.median(times)
 
-                def bare():
+                def bare(a=a, kw=kw):  # bound now (timed only in this iteration)
                     copy_.disable_adapters()
                     try:
                         copy_(*a, **kw)
                     finally:
                         copy_.enable_adapters()
 
-                adapted = timed(lambda: copy_(*a, **kw))
+                adapted = timed(lambda a=a, kw=kw: copy_(*a, **kw))
                 bare_s = timed(bare)
                 with model_base.inference_lora(copy_, fuse=True) as how:
-                    fused = timed(lambda: copy_(*a, **kw))
+                    fused = timed(lambda a=a, kw=kw: copy_(*a, **kw))
                 per_call[shapes] = {"n": counts[shapes] // repeats, "bare": bare_s, "adapted": adapted,
                                     "fused": fused, "lora_context": how}
                 for key, value in (("bare", bare_s), ("adapted", adapted), ("fused", fused)):

@@ -59,7 +59,7 @@ def test_preference_resume_in_a_later_epoch_refills_the_latent_cache_exactly(tmp
     resume must refill the cache in the original batches (`LatentCache.refill`)."""
     from diffalign.train.preference import train
 
-    overrides = lambda run: smoke_overrides(tmp_path / run, steps=30) + ["trainer.checkpointing_steps=10"]  # noqa: E731
+    overrides = lambda run: smoke_overrides(tmp_path / run, steps=30) + ["trainer.checkpointing_steps=10"]
     train(compose_cfg(overrides("a")))
     shutil.copytree(tmp_path / "a" / "checkpoint-10", tmp_path / "b" / "checkpoint-10")
     results = train(compose_cfg(overrides("b") + ["resume=latest"]))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from diffalign.methods import stream_seed
 from diffalign.models.tiny_flow import build_tiny_flow_policy
 from diffalign.samplers.flow_sde import FlowSDESampler
 from diffalign.samplers.groups import _STEP, group_initial_noise, group_rollout
 from diffalign.samplers.ode import DPMSolverSampler
-from diffalign.methods import stream_seed
 
 PROMPTS = ["a red circle", "two blue squares on the left", "a green triangle"]
 
