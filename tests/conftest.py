@@ -84,9 +84,9 @@ def release_run_locks():
         runlock.release(key)
 
 
-def run_cli_in_process(command, args: list[str], cwd: Path, monkeypatch, capsys):
-    """``diffalign-train <args>`` (`command`: ``diffalign.cli.train`` or another entry point of ``diffalign.cli``) run
-    in this process from `cwd`, for tests about what the command does rather than about its process (a child's start
+def run_cli_in_process(command, args: list[str], cwd: Path, monkeypatch, capsys, prog: str = "diffalign-train"):
+    """``<prog> <args>`` (`command`: ``diffalign.cli.train``; ``diffalign.cli.evaluate`` with ``prog="diffalign-eval"``)
+    run in this process from `cwd`, for tests about what the command does rather than about its process (a child's start
     imports torch, diffusers and every reward: ~10-20 s on 2 shared cores). Returns a ``subprocess.CompletedProcess``
     as the child would have ended: its exit status (1 for a string exit code, which Python prints to stderr) and
     what it wrote to stdout and stderr. An exception escaping the command (a traceback) is raised here. The root
@@ -98,7 +98,7 @@ def run_cli_in_process(command, args: list[str], cwd: Path, monkeypatch, capsys)
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["diffalign-train", *args])
+    monkeypatch.setattr(sys, "argv", [prog, *args])
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     capsys.readouterr()

@@ -12,19 +12,30 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _main(args: list[str], monkeypatch, capsys) -> str:
+    """``scripts/pretrain_tiny_world.py <args>`` in this process (its ``main``; a child's start is not what the run is
+    checked for): what it printed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", ROOT / "scripts" / "pretrain_tiny_world.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["pretrain_tiny_world.py", *args])
+    capsys.readouterr()
+    script.main()
+    return capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_pretrain_script_runs_a_few_steps(tmp_path):
+def test_pretrain_script_runs_a_few_steps(tmp_path, monkeypatch, capsys):
     from diffusers import StableDiffusionPipeline
 
     from diffalign.rewards.tiny_clip import build_tiny_clip
 
-    cmd = [sys.executable, str(ROOT / "scripts" / "pretrain_tiny_world.py"), "all", "--work", str(tmp_path / "w"),
-           "--out", str(tmp_path / "out"), "--vae-steps", "2", "--unet-steps", "2", "--unet-batch", "4",
-           "--clip-steps", "2", "--num-latents", "16", "--eval-images", "8", "--threads", "1", "--flow-steps", "2",
-           "--flow-eval-prompts", "2", "--flow-width", "32", "--flow-layers", "1", "--flux-steps", "2",
-           "--flux-eval-prompts", "2", "--flux-heads", "2"]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _main(["all", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--vae-steps", "2", "--unet-steps",
+           "2", "--unet-batch", "4", "--clip-steps", "2", "--num-latents", "16", "--eval-images", "8", "--threads", "1",
+           "--flow-steps", "2", "--flow-eval-prompts", "2", "--flow-width", "32", "--flow-layers", "1", "--flux-steps",
+           "2", "--flux-eval-prompts", "2", "--flux-heads", "2"], monkeypatch, capsys)
     metrics = json.loads((tmp_path / "out" / "pretrain_metrics.json").read_text())
     assert set(metrics) == {"vae_metrics", "unet_metrics", "clip_metrics", "flow_metrics", "flux_metrics"}
     assert metrics["unet_metrics"]["steps"] == 2
@@ -62,7 +73,8 @@ def _same(x, y) -> bool:
 
 
 @pytest.mark.slow
-def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path):
+def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch,
+                                                                                      capsys):
     """Five steps in one go against two, a checkpoint, a new process with --resume, three more (an EMA evaluation at
     step 3 in between): the step-5 checkpoints hold identical weights, EMA, optimizer, LR schedule, RNG states."""
     from diffalign.config.compose import asset_path
@@ -77,8 +89,10 @@ def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupt
         assert res.returncode == 0, res.stderr[-3000:]
         return res.stdout
 
-    run("--work", str(tmp_path / "a"), "--flux-stop-at", "5")
-    assert "stopped at step 2" in run("--work", str(tmp_path / "b"), "--flux-stop-at", "2")
+    # the uninterrupted run and the first half in this process, the resumed half in a new one
+    _main(base[2:] + ["--work", str(tmp_path / "a"), "--flux-stop-at", "5"], monkeypatch, capsys)
+    assert "stopped at step 2" in _main(base[2:] + ["--work", str(tmp_path / "b"), "--flux-stop-at", "2"],
+                                        monkeypatch, capsys)
     at_2 = torch.load(tmp_path / "b" / "flux_checkpoint.pt", weights_only=False)
     assert "resumed from" in run("--work", str(tmp_path / "b"), "--flux-stop-at", "5", "--resume")
     a = torch.load(tmp_path / "a" / "flux_checkpoint.pt", weights_only=False)
@@ -96,7 +110,7 @@ def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupt
 
 
 @pytest.mark.slow
-def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_path):
+def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_path, monkeypatch, capsys):
     """The stronger SD3-format base's stage (flow2): five steps in one go against two, a checkpoint, a new process with
     --resume, three more (an EMA evaluation and save at step 3 in between) give identical step-5 checkpoints; the
     saved EMA folder loads as a `model=tiny_sd3` policy (what the fragility gate runs on)."""
@@ -113,8 +127,10 @@ def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_p
         assert res.returncode == 0, res.stderr[-3000:]
         return res.stdout
 
-    run("--work", str(tmp_path / "a"), "--flow2-stop-at", "5")
-    assert "stopped at step 2" in run("--work", str(tmp_path / "b"), "--flow2-stop-at", "2")
+    # the uninterrupted run and the first half in this process, the resumed half in a new one
+    _main(base[2:] + ["--work", str(tmp_path / "a"), "--flow2-stop-at", "5"], monkeypatch, capsys)
+    assert "stopped at step 2" in _main(base[2:] + ["--work", str(tmp_path / "b"), "--flow2-stop-at", "2"],
+                                        monkeypatch, capsys)
     at_2 = torch.load(tmp_path / "b" / "flow2_checkpoint.pt", weights_only=False)
     assert "resumed from" in run("--work", str(tmp_path / "b"), "--flow2-stop-at", "5", "--resume")
     a = torch.load(tmp_path / "a" / "flow2_checkpoint.pt", weights_only=False)

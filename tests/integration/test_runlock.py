@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CHILD_ENV as ENV
-from conftest import REPO, compose_cfg, smoke_overrides
+from conftest import REPO, compose_cfg, run_cli_in_process, smoke_overrides
 
+from diffalign import cli
 from diffalign.runtime import runlock
 from diffalign.runtime.checkpoint import checkpoint_lineage, save_checkpoint
 from diffalign.runtime.launch import process_start_time
@@ -157,7 +158,8 @@ def _cli(args: list[str], prelude: str = "", **env) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # (two CLI processes: ~14 s on 2 busy cores)
-def test_a_second_diffalign_train_into_a_locked_folder_is_refused_before_writing_anything(tmp_path):
+def test_a_second_diffalign_train_into_a_locked_folder_is_refused_before_writing_anything(tmp_path, monkeypatch,
+                                                                                         capsys, release_run_locks):
     run, mark = tmp_path / "run", tmp_path / "a"
     first = _cli(smoke_overrides(run, steps=2), prelude=WAIT_IN_TRAIN, MARK=str(mark))
     try:
@@ -168,8 +170,9 @@ def test_a_second_diffalign_train_into_a_locked_folder_is_refused_before_writing
             time.sleep(0.05)
         assert (run / ".hydra" / "config.yaml").is_file()  # the first run's Hydra files are there
         before = _snapshot(run)
-        second = _cli(smoke_overrides(run, steps=3))
-        _, err = second.communicate(timeout=120)
+        # (the second diffalign-train in this process: the holder is the child, another process)
+        second = run_cli_in_process(cli.train, smoke_overrides(run, steps=3), REPO, monkeypatch, capsys)
+        err = second.stderr
         assert second.returncode == 1, err
         assert err.strip().startswith("diffalign: error: output_dir=") and "Traceback" not in err
         assert f"in use by another run: pid {first.pid} on host {HOST}, started " in err
@@ -233,7 +236,8 @@ def test_diffalign_eval_into_a_locked_folder_is_refused(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == []  # (the lock file went with the release)
 
 
-def test_a_run_inside_a_live_runs_folder_or_over_a_live_subfolder_is_refused(tmp_path):
+def test_a_run_inside_a_live_runs_folder_or_over_a_live_subfolder_is_refused(tmp_path, monkeypatch, capsys,
+                                                                             release_run_locks):
     """``diffalign-eval output_dir=runs/x/eval`` while ``diffalign-train`` runs in ``runs/x`` (whose evaluation writes
     there) is refused by the lock, as is a training run into ``runs/x`` while an evaluation holds ``runs/x/eval``;
     once the holder is gone (SIGKILL: its file is stale) both are allowed."""
@@ -244,10 +248,9 @@ def test_a_run_inside_a_live_runs_folder_or_over_a_live_subfolder_is_refused(tmp
         with pytest.raises(RunLockedError, match=rf"output_dir='.*run/eval' is inside '.*run', which is in use by "
                                                  rf"another run: pid {holder.pid} on host {HOST}"):
             acquire(run / "eval", "diffalign-eval")
-        code = ("import sys; from diffalign.cli import evaluate; sys.argv = ['diffalign-eval'] + sys.argv[1:]; "
-                "evaluate()")
-        done = subprocess.run([sys.executable, "-c", code, f"output_dir={run / 'eval'}", "model=tiny_random"],
-                              cwd=REPO, env=ENV, check=False, capture_output=True, text=True, timeout=120)
+        # (diffalign-eval in this process: the holder is the child, another process)
+        done = run_cli_in_process(cli.evaluate, [f"output_dir={run / 'eval'}", "model=tiny_random"], REPO,
+                                  monkeypatch, capsys, prog="diffalign-eval")
         assert done.returncode == 1 and "is inside" in done.stderr and f"pid {holder.pid}" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr and not (run / "eval").exists()  # nothing written
     finally:
