@@ -216,16 +216,21 @@ def side_replay_seconds(originals: dict, recorder: Recorder, repeats: int, sync)
                     originals[name](*args, **kwargs)
                     sync()
 
-                call()  # warm-up
-                times = []
-                for _ in range(repeats):
-                    start = _now()
-                    call()
-                    times.append(_now() - start)
-                out[signature] = statistics.median(times)
+                out[signature] = _median_seconds(call, repeats)
     finally:
         recorder.paused = False
     return out
+
+
+def _median_seconds(call, repeats: int) -> float:
+    """Median seconds (`_now`'s clock) of `repeats` calls of `call`, after one warm-up call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = _now()
+        call()
+        times.append(_now() - start)
+    return statistics.median(times)
 
 
 def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync):
@@ -266,14 +271,7 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
             for signature in sorted(signatures):
                 args, kwargs, grad = recorder.inputs[signature]
                 bare.train(grad)
-                call = _replay(bare, args, kwargs, grad, sync)
-                call()  # warm-up
-                times = []
-                for _ in range(repeats):
-                    start = _now()
-                    call()
-                    times.append(_now() - start)
-                out[signature] = statistics.median(times)
+                out[signature] = _median_seconds(_replay(bare, args, kwargs, grad, sync), repeats)
     finally:
         recorder.paused = False
     return out
