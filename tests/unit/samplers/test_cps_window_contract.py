@@ -24,6 +24,18 @@ def _gaussian(x: torch.Tensor, mean: torch.Tensor, std: float, reduce: str) -> t
     return per.mean(dim=1) if reduce == "mean" else per.sum(dim=1)
 
 
+def _assert_draws_and_scores(sampler, schedule, k, v, x, mean, s, sample_atol: float) -> None:
+    """Step `k` of `sampler` draws mean + s·z with z from its generator (not the global stream), scores it with the
+    hand-written Gaussian log-density (mean reduction), and scores a given sample (sum reduction)."""
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(123)  # the global stream differs from the generator's
+    out = sampler.step(schedule, k, v, x, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(out.prev_sample, mean + s * z, rtol=0, atol=sample_atol)
+    torch.testing.assert_close(out.log_prob, _gaussian(mean + s * z, mean, s, "mean"), rtol=1e-5, atol=1e-5)
+    scored = sampler.step(schedule, k, v, x, prev_sample=mean + 0.1, reduction="sum")
+    torch.testing.assert_close(scored.log_prob, _gaussian(mean + 0.1, mean, s, "sum"), rtol=1e-5, atol=1e-4)
+
+
 def test_cps_at_noise_level_one_puts_no_predicted_noise_back():
     # a = 1: s = sigma_next = 0.25 and mu = (1 - 0.25) x0-hat = 0.75 * (1 - 0.5 * 0.4) = 0.6 (the x1-hat term is 0)
     x, v = torch.full((1, 1, 1, 1), 1.0), torch.full((1, 1, 1, 1), 0.4)
@@ -57,14 +69,7 @@ def test_cps_sampler_step_passes_its_noise_level_generator_and_reduction():
     x, v = torch.randn(2, 1, 2, 2, generator=g), torch.randn(2, 1, 2, 2, generator=g)
     s = 0.3 * math.sin(0.5 * math.pi / 2)
     mean = 0.7 * (x - 0.6 * v) + math.sqrt(0.3 ** 2 - s ** 2) * (x + 0.4 * v)
-    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
-    sampler = CPSSampler(noise_level=0.5)
-    torch.manual_seed(123)  # the global stream differs from the generator's
-    out = sampler.step(schedule, 1, v, x, generator=torch.Generator().manual_seed(7))
-    torch.testing.assert_close(out.prev_sample, mean + s * z, rtol=0, atol=1e-6)
-    torch.testing.assert_close(out.log_prob, _gaussian(mean + s * z, mean, s, "mean"), rtol=1e-5, atol=1e-5)
-    scored = sampler.step(schedule, 1, v, x, prev_sample=mean + 0.1, reduction="sum")
-    torch.testing.assert_close(scored.log_prob, _gaussian(mean + 0.1, mean, s, "sum"), rtol=1e-5, atol=1e-4)
+    _assert_draws_and_scores(CPSSampler(noise_level=0.5), schedule, 1, v, x, mean, s, sample_atol=1e-6)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -122,13 +127,7 @@ def test_window_sde_step_is_flow_grpos_sde_step_at_sigma_one_with_the_second_sig
     g = torch.Generator().manual_seed(1)
     x, v = torch.randn(2, 1, 2, 2, generator=g), torch.randn(2, 1, 2, 2, generator=g)
     mean, s = 0.755 * x - 0.2 * v, 0.7
-    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
-    torch.manual_seed(123)  # the global stream differs from the generator's
-    out = sampler.step(schedule, 0, v, x, generator=torch.Generator().manual_seed(7))
-    torch.testing.assert_close(out.prev_sample, mean + s * z, rtol=0, atol=1e-5)
-    torch.testing.assert_close(out.log_prob, _gaussian(mean + s * z, mean, s, "mean"), rtol=1e-5, atol=1e-5)
-    scored = sampler.step(schedule, 0, v, x, prev_sample=mean + 0.1, reduction="sum")
-    torch.testing.assert_close(scored.log_prob, _gaussian(mean + 0.1, mean, s, "sum"), rtol=1e-5, atol=1e-4)
+    _assert_draws_and_scores(sampler, schedule, 0, v, x, mean, s, sample_atol=1e-5)
     euler = sampler.step(schedule, 1, v, x)
     torch.testing.assert_close(euler.prev_sample, x - 0.3 * v, rtol=0, atol=1e-6)
     assert torch.equal(euler.log_prob, torch.zeros(2))
