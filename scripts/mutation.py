@@ -79,7 +79,8 @@ MODULES: dict[str, list[str]] = {
     "objectives/diffusion_nft": ["tests/unit/objectives/test_diffusion_nft.py",
                                  "tests/unit/objectives/test_diffusion_nft_contract.py", "-k",
                                  "not resume and not command_line"],
-    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "-k", "not resume and not cli"],
+    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "tests/unit/objectives/test_seppo_contract.py", "-k",
+                         "not resume and not cli"],
     "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "-k", "not command"],
 }
 
