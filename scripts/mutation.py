@@ -81,7 +81,8 @@ MODULES: dict[str, list[str]] = {
                                  "not resume and not command_line"],
     "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "tests/unit/objectives/test_seppo_contract.py", "-k",
                          "not resume and not cli"],
-    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "-k", "not command"],
+    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "tests/unit/objectives/test_ddspo_contract.py", "-k",
+                         "not command"],
 }
 
 
