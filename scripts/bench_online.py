@@ -17,11 +17,13 @@ gradients as a plain forward + backward of the adapted denoiser (its LoRA traine
 square). The replay runs on a copy of the denoiser (`copy.deepcopy`) under `torch.random.fork_rng`, so the run's
 model, adapters and random streams are as without it.
 
-The rollout's floor is that of issue 33 (the denoiser forwards the rollout needs, bare). Every rollout runs a trained
-adapter unfused by default, the stochastic ones so that their stored log-probs equal the update's recompute and the
-ODE ones (DGPO, DiffusionNFT) as well, so a rollout's ratio includes the LoRA branch's extra matmuls (an all-zero
-adapter, before the first update, is skipped: no branch; ``online.fuse_rollout_lora=true`` folds a trained one into
-the weights). The rollout also encodes its prompts and decodes the final latents for the reward, which that floor
+The rollout's floor is that of issue 33 (the denoiser forwards the rollout needs, bare). A stochastic rollout runs a
+trained adapter unfused so that its stored log-probs equal the update's recompute, so its ratio includes the LoRA
+branch's extra matmuls; the ODE rollouts (DGPO, DiffusionNFT) fold it into the weights (``online.fuse_rollout_lora``
+"auto", the default; an all-zero adapter, before the first update, is skipped by every rollout). A third floor,
+**adapted**, replays the same forwards with the LoRA branch on (the floor of a rollout that must run it unfused),
+printed with the branch's share of the FLOPs: counted (`torch.utils.flop_counter.FlopCounterMode`, adapted vs bare
+forward) and r·(d_in + d_out) / (d_in·d_out) over the adapted linear layers. The rollout also encodes its prompts and decodes the final latents for the reward, which that floor
 leaves out, so a second floor is printed beside it (**rollout, with text + VAE**): the bare denoiser's replays plus
 the policy's own `encode_prompts` and `decode` replaying every call the rollout made to them, again with the inputs
 of the first call of each shape, timed in the same process right after the epoch.

@@ -123,8 +123,8 @@ def group_rollout(
         global group indices, one per row).
 
     Raises:
-        ValueError: for `group_size < 1`, mismatched `group_indices`, or a sampler of the other model family
-            (`Sampler.fits`).
+        ValueError: for `group_size < 1`, mismatched `group_indices`, a `fuse_lora` other than True, False or
+            "auto", or a sampler of the other model family (`Sampler.fits`).
     """
     if group_size < 1:
         raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
