@@ -28,7 +28,17 @@ _EXPORTS = {
 so that importing one light module (`diffalign.models.base`, `diffalign.models.checks`, as the config checks and the
 samplers do) does not import diffusers, transformers and peft with the adapters."""
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DiffusionPolicy",
+    "FlowDiffusionPolicy",
+    "PipelinePolicy",
+    "StableDiffusionPolicy",
+    "StableDiffusionPolicyConfig",
+    "TinyRandomPolicyConfig",
+    "build_tiny_random_pipeline",
+    "build_tiny_random_policy",
+    "cfg_batch",
+]
 
 
 def __getattr__(name: str):
