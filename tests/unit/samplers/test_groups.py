@@ -24,7 +24,8 @@ def _nonzero_lora(policy):
 
 
 def _row_by_row(policy, sampler, group_size, *, seed, epoch, groups, batch):
-    """The rollout as group_rollout drew it before: every row's prompt encoded inside `Sampler.sample`."""
+    """The rollout as group_rollout drew it before: every row's prompt encoded inside `Sampler.sample`; the trained
+    adapter folded for the ODE sampler only (``fuse_lora="auto"``: it stores no log-probs)."""
     noise = group_initial_noise(policy.latent_shape, groups, group_size, seed=seed, epoch=epoch, shared=False)
     prompts = [p for p in PROMPTS for _ in range(group_size)]
     members = [(g, m) for g in groups for m in range(group_size)]
@@ -32,7 +33,8 @@ def _row_by_row(policy, sampler, group_size, *, seed, epoch, groups, batch):
     for start in range(0, len(prompts), batch):
         stop = min(start + batch, len(prompts))
         gens = [torch.Generator().manual_seed(stream_seed(seed, epoch, g, m, _STEP)) for g, m in members[start:stop]]
-        parts.append(sampler.sample(policy, prompts[start:stop], generator=gens, latents=noise[start:stop]))
+        parts.append(sampler.sample(policy, prompts[start:stop], generator=gens, latents=noise[start:stop],
+                                    fuse_lora=not sampler.stochastic))
     return parts
 
 
