@@ -242,3 +242,17 @@ def test_without_the_cache_each_winner_gets_a_seed_drawn_after_t_and_eps(monkeyp
     seeds = torch.randint(0, 2**62, (2,), generator=gen).tolist()
     assert [c["seeds"] for c in calls] == [seeds] and reference.samples.items == {}
     torch.testing.assert_close(policy.got[0][2:], torch.stack([_draw(s) for s in seeds]), rtol=0, atol=0)
+
+
+def test_reference_samples_take_the_winners_dtype():
+    """bf16 winners: the float32 x^r of the cache are cast to bf16 before they join the batch (a float32 x^r would
+    promote the whole batch to float32)."""
+    from diffalign.types import PromptEmbeds
+
+    cached = {"a": torch.full((1, 2, 2), 0.5)}
+    batch = SimpleNamespace(latents_w=torch.ones(1, 1, 2, 2, dtype=torch.bfloat16), prompts=["a"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(1, 3, 2)))
+    policy = _RecordingPolicy()
+    SePPO()(policy, batch, generator=torch.Generator().manual_seed(0), reference=_Reference(version=1, cached=cached))
+    latents, noise, _ = policy.got
+    assert latents.dtype == noise.dtype == torch.bfloat16 and latents[1].tolist() == [[[0.5, 0.5], [0.5, 0.5]]]
