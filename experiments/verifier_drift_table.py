@@ -12,6 +12,7 @@ the change over the two combined, √(s.e.²_runs + s.e.²_images) (`diffalign.e
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
     python experiments/verifier_drift_table.py --seeds 0,1 runs/a runs/b  # over evaluation seeds 0 and 1 only
     python experiments/verifier_drift_table.py --seeds 0,1 --pool clip_score runs/s0 runs/s1 runs/s2  # + the pooled row
+    python experiments/verifier_drift_table.py --pool clip_score --control runs/c0 runs/s0 runs/s1  # + minus a control
 """
 
 from __future__ import annotations
@@ -123,15 +124,23 @@ def flips(paths: list[str]) -> None:
         print(f"  most often lost: {prompt[k]!r} seed {k[1]} ({lost.get(k, 0) / runs:.2f})")
 
 
-def pooled(paths: list[str], field: str, seeds: set[int] | None = None) -> None:
-    """Over runs scored on the same images (e.g. seeds of one setting): the mean paired change of ``field`` ± its s.e.
-    over runs, the s.e. over images of the run-averaged per-image change, and the change over the two combined."""
-    from diffalign.evaluation.bench import _image_se, _mean_se, image_gains
+def _gains(paths: list[str], field: str, seeds: set[int] | None) -> list[dict[str, float]]:
+    from diffalign.evaluation.bench import image_gains
 
     gains = [image_gains(Path(p) / "eval", field) for p in paths]
     if seeds is not None:
         gains = [{k: v for k, v in g.items() if int(k.rsplit("_s", 1)[1]) in seeds} for g in gains]
-    gains = [g for g in gains if g]
+    return [g for g in gains if g]
+
+
+def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls: list[str] = ()) -> None:
+    """Over runs scored on the same images (e.g. seeds of one setting): the mean paired change of ``field`` ± its s.e.
+    over runs, the s.e. over images of the run-averaged per-image change, and the change over the two combined; with
+    `controls` (e.g. random-score runs on the same images), the change minus the controls' run-averaged change, with
+    the s.e. over images of that per-image difference."""
+    from diffalign.evaluation.bench import _image_se, _mean_se
+
+    gains = _gains(paths, field, seeds)
     if not gains:
         print(f"--pool {field}: no run has that column in eval/samples.jsonl")
         return
@@ -141,6 +150,12 @@ def pooled(paths: list[str], field: str, seeds: set[int] | None = None) -> None:
     print(f"pooled {field} over {len(gains)} runs, {len(gains[0])} images: change {mean:+.4f} ± {se_runs:.4f} over runs "
           f"({mean / se_runs:.1f}); ± {se_images:.4f} over images, runs averaged ({mean / se_images:.1f}); combined "
           f"± {combined:.4f} ({mean / combined:.1f})")
+    against = _gains(list(controls), field, seeds)
+    if against and all(set(g) == set(gains[0]) for g in against):
+        keys = sorted(gains[0])
+        diff = np.array([np.mean([g[k] for g in gains]) - np.mean([c[k] for c in against]) for k in keys])
+        se = diff.std(ddof=1) / math.sqrt(len(diff))
+        print(f"  minus {len(against)} control run(s): {diff.mean():+.4f} ± {se:.4f} over images ({diff.mean() / se:.1f})")
 
 
 def main(paths: list[str], seeds: set[int] | None = None) -> None:
@@ -167,6 +182,8 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", help="evaluation seeds to read, comma-separated (e.g. 0,1); default all")
     parser.add_argument("--pool", action="append", default=[], metavar="FIELD",
                         help="a per-image column of samples.jsonl (e.g. clip_score) to pool over the runs; repeatable")
+    parser.add_argument("--control", action="append", default=[], metavar="RUN",
+                        help="with --pool: a control run on the same images (e.g. random scores) to subtract; repeatable")
     parser.add_argument("paths", nargs="+", help="run folders (or diffalign-eval folders)")
     args = parser.parse_args()
     if args.flips:
@@ -175,4 +192,4 @@ if __name__ == "__main__":
     chosen = {int(s) for s in args.seeds.split(",")} if args.seeds else None
     main(args.paths, chosen)
     for column in args.pool:
-        pooled(args.paths, column, chosen)
+        pooled(args.paths, column, chosen, args.control)
