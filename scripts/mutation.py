@@ -79,8 +79,10 @@ MODULES: dict[str, list[str]] = {
     "objectives/diffusion_nft": ["tests/unit/objectives/test_diffusion_nft.py",
                                  "tests/unit/objectives/test_diffusion_nft_contract.py", "-k",
                                  "not resume and not command_line"],
-    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "-k", "not resume and not cli"],
-    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "-k", "not command"],
+    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "tests/unit/objectives/test_seppo_contract.py", "-k",
+                         "not resume and not cli"],
+    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "tests/unit/objectives/test_ddspo_contract.py", "-k",
+                         "not command"],
 }
 
 
