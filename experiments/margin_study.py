@@ -157,20 +157,20 @@ def model_study(args) -> None:
     sigma = 0.03
     for d in range(args.directions):
         seed = 1000 + d
+        made: dict[float, torch.Tensor] = {}  # the images of each scale tried
+
+        def drift_at(s: float, seed: int = seed, made: dict = made) -> float:
+            set_direction(params, s, seed)
+            made[s] = sample(False)
+            return float((made[s] - base).abs().mean())
+
         if args.sigmas:
             sigma = args.sigmas[d]
+            drift_at(sigma)
         else:
-            made = {}
-
-            def drift_at(s: float) -> float:
-                set_direction(params, s, seed)
-                made[s] = sample(False)
-                return float((made[s] - base).abs().mean())
-
-            sigma = calibrate_sigma(drift_at, args.drift, sigma).sigma
-        set_direction(params, sigma, seed)
-        px = _pixels(sample(False))
-        drift = float(np.abs(px.astype(np.float32) - base_px).mean() / 255)
+            sigma = calibrate_sigma(drift_at, args.drift, sigma).sigma  # the gate's calibration, on every image
+        px = _pixels(made[sigma])
+        drift = float((made[sigma] - base).abs().mean())
         now = [verify(im, r).correct for im, r in zip(px, rows)]
         lost += [(seed, i, explain_change(base_px[i], px[i], rows[i])) for i in np.nonzero(ok)[0] if not now[i]]
         print(f"direction {seed}: sigma {sigma:.4g}, drift {drift:.4f}, lost "

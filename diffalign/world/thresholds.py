@@ -20,7 +20,15 @@ from scipy import ndimage
 from diffalign.world.edges import edge_variants
 from diffalign.world.render import COLORS
 from diffalign.world.verifier import (
-    FOREGROUND_THRESHOLD, MIN_AREA, POSITION_MARGIN, Detection, classify_shape, detect, segment, to_uint8, verify,
+    FOREGROUND_THRESHOLD,
+    MIN_AREA,
+    POSITION_MARGIN,
+    Detection,
+    classify_shape,
+    detect,
+    segment,
+    to_uint8,
+    verify,
 )
 
 SQUARE_FILL = 0.86  # classify_shape: fill > 0.86 is a square

@@ -166,8 +166,8 @@ def test_edge_blocks_of_a_square_and_of_the_flow2_renders():
     `render_batch` draws for `encode_train_latents` (seed 1 + chunk start, past the first 256-render chunk)."""
     import numpy as np
 
-    from diffalign.world.render import WIDE_MARGINS
     from diffalign.world.prompts import sample_train_specs
+    from diffalign.world.render import WIDE_MARGINS
 
     script = _script()
     img = np.zeros((32, 32, 3), np.uint8)
