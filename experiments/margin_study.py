@@ -85,6 +85,8 @@ def margins_row(name: str, images, specs) -> str:
     """One markdown row of the per-object table for a set of images (uint8 `(H, W, 3)` each) and their specs."""
     from diffalign.world.thresholds import object_margins, relation_margins, stray_pixels
 
+    if not len(images):
+        return f"| {name} | 0 |" + " – |" * 12
     objs = [o for im in images for o in object_margins(im)]
     rel = [m for im, sp in zip(images, specs) for m in relation_margins(im, sp)]
     stray = [stray_pixels(im) for im in images]
@@ -202,7 +204,7 @@ def model_study(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--directions", type=int, default=4, help="random LoRA directions (seeds 1000 + d)")
+    p.add_argument("--directions", type=int, default=4, help="random LoRA directions (seeds 1000 + d; 0: none)")
     p.add_argument("--drift", type=float, default=0.03, help="target image drift of the directions")
     p.add_argument("--sigmas", type=lambda text: [float(v) for v in text.split(",")],
                    help="the directions' scales, comma-separated (e.g. from a fragility gate's JSON), instead of "
