@@ -17,11 +17,13 @@ gradients as a plain forward + backward of the adapted denoiser (its LoRA traine
 square). The replay runs on a copy of the denoiser (`copy.deepcopy`) under `torch.random.fork_rng`, so the run's
 model, adapters and random streams are as without it.
 
-The rollout's floor is that of issue 33 (the denoiser forwards the rollout needs, bare). Every rollout runs a trained
-adapter unfused by default, the stochastic ones so that their stored log-probs equal the update's recompute and the
-ODE ones (DGPO, DiffusionNFT) as well, so a rollout's ratio includes the LoRA branch's extra matmuls (an all-zero
-adapter, before the first update, is skipped: no branch; ``online.fuse_rollout_lora=true`` folds a trained one into
-the weights). The rollout also encodes its prompts and decodes the final latents for the reward, which that floor
+The rollout's floor is that of issue 33 (the denoiser forwards the rollout needs, bare). A stochastic rollout runs a
+trained adapter unfused so that its stored log-probs equal the update's recompute, so its ratio includes the LoRA
+branch's extra matmuls; the ODE rollouts (DGPO, DiffusionNFT) fold it into the weights (``online.fuse_rollout_lora``
+"auto", the default; an all-zero adapter, before the first update, is skipped by every rollout). A third floor,
+**adapted**, replays the same forwards with the LoRA branch on (the floor of a rollout that must run it unfused),
+printed with the branch's share of the FLOPs: counted (`torch.utils.flop_counter.FlopCounterMode`, adapted vs bare
+forward) and r·(d_in + d_out) / (d_in·d_out) over the adapted linear layers. The rollout also encodes its prompts and decodes the final latents for the reward, which that floor
 leaves out, so a second floor is printed beside it (**rollout, with text + VAE**): the bare denoiser's replays plus
 the policy's own `encode_prompts` and `decode` replaying every call the rollout made to them, again with the inputs
 of the first call of each shape, timed in the same process right after the epoch.
@@ -233,14 +235,20 @@ def _median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync):
+def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync, adapted: bool = False):
     """A function running one recorded call on `bare`: with gradients a forward + backward of the adapted model (loss:
-    the output's mean square), without a forward with the adapters switched off."""
+    the output's mean square), without a forward with the adapters switched off (`adapted`: on, the LoRA branch
+    unfused, as a rollout that stores exact log-probs runs it)."""
     import torch
 
     if grad:
         def call():
             _first_tensor(bare(*args, **kwargs)).float().square().mean().backward()
+            sync()
+    elif adapted:
+        def call():
+            with torch.no_grad():
+                bare(*args, **kwargs)
             sync()
     else:
         def call():
@@ -254,10 +262,11 @@ def _replay(bare, args: tuple, kwargs: dict, grad: bool, sync):
     return call
 
 
-def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: int, sync) -> dict[str, float]:
+def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: int, sync,
+                   adapted: bool = False) -> dict[str, float]:
     """Median seconds of one bare call of each signature (`Recorder`), replayed on a copy of `denoiser` with the
-    recorded inputs (`_replay`; the copy's trainable parameters are the run's). The run's model and random streams are
-    left as they were."""
+    recorded inputs (`_replay`; the copy's trainable parameters are the run's; `adapted`: the calls without gradients
+    with the adapters on). The run's model and random streams are left as they were."""
     import torch
 
     recorder.paused = True
@@ -271,10 +280,48 @@ def replay_seconds(denoiser, recorder: Recorder, signatures: set[str], repeats: 
             for signature in sorted(signatures):
                 args, kwargs, grad = recorder.inputs[signature]
                 bare.train(grad)
-                out[signature] = _median_seconds(_replay(bare, args, kwargs, grad, sync), repeats)
+                out[signature] = _median_seconds(_replay(bare, args, kwargs, grad, sync, adapted), repeats)
     finally:
         recorder.paused = False
     return out
+
+
+def lora_flops(denoiser, recorder: Recorder, signature: str) -> dict[str, float]:
+    """The LoRA branch's cost in FLOPs, two ways, for one recorded call without gradients: ``counted`` the adapted
+    forward's FLOPs over the bare one's − 1 (`torch.utils.flop_counter.FlopCounterMode`, on a copy of `denoiser`), and
+    ``formula`` Σ r·(d_in + d_out) / Σ d_in·d_out over the adapted linear layers (the branch's extra matmul work per
+    row relative to those layers' own, an upper bound of the counted share: the unadapted layers and attention's
+    score matmuls dilute it)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args, kwargs, _ = recorder.inputs[signature]
+    recorder.paused = True
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            bare = copy.deepcopy(denoiser)
+            bare._forward_pre_hooks.clear()
+            counts = {}
+            for adapted in (False, True):
+                if not adapted:
+                    bare.disable_adapters()
+                with FlopCounterMode(display=False) as counter:
+                    bare(*args, **kwargs)
+                counts[adapted] = counter.get_total_flops()
+                bare.enable_adapters()
+    finally:
+        recorder.paused = False
+    extra = base = 0
+    for layer in denoiser.modules():
+        if isinstance(layer, LoraLayer) and isinstance(layer.get_base_layer(), torch.nn.Linear):
+            d_in, d_out = layer.in_features, layer.out_features
+            for name in layer.active_adapters:
+                if name in layer.lora_A:
+                    extra += layer.r[name] * (d_in + d_out)
+                    base += d_in * d_out
+    return {"counted": counts[True] / counts[False] - 1 if counts[False] else 0.0,
+            "formula": extra / base if base else 0.0}
 
 
 def _has_adapters(denoiser) -> bool:
@@ -423,7 +470,9 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
               "work": {"groups_per_epoch": cfg.online.groups_per_epoch, "group_size": cfg.online.group_size,
                        "num_inference_steps": cfg.sampler.num_inference_steps,
                        "guidance_scale": cfg.sampler.guidance_scale, "batch_size": cfg.trainer.batch_size,
-                       "method": cfg.method._target_.rsplit(".", 1)[-1], "sampler": cfg.sampler.name}}
+                       "method": cfg.method._target_.rsplit(".", 1)[-1], "sampler": cfg.sampler.name,
+                       "stochastic": bool(run.sampler.stochastic),
+                       "fuse_rollout_lora": cfg.online.get("fuse_rollout_lora", False)}}
     try:
         for e in range(warmup + epochs):
             recorder.reset()
@@ -437,10 +486,15 @@ def measure(recipe: str, overrides: list[str], *, warmup: int, epochs: int, floo
             per_call = replay_seconds(denoiser, recorder, signatures, floor_repeats, sync)
             floors = {phase: sum(n * per_call[s] for s, n in calls.items())
                       for phase, calls in recorder.calls.items()}
+            rollout_calls = recorder.calls.get("rollout", {})
+            adapted = replay_seconds(denoiser, recorder, set(rollout_calls), floor_repeats, sync, adapted=True)
             side = side_replay_seconds(side_originals, recorder, floor_repeats, sync)
             side_floor = sum(n * side[s] for s, n in recorder.side_calls.items())
+            if rollout_calls and "lora_flops" not in result:
+                result["lora_flops"] = lora_flops(denoiser, recorder, max(rollout_calls, key=rollout_calls.get))
             result["epochs"].append({"total": total, "seconds": dict(recorder.seconds), "floors": floors,
                                      "rollout_floor_with_text_vae": floors.get("rollout", 0.0) + side_floor,
+                                     "rollout_floor_adapted": sum(n * adapted[s] for s, n in rollout_calls.items()),
                                      "side_calls": dict(recorder.side_calls), "side_per_call": side,
                                      "calls": {p: dict(c) for p, c in recorder.calls.items()},
                                      "per_call": per_call, "reward": float(logs.get("reward/mean", float("nan")))})
@@ -465,6 +519,8 @@ def summarize(result: dict) -> dict:
     med["outside"] = med["total"] - sum(med[p] for p in PHASES)
     if all("rollout_floor_with_text_vae" in e for e in epochs):  # (not in the JSON of older runs of this script)
         med["rollout_floor_with_text_vae"] = statistics.median(e["rollout_floor_with_text_vae"] for e in epochs)
+    if all("rollout_floor_adapted" in e for e in epochs):
+        med["rollout_floor_adapted"] = statistics.median(e["rollout_floor_adapted"] for e in epochs)
     return med
 
 
@@ -494,6 +550,14 @@ def print_result(result: dict, label: str = "") -> None:
             second = med["rollout_floor_with_text_vae"]
             print(f"  {'  +text,VAE':<11} {med[phase]:8.2f}s {second:8.2f}s {med[phase] / second:6.2f}x   the second "
                   "floor: the same forwards + the rollout's encode_prompts and VAE decode calls")
+        if phase == "rollout" and med.get("rollout_floor_adapted"):
+            third, flops = med["rollout_floor_adapted"], result.get("lora_flops", {})
+            fused = "folded" if w.get("fuse_rollout_lora") is True or (
+                w.get("fuse_rollout_lora") == "auto" and not w.get("stochastic", True)) else "unfused"
+            print(f"  {'  adapted':<11} {med[phase]:8.2f}s {third:8.2f}s {med[phase] / third:6.2f}x   the third "
+                  f"floor: the same forwards with the LoRA branch on (this rollout's LoRA: {fused}; LoRA FLOPs "
+                  f"+{100 * flops.get('counted', 0):.1f} % counted, r(d_in+d_out)/(d_in d_out) "
+                  f"{100 * flops.get('formula', 0):.1f} %)")
     if med["other"] or med["other_floor"]:
         print(f"  {'(other)':<11} {med['other']:8.2f}s {med['other_floor']:8.2f}s")
     floor = sum(med[f"{p}_floor"] for p in (*PHASES, "other"))

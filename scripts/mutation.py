@@ -79,8 +79,10 @@ MODULES: dict[str, list[str]] = {
     "objectives/diffusion_nft": ["tests/unit/objectives/test_diffusion_nft.py",
                                  "tests/unit/objectives/test_diffusion_nft_contract.py", "-k",
                                  "not resume and not command_line"],
-    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "-k", "not resume and not cli"],
-    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "-k", "not command"],
+    "objectives/seppo": ["tests/unit/objectives/test_seppo.py", "tests/unit/objectives/test_seppo_contract.py", "-k",
+                         "not resume and not cli"],
+    "objectives/ddspo": ["tests/unit/objectives/test_ddspo.py", "tests/unit/objectives/test_ddspo_contract.py", "-k",
+                         "not command"],
 }
 
 
@@ -92,11 +94,18 @@ def module_path(module: str) -> Path:
     return path
 
 
-def prepare(module: str, keep: bool) -> Path:
-    """The module's mutmut folder with its config (emptied first unless `keep`)."""
+def prepare(module: str, keep: bool, only: list[str] = ()) -> Path:
+    """The module's mutmut folder with its config (emptied first unless `keep`).
+
+    With `keep` and `only`, mutmut's record of which tests run each function (``mutants/mutmut-stats.json``) is
+    deleted, so that the named mutants run against the tests as they are now: mutmut re-collects it only for tests
+    with new names, so a mutant re-run after a test was extended would meet the old selection and "survive" again."""
     folder = WORK / module.replace("/", ".")
     if folder.exists() and not keep:
         shutil.rmtree(folder)
+    stats = folder / "mutants" / "mutmut-stats.json"
+    if keep and only and stats.exists():
+        stats.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("diffalign", "tests", "pyproject.toml"):
         link = folder / name
@@ -145,7 +154,7 @@ def main() -> None:
     if args.module not in MODULES:
         raise SystemExit(f"no test mapping for {args.module!r}; add it to MODULES in scripts/mutation.py (--list)")
     module_path(args.module)
-    folder = prepare(args.module, args.keep)
+    folder = prepare(args.module, args.keep, args.only)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)  # the mutated copy in mutants/ must be the diffalign that imports
     mutmut = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]

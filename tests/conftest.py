@@ -32,6 +32,50 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 """Environment of a child ``python`` running this checkout: one thread, offline, the repository importable."""
 
+DURATIONS = REPO / "tests" / "durations.txt"
+"""Recorded seconds of the suite's slowest tests (pytest's ``--durations`` lines), read by `longest_files_first`."""
+
+
+def recorded_seconds_per_file(path: Path = DURATIONS) -> dict[str, float]:
+    """Seconds per test file (``tests/...py``), summed over the setup, call and teardown lines of a pytest
+    ``--durations`` listing (``176.20s call     tests/learning/test_learning.py::test_...``); ``#`` lines are
+    comments. Raises ValueError naming the line that is neither."""
+    seconds: dict[str, float] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 3 or not fields[0].endswith("s") or fields[1] not in ("setup", "call", "teardown"):
+            raise ValueError(f"{path}:{number}: {line!r} is not a pytest --durations line "
+                             "('<seconds>s <setup|call|teardown> <node id>'); paste that section of a run's output")
+        file = fields[2].split("::")[0]
+        seconds[file] = seconds.get(file, 0.0) + float(fields[0][:-1])
+    return seconds
+
+
+def longest_files_first(items: list, seconds_per_file: dict[str, float]) -> list:
+    """`items` (pytest items, or anything with a ``nodeid``) with the files of most recorded seconds first. A file's
+    items stay together and in their order (module- and class-scoped fixtures are built once per worker, not again
+    after another file's test); files without a record follow in collection order."""
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+
+    def key(item) -> tuple[float, int]:
+        file = item.nodeid.split("::")[0]
+        return -seconds_per_file.get(file, 0.0), first_seen[file]
+
+    return sorted(items, key=key)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Starts the longest test files first (`longest_files_first`, `DURATIONS`): pytest-xdist's ``worksteal`` hands
+    each worker a contiguous share of the collection, run in order, and an idle worker steals the end of the busiest
+    share, so a long test collected last would run alone at the end. Only the order changes: nothing is removed (the
+    ``-m``/``-k`` deselection keeps the order)."""
+    items[:] = longest_files_first(items, recorded_seconds_per_file())
+
+
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP oversubscription makes every op
 # 30-40x slower; one thread keeps the suite fast and its timing stable.
 torch.set_num_threads(1)

@@ -16,7 +16,10 @@ differs from it, so the dataclass holds every field's type and default and Hydra
 Discovery: `register_schemas` imports every module of `SCHEMA_PACKAGES` (so a new file there registers its own schema:
 a new method is its objective file and its YAML option, with no list to edit) and stores every schema registered so
 far, also those of modules imported some other way (a plugin, a test module). Plugins outside the package use the
-entry points of `diffalign.config.registry` instead.
+entry points of `diffalign.config.registry` instead. Every command imports these modules before it can say a config
+mistake, so none of them imports a model library (diffusers, transformers, peft, torchvision: seconds each) at its
+top; those come with the models, imported where they are used (`diffalign.samplers.base.randn_tensor`, the lazy
+`diffalign.models` package; tests/unit/config/test_startup.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
-from torchvision.utils import make_grid, save_image
 
 from diffalign.evaluation.files import checkpoint_step, write_samples
 from diffalign.evaluation.generation import EvalConfig
@@ -23,6 +22,8 @@ from diffalign.runtime.storage import atomic_file, write_text
 
 def write_grid(images: torch.Tensor, path: Path, nrow: int = 8) -> None:
     """Saves up to len(images) images `(N, 3, H, W)` in [0, 1] as one PNG grid."""
+    from torchvision.utils import make_grid, save_image  # (torchvision pulls in torch._dynamo: seconds at start-up)
+
     grid = make_grid(images.clamp(0, 1), nrow=nrow, padding=1, pad_value=0.5)
     atomic_file(path, lambda tmp: save_image(grid, tmp, format="PNG"), what=str(path))
 

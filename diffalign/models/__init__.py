@@ -11,14 +11,22 @@ What they share (the guided forward, the VAE, the LoRA adapter, the two forward 
 `pipeline_policy`. The ``tiny_*`` modules build tiny random models of these architectures for tests.
 """
 
-from diffalign.models.base import DiffusionPolicy, FlowDiffusionPolicy
-from diffalign.models.pipeline_policy import PipelinePolicy, cfg_batch
-from diffalign.models.stable_diffusion import StableDiffusionPolicy, StableDiffusionPolicyConfig
-from diffalign.models.tiny_random import (
-    TinyRandomPolicyConfig,
-    build_tiny_random_pipeline,
-    build_tiny_random_policy,
-)
+import importlib
+
+_EXPORTS = {
+    "DiffusionPolicy": "base",
+    "FlowDiffusionPolicy": "base",
+    "PipelinePolicy": "pipeline_policy",
+    "cfg_batch": "pipeline_policy",
+    "StableDiffusionPolicy": "stable_diffusion",
+    "StableDiffusionPolicyConfig": "stable_diffusion",
+    "TinyRandomPolicyConfig": "tiny_random",
+    "build_tiny_random_pipeline": "tiny_random",
+    "build_tiny_random_policy": "tiny_random",
+}
+"""Name → module of this package: imported when the name is first read (PEP 562, as diffusers' own `_LazyModule`),
+so that importing one light module (`diffalign.models.base`, `diffalign.models.checks`, as the config checks and the
+samplers do) does not import diffusers, transformers and peft with the adapters."""
 
 __all__ = [
     "DiffusionPolicy",
@@ -31,3 +39,15 @@ __all__ = [
     "build_tiny_random_policy",
     "cfg_batch",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 if TYPE_CHECKING:
     from diffalign.models.stable_diffusion import StableDiffusionPolicy
@@ -104,6 +103,8 @@ class ReferenceAdapter:
                 param.requires_grad_(policy_flags[id(param)])
         if set(self.params) != set(self.policy_params) or not self.params:
             raise ValueError("the reference adapter's LoRA tensors do not mirror the policy adapter's; is peft >= 0.17?")
+        from peft.tuners.tuners_utils import BaseTunerLayer  # (imported with the model, not with the config checks)
+
         self.unet = unet
         self.layers = [m for m in unet.modules() if isinstance(m, BaseTunerLayer)]
 

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.config.checks import ConfigError, choice, integer, number
 from diffalign.config.schemas import config_schema
@@ -60,6 +59,17 @@ from diffalign.types import PromptEmbeds, Trajectory
 MODEL_FAMILIES = ("eps", "flow", "any")
 SAMPLERS: dict[str, type[Sampler]] = {}
 """Every registered sampler class by option name (filled by `register_sampler` as the sampler files are imported)."""
+
+
+def randn_tensor(shape, *, generator=None, device=None, dtype=None) -> torch.Tensor:
+    """Standard normal noise of `shape`, drawn by diffusers' `randn_tensor` (as its pipelines draw latents and
+    schedulers their step noise: per-sample generators, CPU draw for a CPU generator). diffusers is imported on the
+    first draw, not with the sampler files: the config checks import these (sampler schemas, range checks), and
+    importing ``diffusers.utils`` costs seconds before any config error could be reported
+    (docs/results/performance.md#start-up)."""
+    from diffusers.utils.torch_utils import randn_tensor as draw
+
+    return draw(shape, generator=generator, device=device, dtype=dtype)
 
 
 def register_sampler(cls: type) -> type:

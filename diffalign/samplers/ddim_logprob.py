@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from diffusers import DDIMScheduler
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.config.checks import number
-from diffalign.samplers.base import Sampler, Schedule, register_sampler
+from diffalign.samplers.base import Sampler, Schedule, randn_tensor, register_sampler
+
+if TYPE_CHECKING:
+    from diffusers import DDIMScheduler
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 REDUCTIONS = ("mean", "sum", "per_position")
@@ -258,6 +259,8 @@ class DDIMSampler(Sampler):
         number(vars(self), "eta", "", ge=0, hint="DDIM's eta; 0 is deterministic DDIM")
 
     def schedule(self, policy) -> Schedule:
+        from diffusers import DDIMScheduler
+
         scheduler = policy.scheduler
         if not isinstance(scheduler, DDIMScheduler):
             raise TypeError(f"sampler=ddim steps with a DDIMScheduler; the policy's scheduler is a "

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.config.checks import number
-from diffalign.samplers.base import FlowSampler, register_sampler
+from diffalign.samplers.base import FlowSampler, randn_tensor, register_sampler
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

@@ -85,7 +85,7 @@ def group_rollout(
     members: list[int] | None = None,
     on_chunk: Callable[[Trajectory, int, int], None] | None = None,
     encode_prompts_once: bool = False,
-    fuse_lora: bool = False,
+    fuse_lora: bool | str = "auto",
 ) -> tuple[Trajectory, torch.Tensor]:
     """Samples `group_size` images for each prompt (no gradients).
 
@@ -110,26 +110,32 @@ def group_rollout(
             each row its prompt's embeddings, instead of encoding every row's prompt in each forward batch (P·G rows).
             Faster, but not bit for bit: the text encoders' matmuls round differently at another batch size, so the
             embeddings differ by ~1e-7 (tiny SD3 at 2 vs 8 rows; docs/results/performance.md).
-        fuse_lora (`bool`): fold a trained LoRA adapter into the denoiser's weights for each forward batch
-            (`Sampler.sample`'s `fuse_lora`, `diffalign.models.base.inference_lora`): the bare denoiser's cost
+        fuse_lora (`bool` or `"auto"`): fold a trained LoRA adapter into the denoiser's weights for each forward
+            batch (`Sampler.sample`'s `fuse_lora`, `diffalign.models.base.inference_lora`): the bare denoiser's cost
             instead of the unfused LoRA branch's, but not bit for bit (the weights are summed before the matmul, so
-            the samples differ by float rounding, and a policy-gradient method's stored log-probs no longer equal
-            the update's recompute exactly; docs/results/performance.md). An all-zero adapter is skipped either way.
+            the samples differ by float rounding; docs/results/performance.md). ``"auto"`` (default) folds for a
+            deterministic sampler (``not sampler.stochastic``: an ODE rollout, which stores no log-probs, so nothing
+            has to equal an update's recompute) and never for a stochastic one, whose stored log-probs must equal the
+            update's recompute exactly; True / False: always / never. An all-zero adapter is skipped either way.
 
     Returns:
         (`Trajectory` with `P·G` rows ``[p0]*G + [p1]*G + ...`` (`P·len(members)` with `members`), `group_ids` int64
         global group indices, one per row).
 
     Raises:
-        ValueError: for `group_size < 1`, mismatched `group_indices`, or a sampler of the other model family
-            (`Sampler.fits`).
+        ValueError: for `group_size < 1`, mismatched `group_indices`, a `fuse_lora` other than True, False or
+            "auto", or a sampler of the other model family (`Sampler.fits`).
     """
     if group_size < 1:
         raise ValueError(f"`group_size` must be >= 1, got {group_size}.")
+    if not (isinstance(fuse_lora, bool) or fuse_lora == "auto"):
+        raise ValueError(f"`fuse_lora` must be True, False or 'auto', got {fuse_lora!r}.")
     if len(group_indices) != len(prompts):
         raise ValueError(f"{len(group_indices)} group indices for {len(prompts)} prompts; pass one per prompt.")
     sampler.fits(policy)
     sampler = sampler.at_epoch(epoch)
+    if fuse_lora == "auto":  # no stored log-probs, nothing to equal a recompute: fold the adapter
+        fuse_lora = not sampler.stochastic
     member_ids = list(range(group_size)) if members is None else list(members)
     if any(not 0 <= m < group_size for m in member_ids):
         raise ValueError(f"members {member_ids} must lie in [0, {group_size}).")

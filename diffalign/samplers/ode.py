@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-from diffusers.utils.torch_utils import randn_tensor
 
 from diffalign.models.base import DiffusionPolicy, inference_lora
-from diffalign.samplers.base import Sampler, register_sampler
+from diffalign.samplers.base import Sampler, randn_tensor, register_sampler
 from diffalign.samplers.ddim_logprob import DDIMSampler
 from diffalign.samplers.flow_sde import FlowSDESampler
 from diffalign.types import PromptEmbeds, Trajectory
@@ -46,6 +44,8 @@ def make_solver(policy: DiffusionPolicy, solver: str):
     """
     if solver not in SOLVERS:
         raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler  # (on first use: see samplers.base.randn_tensor)
+
     is_flow = policy.prediction_type == "flow"
     config = policy.scheduler.config
     if solver == "dpm_solver":

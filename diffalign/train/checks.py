@@ -182,6 +182,10 @@ def check_online_config(cfg, num_processes: int = 1) -> None:
            hint="0: population std (flow_grpo, DGPO); 1: sample std (DanceGRPO, ViPO)")
     number(on, "advantage_eps", p, gt=0, hint="flow_grpo 1e-4, ViPO 1e-8")
     number(on, "advantage_clip", p, gt=0, nullable=True)
+    fuse = on.get("fuse_rollout_lora", "auto")
+    if not (isinstance(fuse, bool) or fuse == "auto"):
+        raise ConfigError(f"online.fuse_rollout_lora={fuse!r} must be 'auto' (fuse for rollouts without stored "
+                          "log-probs), true or false")
     choice(on, "split", p, SPLITS, hint="groups: whole groups per process; members: every group spread over them")
     integer(on, "best_of_n", p, ge=2, nullable=True)
     best = on.get("best_of_n")

@@ -63,9 +63,11 @@ class OnlineConfig:
     # true: each group's prompt encoded once per epoch instead of once per sample (faster rollouts; the embeddings
     # then differ by float rounding, ~1e-7, docs/results/performance.md#encoding-each-prompt-once)
     encode_prompts_once: bool = False
-    # true: a trained LoRA is fused into the denoiser's weights for the rollout (the bare denoiser's cost, no LoRA
-    # branch; the samples then differ by float rounding, docs/results/performance.md#fusing-the-rollouts-lora)
-    fuse_rollout_lora: bool = False
+    # a trained LoRA fused into the denoiser's weights for the rollout (the bare denoiser's cost, no LoRA branch; the
+    # samples then differ by float rounding): "auto" when the rollout stores no log-probs (a deterministic sampler:
+    # DGPO, DiffusionNFT), never for a stochastic one (exact log-probs) | true: always | false: never
+    # (docs/results/performance.md#fusing-the-rollouts-lora)
+    fuse_rollout_lora: str | bool = "auto"
     shared_initial_noise: bool = False  # true: one initial noise per group (DanceGRPO/ViPO); DGPO/Flow-GRPO: not
     advantage_std: str = "group"  # group | global | none (docs/methods/algorithms.md#group-advantages)
     # std over n - this: 0 population (np.std: flow_grpo, DGPO) | 1 sample (DanceGRPO/ViPO)

@@ -270,7 +270,7 @@ def _epoch(run: _Run) -> dict:
             policy, [r["prompt"] for r in epoch_rows], on.group_size,
             group_indices=[epoch * on.groups_per_epoch + j for j in mine], seed=cfg.seed, epoch=epoch,
             shared_initial_noise=on.shared_initial_noise, sampler=run.sampler, rollout_batch_size=on.rollout_batch_size, reduction=run.objective.log_prob_reduction,
-            encode_prompts_once=on.get("encode_prompts_once", False), fuse_lora=on.get("fuse_rollout_lora", False),
+            encode_prompts_once=on.get("encode_prompts_once", False), fuse_lora=on.get("fuse_rollout_lora", "auto"),
             members=list(range(rank * share, (rank + 1) * share)) if members_split else None,
             on_chunk=scorer.add)
     policy.denoiser.train()

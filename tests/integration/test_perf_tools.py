@@ -136,6 +136,14 @@ def test_bench_online_counts_the_denoiser_calls_of_each_phase_and_leaves_the_run
     side = sum(epoch["side_per_call"].values())
     assert epoch["rollout_floor_with_text_vae"] == pytest.approx(epoch["floors"]["rollout"] + side)
     assert side > 0
+    # the third rollout floor: the same 4 forwards with the LoRA branch on; the branch's FLOPs: every adapted layer of
+    # the tiny SD3-format model is a square 96 x 96 attention projection (3 heads x 32) with rank 8, so
+    # r (d_in + d_out) / (d_in d_out) = 2 r / d = 16 / 96; counted over the whole forward it is diluted (attention
+    # scores, the unadapted layers) but not zero
+    assert epoch["rollout_floor_adapted"] > 0
+    assert result["lora_flops"]["formula"] == pytest.approx(16 / 96)
+    assert 0 < result["lora_flops"]["counted"] < 16 / 96
+    assert result["work"]["stochastic"] and result["work"]["fuse_rollout_lora"] == "auto"
 
     # the same two epochs without the benchmark (no timers, hook or floor replays): the same LoRA, bit for bit
     import tempfile

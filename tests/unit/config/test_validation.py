@@ -128,6 +128,7 @@ def train_cli(tmp_path, monkeypatch, capsys):
     (["recipe=tiny_dgpo", "online.group_size=1"], r"online.group_size must be an integer >= 2, got 1"),
     (["recipe=tiny_dgpo", "online.num_epochs=2.5"], r"online.num_epochs must be an integer, got '2.5'"),
     (["recipe=tiny_dgpo", "online.advantage_std=batch"], r"online.advantage_std='batch' must be one of"),
+    (["recipe=tiny_dgpo", "online.fuse_rollout_lora=yes"], r"online.fuse_rollout_lora='yes' must be 'auto'"),
     # a typo added with +, as Hydra's own message for the typo suggests: the key would be ignored (it ran the default
     # job); refused with the real key that is closest
     (["+trainer.max_step=2"], (r"trainer.max_step is not a setting of trainer \(TrainerConfig\); did you mean "

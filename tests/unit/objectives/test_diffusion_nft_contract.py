@@ -180,3 +180,143 @@ def test_check_config_messages_in_full():
     with pytest.raises(ValueError, match=r"is an eps/v-prediction model; use a flow model \(model=tiny_sd3, "
                                          r"model=sd35_medium\)$"):
         DiffusionNFT.check_config(eps)
+
+
+class _SlopePolicy:
+    """A flow policy whose velocity is v = a · x_t, a the slope of whichever weights are active (θ unless a `_Weights`
+    block swapped them); x_t = (1 − σ) x_0 + σ ε, v = ε − x_0, σ = t / 1000. Records the timesteps of every call."""
+
+    def __init__(self, a: float):
+        self.a, self.calls = a, []
+
+    def add_noise(self, x0, noise, t):
+        self.calls.append(("add_noise", t))
+        s = (t / 1000).reshape(-1, 1, 1, 1)
+        return (1 - s) * x0 + s * noise
+
+    def training_target(self, x0, noise, t):
+        self.calls.append(("training_target", t))
+        return noise - x0
+
+    def sigmas_of(self, t, x_t):
+        self.calls.append(("sigmas_of", t))
+        return (t / 1000).reshape(-1, 1, 1, 1)
+
+    def predict(self, x_t, t, prompt_embeds, guidance_scale=1.0):
+        self.calls.append(("predict", t, self.a))
+        return self.a * x_t
+
+
+class _Weights:
+    """v_old or the reference: `use(policy)` sets the slope of the policy it is given to `a` for the block."""
+
+    def __init__(self, a: float):
+        self.a = a
+
+    def use(self, policy):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            saved, policy.a = policy.a, self.a
+            try:
+                yield policy
+            finally:
+                policy.a = saved
+        return swapped()
+
+
+X0 = torch.tensor([[1.0, -2.0], [0.5, 0.0], [3.0, 1.0]]).reshape(1, 3, 1, 2).repeat(2, 1, 1, 1) * torch.tensor(
+    [1.0, -0.5]).reshape(2, 1, 1, 1)  # (B, C, h, w) = (2, 3, 1, 2): C ≠ B
+EPS = torch.tensor([[0.2, 0.4], [-1.0, 1.5], [0.0, -0.3]]).reshape(1, 3, 1, 2).repeat(2, 1, 1, 1)
+
+
+def _paper_loss(t, adv, a_theta, a_old, a_ref, beta, beta_kl, advantage_max):
+    """The uniform-weighted loss of the paper's policy-optimisation theorem by hand: x_t = (1 − σ) x_0 + σ ε, v = ε −
+    x_0, v± = (1 ∓ β) v_old ± β v_θ, ℓ± = mean (v± − v)², r = ½ + ½ clip(A / A_max, −1, 1), scaled by A_max / β as
+    the released code, plus β_KL · mean (v_θ − v_ref)²."""
+    s = t.reshape(-1, 1, 1, 1) / 1000
+    x_t = (1 - s) * X0 + s * EPS
+    v, v_theta, v_old, v_ref = EPS - X0, a_theta * x_t, a_old * x_t, a_ref * x_t
+    plus, minus = (1 - beta) * v_old + beta * v_theta, (1 + beta) * v_old - beta * v_theta
+    r = 0.5 + 0.5 * torch.clamp(adv / advantage_max, -1, 1)
+    per_sample = r * (plus - v).square().mean(dim=(1, 2, 3)) + (1 - r) * (minus - v).square().mean(dim=(1, 2, 3))
+    policy_loss = advantage_max / beta * per_sample.mean()
+    kl = (v_theta - v_ref).square().mean()
+    return policy_loss, kl, (v_theta - v_old).square().mean(), r.mean()
+
+
+def test_call_by_hand_with_uniform_weighting_and_the_kl_term():
+    """A = (3, −1), A_max = 2: r = (1, 0.25); β = 0.5, β_KL = 0.5 and slopes θ 1.2, v_old 1.0, reference 0.7 (each term
+    non-trivial). The method's ``loss_weighting`` reaches the loss, the KL is added, every metric is the hand value, and
+    each forward sees the rows' own timesteps."""
+    policy = _SlopePolicy(1.2)
+    method = DiffusionNFT(beta=0.5, beta_kl=0.5, advantage_max=2.0, loss_weighting="uniform")
+    method.rollout_policy = _Weights(1.0)
+    t, adv = torch.tensor([800.0, 250.0]), torch.tensor([3.0, -1.0])
+    loss, metrics = method(policy, X0, None, adv, timesteps=t, noise=EPS, reference=_Weights(0.7))
+    policy_loss, kl, old_deviation, r = _paper_loss(t, adv, 1.2, 1.0, 0.7, 0.5, 0.5, 2.0)
+    assert set(metrics) == {"loss", "policy_loss", "kl", "old_deviation", "r"}
+    torch.testing.assert_close(metrics["policy_loss"], policy_loss)
+    torch.testing.assert_close(metrics["kl"], kl)
+    torch.testing.assert_close(loss, policy_loss + 0.5 * kl)
+    torch.testing.assert_close(metrics["loss"], loss)
+    torch.testing.assert_close(metrics["old_deviation"], old_deviation)
+    assert float(r) == 0.625  # (1 + 0.25) / 2
+    torch.testing.assert_close(metrics["r"], r)
+    assert sorted(call[2] for call in policy.calls if call[0] == "predict") == [0.7, 1.0, 1.2]
+    for call in policy.calls:
+        torch.testing.assert_close(call[1], t, rtol=0, atol=0)
+
+
+def test_a_scalar_timestep_reaches_every_forward_as_one_per_row():
+    """``timesteps`` may be one number (docstring): the policy is called with it expanded to the B rows, and the loss
+    is that of the (B,) tensor of that value."""
+    method = DiffusionNFT(beta=0.5, beta_kl=0.0, advantage_max=2.0, loss_weighting="uniform")
+    method.rollout_policy = _Weights(1.0)
+    policy = _SlopePolicy(1.2)
+    loss, _ = method(policy, X0, None, torch.tensor([3.0, -1.0]), timesteps=400.0, noise=EPS)
+    assert [tuple(call[1].shape) for call in policy.calls] == [(2,)] * 5
+    for call in policy.calls:
+        assert call[1].tolist() == [400.0, 400.0]
+    policy_loss, *_ = _paper_loss(torch.full((2,), 400.0), torch.tensor([3.0, -1.0]), 1.2, 1.0, 1.0, 0.5, 0.0, 2.0)
+    torch.testing.assert_close(loss, policy_loss)
+
+
+def test_beta_kl_zero_needs_no_reference_and_a_positive_one_does():
+    method = DiffusionNFT(beta=0.5, beta_kl=0.0, advantage_max=2.0, loss_weighting="uniform")
+    method.rollout_policy = _Weights(1.0)
+    policy = _SlopePolicy(1.2)
+    loss, metrics = method(policy, X0, None, torch.tensor([3.0, -1.0]), timesteps=torch.tensor([800.0, 250.0]),
+                           noise=EPS)
+    assert float(metrics["kl"]) == 0.0 and metrics["kl"].shape == () and float(loss) == float(metrics["policy_loss"])
+    assert [call[2] for call in policy.calls if call[0] == "predict"] == [1.0, 1.2]  # no reference forward
+    method = DiffusionNFT(beta_kl=0.1)
+    method.rollout_policy = _Weights(1.0)
+    with pytest.raises(ValueError, match=r"^method\.beta_kl > 0 needs a reference; the loop passed none\.$"):
+        method(_SlopePolicy(1.2), X0, None, torch.zeros(2), timesteps=torch.tensor([800.0, 250.0]), noise=EPS)
+
+
+def test_the_old_policy_is_its_own_adapter_and_a_checkpoints_mismatch_is_named(monkeypatch):
+    """`setup` makes the ``"old"`` adapter (`diffalign.reference.old_policy.OLD_ADAPTER`, the key the checkpoints and
+    `use` rely on); `load_state_dict` names the checkpoint's old policy as the source of its weights (the text of
+    `ReferenceAdapter.load`'s error for mismatched keys)."""
+    made = []
+
+    class Adapter:
+        def __init__(self, policy, adapter_name="reference"):
+            made.append((policy, adapter_name))
+
+        def snapshot_policy(self):
+            return {}
+
+        def load(self, state, source):
+            self.loaded = (state, source)
+
+    monkeypatch.setattr(diffusion_nft, "ReferenceAdapter", Adapter)
+    old, policy = SoftUpdateOldPolicy(), object()
+    old.setup(policy)
+    assert made == [(policy, "old")]
+    weights = {"w": torch.ones(1)}
+    old.load_state_dict({"step": 7, "weights": weights})
+    assert old.step == 7 and old.adapter.loaded == (weights, "the checkpoint's old policy")

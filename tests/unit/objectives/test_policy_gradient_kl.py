@@ -10,6 +10,7 @@ step outputs of θ and of the frozen base by that formula; the PPO part is −me
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -115,3 +116,26 @@ def test_the_consistency_alarm_checks_the_trained_log_probs():
     with pytest.raises(RolloutMismatchError, match=r"epoch 4 \(transition 1\): max \|Δ log π\| = 0\.405 > "
                        r"method\.logprob_tolerance=0\.001"):
         objective(policy, traj, torch.ones(4), K)
+
+
+@pytest.mark.parametrize("form, factor", [("exact", 1.0), ("code", 0.25)])
+def test_kl_with_per_row_step_stds_by_hand(monkeypatch, form, factor):
+    """A `(B, 1)` step std with one s_i per row (what per-sample sigmas give) enters the KL row by row, as in the
+    released Flow-GRPO code: mean_i mean_j (μθ − μref)²_ij / (2 s_i²). Rows: Δμ = (0.1, 0.3), (0.2, 0.2), (1, 0) and
+    s = 0.5, 0.25, 1 give 0.05 / 0.5 = 0.1, 0.04 / 0.125 = 0.32, 0.5 / 2 = 0.25, so KL = 0.67 / 3. The code form divides
+    s by √Δσ = √(1 − 0.75) = 0.5, which multiplies the KL by Δσ = 0.25 (a batch mean of Δμ² over one std would give
+    0.688)."""
+    from diffalign.objectives import policy_gradient
+
+    mean = torch.tensor([[0.1, 0.3], [0.2, 0.2], [1.0, 0.0]])
+    monkeypatch.setattr(policy_gradient, "recompute_step",
+                        lambda policy, trajectory, k: SimpleNamespace(mean=torch.zeros(3, 2)))  # μ_ref = 0
+    step = SimpleNamespace(mean=mean, std=torch.tensor([[0.5], [0.25], [1.0]]), log_prob=torch.zeros(3))
+    traj = SimpleNamespace(log_probs=torch.zeros(3, 1), sampler="flow_sde", sigmas=torch.tensor([1.0, 0.75]))
+    reference = SimpleNamespace(use=lambda policy: contextlib.nullcontext(policy))
+    adv = torch.tensor([1.0, -2.0, 4.0])
+    objective = ClippedPolicyGradient(clip_range=0.2, beta_kl=BETA_KL, kl_form=form)
+    loss, metrics = objective.clipped_loss(None, traj, adv, 0, step, torch.zeros(3), reference=reference)
+    kl = torch.tensor(0.67 / 3 * factor)
+    torch.testing.assert_close(metrics["kl"], kl, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(loss, -adv.mean() + BETA_KL * kl, rtol=1e-5, atol=1e-7)

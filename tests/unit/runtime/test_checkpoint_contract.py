@@ -362,3 +362,17 @@ def test_a_failure_that_took_the_temporary_folder_keeps_its_own_error(tmp_path, 
     with caplog.at_level(logging.INFO, logger="diffalign.runtime.checkpoint"):
         path = save(tmp_path, 4, optimizer)
     assert caplog.messages == [f"saved checkpoint {path}"]
+
+
+def test_keep_last_skips_the_checkpoint_just_saved_and_goes_on_deleting_and_logs_each(tmp_path, caplog):
+    """keep_last=1 with checkpoints 5000 and 6000 left by an earlier run and step 100 saved now: the highest step
+    (6000) and the one just written (100) are kept, so 5000 goes, although it comes after 100 in step order; each
+    removal is logged with its path and keep_last."""
+    _, optimizer = optimizer_of()
+    for step in (5000, 6000):
+        save(tmp_path, step, optimizer)
+    with caplog.at_level(logging.INFO, logger="diffalign.runtime.checkpoint"):
+        path = save(tmp_path, 100, optimizer, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-100", "checkpoint-6000"] and path.is_dir()
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed")]
+    assert removed == [f"removed old checkpoint {tmp_path / 'checkpoint-5000'} (keep_last=1)"]

@@ -4,6 +4,7 @@ same rollouts up to the text encoders' float rounding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffalign.methods import stream_seed
@@ -23,7 +24,8 @@ def _nonzero_lora(policy):
 
 
 def _row_by_row(policy, sampler, group_size, *, seed, epoch, groups, batch):
-    """The rollout as group_rollout drew it before: every row's prompt encoded inside `Sampler.sample`."""
+    """The rollout as group_rollout drew it before: every row's prompt encoded inside `Sampler.sample`; the trained
+    adapter folded for the ODE sampler only (``fuse_lora="auto"``: it stores no log-probs)."""
     noise = group_initial_noise(policy.latent_shape, groups, group_size, seed=seed, epoch=epoch, shared=False)
     prompts = [p for p in PROMPTS for _ in range(group_size)]
     members = [(g, m) for g in groups for m in range(group_size)]
@@ -31,7 +33,8 @@ def _row_by_row(policy, sampler, group_size, *, seed, epoch, groups, batch):
     for start in range(0, len(prompts), batch):
         stop = min(start + batch, len(prompts))
         gens = [torch.Generator().manual_seed(stream_seed(seed, epoch, g, m, _STEP)) for g, m in members[start:stop]]
-        parts.append(sampler.sample(policy, prompts[start:stop], generator=gens, latents=noise[start:stop]))
+        parts.append(sampler.sample(policy, prompts[start:stop], generator=gens, latents=noise[start:stop],
+                                    fuse_lora=not sampler.stochastic))
     return parts
 
 
@@ -80,7 +83,8 @@ def test_encode_prompts_once_encodes_each_prompt_once():
 def test_fuse_lora_folds_the_trained_adapter_into_every_forward_batch():
     """``fuse_lora`` (``online.fuse_rollout_lora``): each forward batch runs with the adapter folded into the weights
     (`inference_lora` says "fused", the LoRA layers are off while the denoiser runs); the rollouts equal the unfused
-    ones up to float rounding, and the weights come back bit for bit."""
+    ones up to float rounding, and the weights come back bit for bit. ``"auto"`` (the default) folds for the ODE
+    sampler (no stored log-probs) and leaves the stochastic one's adapter unfused (bit for bit ``fuse_lora=False``)."""
     from peft.tuners.lora import LoraLayer
 
     policy = _nonzero_lora(build_tiny_flow_policy(seed=0))
@@ -91,17 +95,23 @@ def test_fuse_lora_folds_the_trained_adapter_into_every_forward_batch():
         lambda module, args: adapters_off.append(all(layer.disable_adapters for layer in layers)))
     kwargs = {"group_indices": [4, 9, 11], "seed": 2, "epoch": 1, "rollout_batch_size": 4}
     try:
-        for sampler in (FlowSDESampler(num_inference_steps=3, guidance_scale=2.0, noise_level=0.7),
-                        DPMSolverSampler(num_inference_steps=3, guidance_scale=1.0)):
+        for sampler, auto_fuses in ((FlowSDESampler(num_inference_steps=3, guidance_scale=2.0, noise_level=0.7), False),
+                                    (DPMSolverSampler(num_inference_steps=3, guidance_scale=1.0), True)):
             adapters_off.clear()
-            plain, _ = group_rollout(policy, PROMPTS, 3, sampler=sampler, **kwargs)
-            assert adapters_off and not any(adapters_off)  # the trained adapter runs unfused by default
+            plain, _ = group_rollout(policy, PROMPTS, 3, sampler=sampler, fuse_lora=False, **kwargs)
+            assert adapters_off and not any(adapters_off)  # the trained adapter runs unfused
             adapters_off.clear()
             fused, ids = group_rollout(policy, PROMPTS, 3, sampler=sampler, fuse_lora=True, **kwargs)
             assert len(adapters_off) == 3 * len(plain.timesteps) and all(adapters_off)  # 3 batches of 4, 4, 1 rows
             torch.testing.assert_close(fused.latents, plain.latents, rtol=0, atol=1e-4)
             torch.testing.assert_close(fused.log_probs, plain.log_probs, rtol=0, atol=1e-3)
             assert ids.tolist() == [4] * 3 + [9] * 3 + [11] * 3
+            adapters_off.clear()
+            auto, _ = group_rollout(policy, PROMPTS, 3, sampler=sampler, **kwargs)
+            assert adapters_off and all(adapters_off) == auto_fuses and any(adapters_off) == auto_fuses
+            assert torch.equal(auto.latents, (fused if auto_fuses else plain).latents)
+        with pytest.raises(ValueError, match="fuse_lora"):
+            group_rollout(policy, PROMPTS, 3, sampler=sampler, fuse_lora="yes", **kwargs)
     finally:
         hook.remove()
     assert all(torch.equal(weights[k], v) for k, v in policy.denoiser.state_dict().items())

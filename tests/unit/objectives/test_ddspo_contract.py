@@ -1,0 +1,109 @@
+"""`DDSPO`'s model-free contract (docs/contributing.md#mutation-testing, ``python scripts/mutation.py
+objectives/ddspo``): `ddspo_loss` against `diffusion_dpo_loss` (the Diffusion-DPO loss of arXiv:2311.12908 Eq. 14 that
+DDSPO keeps, docs/methods/algorithms.md#ddspo) with and without the per-pair weights ω_t, `rand_cond_probability`'s
+defaults (the authors' sigmoid, λ = 20), the x_0 prediction space x̂_0 = x_σ − σ v̂, the replaced rows of a batch's
+conditions, the fields and every message in full."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from diffalign.objectives.ddspo import DDSPO, DDSPOConfig, _with_rows, ddspo_loss, rand_cond_probability
+from diffalign.objectives.diffusion_dpo import diffusion_dpo_loss
+from diffalign.types import PromptEmbeds
+
+LOSSES = (torch.tensor([0.1, 0.4]), torch.tensor([0.3, 0.2]), torch.tensor([0.2, 0.2]), torch.tensor([0.2, 0.1]))
+
+
+def test_without_weights_ddspo_loss_is_diffusion_dpos_and_with_them_each_pair_is_weighted():
+    """β = 10: z = −5 [(m_w − r_w) − (m_l − r_l)] = −5 (−0.1 − 0.1) = 1 and −5 (0.2 − 0.1) = −0.5; ω = (0.25, 2) in
+    float64 gives mean(ω · log(1 + e^−z))."""
+    loss, metrics = ddspo_loss(*LOSSES, beta=10.0)
+    dpo, dpo_metrics = diffusion_dpo_loss(*LOSSES, beta=10.0)
+    torch.testing.assert_close(loss, dpo, rtol=0, atol=0)
+    assert set(metrics) == set(dpo_metrics) and all(torch.equal(metrics[k], dpo_metrics[k]) for k in metrics)
+    weighted, metrics = ddspo_loss(*LOSSES, beta=10.0, weights=torch.tensor([0.25, 2.0], dtype=torch.float64))
+    want = (0.25 * math.log1p(math.exp(-1.0)) + 2.0 * math.log1p(math.exp(0.5))) / 2
+    assert weighted.dtype == torch.float32 and float(weighted) == pytest.approx(want, abs=1e-6)
+    assert float(metrics["loss"]) == float(weighted) and not metrics["loss"].requires_grad
+    assert float(metrics["implicit_acc"]) == float(dpo_metrics["implicit_acc"]) == 0.5  # the rest is Diffusion-DPO's
+    with pytest.raises(ValueError, match="^" + re.escape("weights has shape (3,); pass one weight per pair, shape (2,).")
+                       + "$"):
+        ddspo_loss(*LOSSES, beta=1.0, weights=torch.ones(3))
+
+
+def test_rand_cond_probability_defaults_to_the_authors_sigmoid_and_names_a_bad_schedule():
+    """s = t / T: σ(20 (s − 0.7)) by default; at t = 350 of T = 500, s = 0.7 and p = ½; "constant" is float32 ones."""
+    t = torch.tensor([350, 500, 0])
+    torch.testing.assert_close(rand_cond_probability(t, 500),
+                               torch.tensor([0.5, 1 / (1 + math.exp(-6)), 1 / (1 + math.exp(14))]))
+    assert rand_cond_probability(t, 500, "constant").dtype == torch.float32
+    torch.testing.assert_close(rand_cond_probability(t, 500, "exponential", 2.0),
+                               torch.tensor([math.exp(-0.6), 1.0, math.exp(-2.0)]))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "method.rand_cond_schedule='step' must be one of ['sigmoid', 'exponential', 'constant'].") + "$"):
+        rand_cond_probability(t, 500, "step")
+
+
+def test_with_rows_replaces_the_masked_rows_in_order():
+    embeds = PromptEmbeds(torch.zeros(3, 2, 1), pooled_prompt_embeds=torch.zeros(3, 4))
+    new = PromptEmbeds(torch.tensor([[[1.0], [2.0]], [[3.0], [4.0]]]), pooled_prompt_embeds=torch.ones(2, 4))
+    out = _with_rows(embeds, torch.tensor([True, False, True]), new)
+    assert out.prompt_embeds[:, :, 0].tolist() == [[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]]
+    assert out.pooled_prompt_embeds.sum(dim=1).tolist() == [4.0, 0.0, 4.0] and embeds.prompt_embeds.sum() == 0
+    plain = _with_rows(PromptEmbeds(torch.zeros(3, 2, 1)), torch.tensor([False, True, False]), new.index(torch.tensor([1])))
+    assert plain.pooled_prompt_embeds is None and plain.prompt_embeds[1, :, 0].tolist() == [3.0, 4.0]
+
+
+def test_x0_space_is_the_noisy_latent_minus_sigma_times_the_velocity():
+    """x̂_0 = x_σ − σ v̂ with σ = t / T (docs/methods/algorithms.md#forward-processes): t = (250, 750) of T = 1000."""
+
+    class Policy:
+        scheduler = type("S", (), {"config": OmegaConf.create({"num_train_timesteps": 1000})})()
+
+    method = DDSPO(cpp="off", prediction_space="x0")
+    noisy, v = torch.ones(2, 1, 2), torch.tensor([[[2.0, 4.0]], [[-1.0, 0.0]]])
+    out = method._to_space(Policy(), v, noisy, torch.tensor([250, 750]))
+    assert out.tolist() == [[[0.5, 0.0]], [[1.75, 1.0]]]
+    assert DDSPO(cpp="off")._to_space(Policy(), v, noisy, torch.tensor([250, 750])) is v  # native: as predicted
+
+
+def test_every_field_reaches_the_method_and_the_refusals_in_full():
+    config = DDSPOConfig(beta=0.5, cpp="dd", loss_weighting="linear", prediction_space="x0", rand_cond=True,
+                         rand_cond_schedule="exponential", rand_cond_lambda=3.0, target_lora_w="w", target_lora_l="l",
+                         timestep_min=2, timestep_max=800)
+    method = DDSPO(config)
+    assert (method.beta, method.cpp, method.loss_weighting, method.prediction_space, method.rand_cond,
+            method.rand_cond_schedule, method.rand_cond_lambda, method.target_lora_w, method.target_lora_l,
+            method.timestep_min, method.timestep_max, method.pool, method.targets) == (
+        0.5, "dd", "linear", "x0", True, "exponential", 3.0, "w", "l", 2, 800, None, None)
+    assert method.extra_repr() == "beta=0.5, cpp='dd', loss_weighting='linear', prediction_space='x0', rand_cond=True"
+    for fields, message in (
+            ({"beta": 0.0}, "method.beta=0.0 must be > 0; use e.g. method.beta=16000 (DDSPO SD1.x TF-CPP)."),
+            ({"cpp": "both"}, "method.cpp='both' must be one of ['tf', 'dd', 'off']."),
+            ({"loss_weighting": "sigmoid"}, "method.loss_weighting='sigmoid' must be one of ['uniform', 'linear']."),
+            ({"prediction_space": "eps"}, "method.prediction_space='eps' must be one of ['native', 'x0']."),
+            ({"rand_cond_schedule": "step"},
+             "method.rand_cond_schedule='step' must be one of ['sigmoid', 'exponential', 'constant']."),
+            ({"cpp": "dd", "target_lora_w": "w"}, ("method.cpp=dd needs method.target_lora_w and method.target_lora_l "
+                                                   "(the winner/ and loser/ folders of diffalign-ddcpp-targets)."))):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            DDSPO(**fields)
+
+
+def test_check_config_asks_for_the_degraded_prompts_in_full():
+    data = "diffalign.data.shapes_pairs.ShapesPairs"
+    cfg = OmegaConf.create({"method": {"cpp": "tf"}, "data": {"_target_": data}})
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "method=ddspo with method.cpp=tf needs the degraded prompts c⁻ of DDSPO pairs, but data=ShapesPairs has "
+            "none; pass data=ddspo_pairs data.pairs_dir=<folder> (made by diffalign-ddspo-pairs, or add "
+            "data.generate=true), or method.cpp=dd with its target LoRAs") + "$"):
+        DDSPO.check_config(cfg)
+    DDSPO.check_config(OmegaConf.create({"method": {"cpp": "off"}, "data": {"_target_": data}}))
+    DDSPO.check_config(OmegaConf.create({"method": {"cpp": "tf"},
+                                         "data": {"_target_": "diffalign.data.ddspo_pairs.DDSPOPairs"}}))

@@ -1,0 +1,174 @@
+"""`SePPO`'s contract, model-free, found by mutation testing (docs/contributing.md#mutation-testing,
+``python scripts/mutation.py objectives/seppo``): `seppo_loss` with its defaults and every metric by hand (the AAF
+sign s of arXiv:2410.05255 as docs/methods/algorithms.md#seppo restates it, a tie counted as "x^r is a loser"), its
+saturation warning, the reference samples (the documented SHA-256 seed per stage and prompt, the stage cache, the
+re-encoding, θ_r active while sampling) with a recording rollout, the fields and every message in full."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diffalign.objectives import seppo
+from diffalign.objectives.seppo import SePPO, SePPOConfig, anchor_flip, reference_sample_seed, seppo_loss
+
+
+def test_seppo_loss_with_its_defaults_and_every_metric_by_hand():
+    """β = 10, so r = −5 Δ. Row 0: Δw = 0.1 − 0.2, Δr = 0.3 − 0.2: the policy fits the anchor better, s = +1, r^w =
+    0.5, r^r = −0.5, z = 1. Row 1: Δw = 0.15, Δr = 0.05: θ_r fits it better, s = −1 (the default "sign" mode), r^w =
+    −0.75, r^r = −0.25, z = −0.75 − 0.25 = −1. Row 2: a tie on the anchor (Δw = 0), counted as a loser by the default
+    ``aaf_tie="loser"``: s = +1, r^w = r^r = 0, z = 0 (not counted as right, nor r^w > r^r)."""
+    model_w, model_r = torch.tensor([0.1, 0.35, 0.2]), torch.tensor([0.3, 0.25, 0.2])
+    ref_w, ref_r = torch.full((3,), 0.2), torch.full((3,), 0.2)
+    loss, metrics = seppo_loss(model_w, model_r, ref_w, ref_r, beta=10.0)
+    z = torch.tensor([1.0, -1.0, 0.0])
+    torch.testing.assert_close(loss, torch.log1p(torch.exp(-z)).mean())
+    expected = {"loss": float(loss), "implicit_acc": 1 / 3, "flip_rate": 1 / 3, "implicit_acc/winner_vs_sample": 1 / 3,
+                "rewards/chosen": (0.5 - 0.75 + 0) / 3, "rewards/reference_sample": (-0.5 - 0.25 + 0) / 3,
+                "rewards/margins": 0.0, "anchor_gap": (0.1 - 0.15 + 0) / 3, "model_loss/chosen": 0.65 / 3,
+                "model_loss/reference_sample": 0.25, "ref_loss/chosen": 0.2, "ref_loss/reference_sample": 0.2,
+                "saturated": 0.0}
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        assert float(metrics[key]) == pytest.approx(value, abs=1e-6), key
+        assert metrics[key].shape == () and not metrics[key].requires_grad, key
+    winner_tie, _ = seppo_loss(model_w, model_r, ref_w, ref_r, beta=10.0, aaf_tie="winner")  # row 2: s = −1, z = 0
+    torch.testing.assert_close(winner_tie, loss)
+
+
+def test_seppo_loss_refusals_in_full_and_the_smallest_beta():
+    ones = torch.ones(2)
+    seppo_loss(ones, ones, ones, ones, beta=0.5)  # any β > 0
+    with pytest.raises(ValueError, match="^" + re.escape("beta=0.0 must be > 0 (set method.beta, e.g. 2000 as in "
+                                                         "SePPO).") + "$"):
+        seppo_loss(ones, ones, ones, ones, beta=0.0)
+    square = torch.ones(2, 1)  # one shape, but not (B,)
+    with pytest.raises(ValueError, match="^" + re.escape("seppo_loss expects four per-sample loss vectors of one shape "
+                                                         "(B,); got [(2, 1)]. Reduce each with per_sample_mse first.")
+                       + "$"):
+        seppo_loss(square, square, square, square, beta=1.0)
+
+
+def test_saturated_samples_are_counted_and_named_in_the_warning(caplog):
+    """Δw = −31 at β = 2: z = 31 > 30."""
+    with caplog.at_level(logging.WARNING, logger="diffalign.objectives.diffusion_dpo"):
+        _, metrics = seppo_loss(torch.zeros(1), torch.zeros(1), torch.tensor([31.0]), torch.zeros(1), beta=2.0)
+    assert float(metrics["saturated"]) == 1.0
+    assert ("SePPO: 1 of 1 samples had z > 30: already ranked right by a wide margin, ~0 gradient from them "
+            "(logsigmoid flat); a few are expected, lower method.beta only if most are") in caplog.text
+
+
+def test_anchor_flip_is_a_detached_float32_sign_and_names_bad_modes():
+    model_w = torch.tensor([0.1, 0.3], dtype=torch.float64, requires_grad=True)
+    s = anchor_flip(model_w, torch.full((2,), 0.2, dtype=torch.float64), "sign", "loser")
+    assert s.tolist() == [1.0, -1.0] and s.dtype == torch.float32 and not s.requires_grad
+    with pytest.raises(ValueError, match="^" + re.escape("method.aaf_mode='always' must be one of ['sign', 'indicator', "
+                                                         "'off'].") + "$"):
+        anchor_flip(model_w, model_w, "always", "loser")
+    with pytest.raises(ValueError, match="^" + re.escape("method.aaf_tie='x' must be 'loser' or 'winner'.") + "$"):
+        anchor_flip(model_w, model_w, "off", "x")
+
+
+def test_every_field_reaches_the_method_and_the_refusals_in_full():
+    config = SePPOConfig(beta=0.5, aaf_mode="indicator", aaf_tie="winner", share_noise=False, timestep_min=3,
+                         timestep_max=900, sample_reencode=True, sample_cache="off", sample_seed=11)
+    method = SePPO(config)
+    assert (method.beta, method.aaf_mode, method.aaf_tie, method.share_noise, method.timestep_min, method.timestep_max,
+            method.sample_reencode, method.sample_cache, method.sample_seed, method.sampler) == (
+        0.5, "indicator", "winner", False, 3, 900, True, "off", 11, None)
+    assert method.extra_repr() == ("beta=0.5, aaf_mode='indicator', aaf_tie='winner', share_noise=False, sampler=None, "
+                                   "cache='off'")
+    for fields, message in (({"beta": 0.0}, "method.beta=0.0 must be > 0; use e.g. method.beta=2000 (SePPO)."),
+                            ({"aaf_mode": "flip"}, "method.aaf_mode='flip' must be one of ['sign', 'indicator', 'off']."),
+                            ({"aaf_tie": "x"}, "method.aaf_tie='x' must be 'loser' or 'winner'."),
+                            ({"sample_cache": "id"}, "method.sample_cache='id' must be one of ['prompt', 'off'].")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            SePPO(**fields)
+
+
+def _seed(sample_seed, version, prompt):  # the documented key: SHA-256("sample_seed/version/prompt"), 8 bytes, 63 bits
+    return int.from_bytes(hashlib.sha256(f"{sample_seed}/{version}/{prompt}".encode()).digest()[:8], "little") & (
+        2**63 - 1)
+
+
+def _draw(seed):
+    return torch.randn((1, 2, 2), generator=torch.Generator().manual_seed(seed))
+
+
+class _Reference:
+    """θ_r: `use(policy)` marks the block; holds the stage's ``version`` and the ``samples`` cache."""
+
+    def __init__(self, version, cached=None):
+        self.version, self.samples, self.active, self.used = version, SimpleNamespace(items=dict(cached or {})), False, []
+
+    @contextlib.contextmanager
+    def use(self, policy):
+        self.used.append(policy)
+        self.active = True
+        try:
+            yield policy
+        finally:
+            self.active = False
+
+
+def _recording_rollout(reference, calls):
+    def rollout(policy, prompts, sampler, generator, decode):
+        calls.append({"prompts": list(prompts), "sampler": sampler, "decode": decode, "active": reference.active,
+                      "seeds": [g.initial_seed() for g in generator]})
+        finals = torch.stack([torch.randn((1, 2, 2), generator=g) for g in generator])
+        return SimpleNamespace(latents=torch.stack([torch.zeros_like(finals), finals], dim=1), images=10 * finals)
+    return rollout
+
+
+def test_reference_samples_one_per_prompt_and_stage_from_the_documented_seed(monkeypatch):
+    reference = _Reference(version=3, cached={"b": torch.full((1, 2, 2), 7.0)})
+    calls = []
+    monkeypatch.setattr(seppo, "rollout", _recording_rollout(reference, calls))
+    method = SePPO(sample_seed=5)
+    method.sampler = sampler = object()
+    policy = SimpleNamespace(device=torch.device("cpu"))
+    out, hits = method.reference_samples(policy, ["a", "b", "a"], reference)
+    assert hits == 1 and reference.used == [policy]
+    assert calls == [{"prompts": ["a"], "sampler": sampler, "decode": False, "active": True,
+                      "seeds": [_seed(5, 3, "a")]}]
+    assert reference_sample_seed(5, 3, "a") == _seed(5, 3, "a")
+    torch.testing.assert_close(out, torch.stack([_draw(_seed(5, 3, "a")), torch.full((1, 2, 2), 7.0),
+                                                 _draw(_seed(5, 3, "a"))]), rtol=0, atol=0)
+    torch.testing.assert_close(reference.samples.items["a"], _draw(_seed(5, 3, "a")), rtol=0, atol=0)
+    again, hits = method.reference_samples(policy, ["a"], reference)
+    assert hits == 1 and len(calls) == 1 and torch.equal(again[0], out[0])
+
+
+def test_reference_samples_without_the_cache_and_re_encoded(monkeypatch):
+    reference = _Reference(version=1)
+    calls = []
+    monkeypatch.setattr(seppo, "rollout", _recording_rollout(reference, calls))
+    method = SePPO(sample_cache="off", sample_reencode=True)
+    method.sampler = object()
+    policy = SimpleNamespace(device=torch.device("cpu"), encode_images=lambda images: images + 1)
+    out, hits = method.reference_samples(policy, ["a", "a"], reference, seeds=[11, 12])
+    assert hits == 0 and reference.samples.items == {}
+    assert [(c["prompts"], c["seeds"], c["decode"]) for c in calls] == [(["a", "a"], [11, 12], True)]
+    torch.testing.assert_close(out, 10 * torch.stack([_draw(11), _draw(12)]) + 1, rtol=0, atol=0)
+
+
+def test_call_time_refusals_in_full():
+    method = SePPO()
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "SePPO samples x^r with its sampler, and none was given: pass sampler= (the run config's method.sampler is "
+            "${sampler})") + "$"):
+        method.reference_samples(SimpleNamespace(device=torch.device("cpu")), ["a"], _Reference(version=1))
+    batch = SimpleNamespace(latents_w=torch.zeros(2, 1, 2, 2), prompts=["a"], prompt_embeds=[0, 0])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "batch has 2 winners but 1 prompts and 2 prompt embeddings; pass one of each per winner.") + "$"):
+        method(None, batch, reference=_Reference(version=1))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "SePPO needs a reference strategy holding θ_r (diffalign.reference); the training loop passes the one "
+            "configured by `reference=` (SePPO: reference=pool).") + "$"):
+        method(None, batch)
