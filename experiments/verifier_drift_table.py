@@ -3,15 +3,21 @@ folder, the held-out verifier change (accuracy and dense score, paired over the 
 fine-tuned images moved from the base's at the same prompt and seed (image drift: mean absolute pixel difference in [0,
 1]), how many images the verifier flipped each way, and from history.jsonl the training reward's first-2 / last-3 epoch
 means, the mean fraction of zero-variance groups, the last epoch's KL to the base and the mean clip fraction and
-approximate KL of the updates.
+approximate KL of the updates; the change of each evaluation reward it finds (brightness, clip_score), paired over the
+images. ``--pool FIELD`` adds, over the runs given (seeds of one setting, scored on the same images), the mean paired
+change of a per-image column with its s.e. over runs, the s.e. over images of the run-averaged per-image change, and
+the change over the two combined, √(s.e.²_runs + s.e.²_images) (`diffalign.evaluation.bench`'s convention and code).
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
     python experiments/verifier_drift_table.py --seeds 0,1 runs/a runs/b  # over evaluation seeds 0 and 1 only
+    python experiments/verifier_drift_table.py --seeds 0,1 --pool clip_score runs/s0 runs/s1 runs/s2  # + the pooled row
+    python experiments/verifier_drift_table.py --pool clip_score --control runs/c0 runs/s0 runs/s1  # + minus a control
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -21,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+REWARDS = ("brightness", "clip_score")  # evaluation rewards whose paired change is reported beside the verifier's
 SKIP = ("eval.", "trainer.log_with", "recipe=", "eval_reward=", "seed=", "data.seed=")
 
 
@@ -52,8 +59,11 @@ def figures(run: Path, variant: str = "finetuned", eval_dir: Path | None = None,
            "dense_change": dense.mean(), "dense_se": dense.std(ddof=1) / math.sqrt(n),
            "image_drift": statistics.fmean(drift), "lost": int((acc < 0).sum()), "gained": int((acc > 0).sum()),
            "seconds": res.get("total_seconds")}
-    if "brightness" in rows[0]:
-        out["brightness_change"] = float(np.mean([ft[k]["brightness"] - base[k]["brightness"] for k in keys]))
+    for name in REWARDS:
+        if name in rows[0]:
+            change = np.array([ft[k][name] - base[k][name] for k in keys])
+            out[f"{name}_base"] = float(np.mean([base[k][name] for k in keys]))
+            out[f"{name}_change"], out[f"{name}_se"] = float(change.mean()), float(change.std(ddof=1) / math.sqrt(n))
     over = run / "bench_overrides.json"
     out["overrides"] = " ".join(o for o in json.loads(over.read_text()) if not o.startswith(SKIP)) if over.is_file() else ""
     hist = run / "history.jsonl"
@@ -114,10 +124,44 @@ def flips(paths: list[str]) -> None:
         print(f"  most often lost: {prompt[k]!r} seed {k[1]} ({lost.get(k, 0) / runs:.2f})")
 
 
+def _gains(paths: list[str], field: str, seeds: set[int] | None) -> list[dict[str, float]]:
+    from diffalign.evaluation.bench import image_gains
+
+    gains = [image_gains(Path(p) / "eval", field) for p in paths]
+    if seeds is not None:
+        gains = [{k: v for k, v in g.items() if int(k.rsplit("_s", 1)[1]) in seeds} for g in gains]
+    return [g for g in gains if g]
+
+
+def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls: list[str] = ()) -> None:
+    """Over runs scored on the same images (e.g. seeds of one setting): the mean paired change of ``field`` ± its s.e.
+    over runs, the s.e. over images of the run-averaged per-image change, and the change over the two combined; with
+    `controls` (e.g. random-score runs on the same images), the change minus the controls' run-averaged change, with
+    the s.e. over images of that per-image difference."""
+    from diffalign.evaluation.bench import _image_se, _mean_se
+
+    gains = _gains(paths, field, seeds)
+    if not gains:
+        print(f"--pool {field}: no run has that column in eval/samples.jsonl")
+        return
+    mean, se_runs = _mean_se([float(np.mean(list(g.values()))) for g in gains])
+    se_images = _image_se(gains) if len(gains) > 1 else math.nan
+    combined = math.hypot(se_runs, se_images)
+    print(f"pooled {field} over {len(gains)} runs, {len(gains[0])} images: change {mean:+.4f} ± {se_runs:.4f} over runs "
+          f"({mean / se_runs:.1f}); ± {se_images:.4f} over images, runs averaged ({mean / se_images:.1f}); combined "
+          f"± {combined:.4f} ({mean / combined:.1f})")
+    against = _gains(list(controls), field, seeds)
+    if against and all(set(g) == set(gains[0]) for g in against):
+        keys = sorted(gains[0])
+        diff = np.array([np.mean([g[k] for g in gains]) - np.mean([c[k] for c in against]) for k in keys])
+        se = diff.std(ddof=1) / math.sqrt(len(diff))
+        print(f"  minus {len(against)} control run(s): {diff.mean():+.4f} ± {se:.4f} over images ({diff.mean() / se:.1f})")
+
+
 def main(paths: list[str], seeds: set[int] | None = None) -> None:
     """Rows for run folders; a ``diffalign-eval`` folder (``samples.jsonl`` at its top) gives a row per variant."""
     cols = ["run", "overrides", "acc_base", "dense_base", "acc_change", "acc_se", "dense_change", "dense_se", "image_drift", "lost", "gained",
-            "brightness_change", "train_first2", "train_last3", "zero_std", "kl_last", "clipfrac_mean",
+            *(f"{name}_{part}" for name in REWARDS for part in ("base", "change", "se")), "train_first2", "train_last3", "zero_std", "kl_last", "clipfrac_mean",
             "approx_kl_mean", "seconds"]
     print("\t".join(cols))
     for p in paths:
@@ -133,9 +177,19 @@ def main(paths: list[str], seeds: set[int] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--flips"]:
-        flips(sys.argv[2:])
-    elif sys.argv[1:2] == ["--seeds"]:  # --seeds 0,1 <run folders>: the images of evaluation seeds 0 and 1 only
-        main(sys.argv[3:], {int(s) for s in sys.argv[2].split(",")})
-    else:
-        main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flips", action="store_true", help="per image: how many runs lost / fixed it")
+    parser.add_argument("--seeds", help="evaluation seeds to read, comma-separated (e.g. 0,1); default all")
+    parser.add_argument("--pool", action="append", default=[], metavar="FIELD",
+                        help="a per-image column of samples.jsonl (e.g. clip_score) to pool over the runs; repeatable")
+    parser.add_argument("--control", action="append", default=[], metavar="RUN",
+                        help="with --pool: a control run on the same images (e.g. random scores) to subtract; repeatable")
+    parser.add_argument("paths", nargs="+", help="run folders (or diffalign-eval folders)")
+    args = parser.parse_args()
+    if args.flips:
+        flips(args.paths)
+        sys.exit(0)
+    chosen = {int(s) for s in args.seeds.split(",")} if args.seeds else None
+    main(args.paths, chosen)
+    for column in args.pool:
+        pooled(args.paths, column, chosen, args.control)

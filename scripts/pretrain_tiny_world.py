@@ -249,6 +249,30 @@ def encode_train_latents(vae, tokenizer, n: int, margins=DEFAULT_MARGINS):
     return torch.cat(means), torch.cat(stds), ids
 
 
+def edge_blocks(image: np.ndarray, factor: int = 4) -> np.ndarray:
+    """Which `factor`×`factor` pixel blocks of a render (uint8 `(H, W, 3)` on black) hold an object edge pixel: bool
+    `(H / factor, W / factor)`. An edge pixel is within one pixel of an object's boundary,
+    ``dilation(mask) & ~erosion(mask)`` by the 3×3 cross, mask = any channel > 0."""
+    from scipy import ndimage
+
+    cross = ndimage.generate_binary_structure(2, 1)
+    mask = image.max(-1) > 0
+    edge = ndimage.binary_dilation(mask, cross) & ~ndimage.binary_erosion(mask, cross)
+    h, w = edge.shape
+    return edge.reshape(h // factor, factor, w // factor, factor).any(axis=(1, 3))
+
+
+def latent_edge_blocks(n: int, margins=DEFAULT_MARGINS, factor: int = 4) -> torch.Tensor:
+    """`edge_blocks` of `encode_train_latents`' `n` renders (the same specs and seeds): bool
+    `(n, 1, H / factor, W / factor)`, True at the latent positions (the tiny VAE downsamples by 4) whose pixel block
+    holds an object edge. The shape the verifier reads (fill ratio, corners) and the one-pixel changes that flip it
+    (`diffalign.world.edges`) live there; ``--flow2-edge-weight`` weights the loss of those latents."""
+    specs = sample_train_specs(n, seed=1)
+    blocks = [edge_blocks(render_spec(spec, (1 + i) * 100003 + j, margins=margins), factor)  # render_batch's seeds
+              for i in range(0, len(specs), 256) for j, spec in enumerate(specs[i:i + 256])]
+    return torch.from_numpy(np.stack(blocks))[:, None]
+
+
 def train_flow(args) -> None:
     """Rectified-flow training of the tiny SD3-format transformer and its two CLIP text encoders (SD3 recipe:
     logit-normal σ, velocity target ε − x0, 10% caption dropout, EMA 0.999), on the shipped tiny VAE."""
@@ -626,6 +650,13 @@ def train_flow2(args) -> bool:
     gen = torch.Generator().manual_seed(0)
     sizes = {"steps": args.flow2_steps, "batch": args.unet_batch, "lr": args.flow2_lr, "width": args.flow2_width,
              "layers": args.flow2_layers, "ema": args.flow2_ema, "num_latents": args.num_latents}
+    edge_weights = None
+    if args.flow2_edge_weight != 1.0:  # only then a size of the run: checkpoints of unweighted runs still resume
+        sizes["edge_weight"] = args.flow2_edge_weight
+        edges = latent_edge_blocks(args.num_latents, WIDE_MARGINS)
+        edge_weights = 1.0 + (args.flow2_edge_weight - 1.0) * edges.float()
+        log(f"edge weight {args.flow2_edge_weight}: {edges.float().mean():.3f} of the latent positions cover an "
+            f"object edge")
     ckpt_path = work / "flow2_checkpoint.pt"
     resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
     start, running, elapsed, evals = 0, None, 0.0, []
@@ -671,7 +702,11 @@ def train_flow2(args) -> bool:
         ctx, pooled = flow2_text_context(encoders, tok)
         pred = transformer((1 - s) * lat + s * noise, encoder_hidden_states=ctx, pooled_projections=pooled,
                            timestep=sigma * 1000).sample
-        loss = F.mse_loss(pred, noise - lat)
+        if edge_weights is None:
+            loss = F.mse_loss(pred, noise - lat)
+        else:  # weighted mean over the batch's latents, normalised by the mean weight (the loss keeps its scale)
+            w = edge_weights[idx]
+            loss = ((pred - (noise - lat)) ** 2 * w).mean() / w.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -845,12 +880,17 @@ def main() -> None:
     p.add_argument("--flow2-eval-prompts", type=int, default=117)
     p.add_argument("--flow2-eval-every", type=int, default=1000, help="steps between EMA evaluations and saves")
     p.add_argument("--flow2-stop-at", type=int, default=0, help="checkpoint and stop after this step (0: never)")
+    p.add_argument("--flow2-edge-weight", type=float, default=1.0,
+                   help="loss weight of the latents whose 4x4 pixel block holds an object edge (1: unweighted; "
+                        "docs/results/tiny_world.md, 'Why the new base is still fragile')")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--resume", action="store_true", help="continue from <work>/flux_checkpoint.pt (flux) or "
                    "<work>/flow2_checkpoint.pt (flow2)")
     p.add_argument("--eval-images", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    if not args.flow2_edge_weight > 0:
+        p.error(f"--flow2-edge-weight must be > 0 (1: unweighted), got {args.flow2_edge_weight}")
     torch.set_num_threads(args.threads)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     stages = ["vae", "unet", "clip", "flow", "flux"] if args.stage == "all" else [args.stage]

@@ -1,6 +1,7 @@
 """The tiny world's pretraining script runs end to end on a tiny budget and writes loadable models."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -148,3 +149,57 @@ def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_p
                                                     max_sequence_length=8, lora_rank=4)
     assert policy.denoiser.config.num_layers == 1
     assert not (tmp_path / "out" / "tiny_sd3_wide").exists()  # nothing is shipped
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", ROOT / "scripts" / "pretrain_tiny_world.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_edge_blocks_of_a_square_and_of_the_flow2_renders():
+    """A 5x5 square at rows/cols 10-14: its edge pixels (one pixel either side of the boundary) span rows/cols 9-15,
+    i.e. the 4x4 blocks 2 and 3 of each axis — and nothing else. The flow2 edge blocks are those of the very renders
+    `render_batch` draws for `encode_train_latents` (seed 1 + chunk start, past the first 256-render chunk)."""
+    import numpy as np
+
+    from diffalign.world.prompts import sample_train_specs
+    from diffalign.world.render import WIDE_MARGINS
+
+    script = _script()
+    img = np.zeros((32, 32, 3), np.uint8)
+    img[10:15, 10:15] = (220, 40, 40)
+    expected = np.zeros((8, 8), bool)
+    expected[2:4, 2:4] = True
+    assert (script.edge_blocks(img) == expected).all()
+    blocks = script.latent_edge_blocks(260, WIDE_MARGINS)
+    assert blocks.shape == (260, 1, 8, 8) and blocks.dtype == torch.bool
+    specs = sample_train_specs(260, seed=1)
+    for chunk in (0, 256):
+        renders = script.render_batch(specs[chunk:chunk + 256], seed=1 + chunk, margins=WIDE_MARGINS)
+        for j in (0, len(renders) - 1):
+            pixels = (renders[j].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+            assert (script.edge_blocks(pixels) == blocks[chunk + j, 0].numpy()).all()
+
+
+@pytest.mark.slow
+def test_flow2_edge_weight_is_a_size_of_the_run(tmp_path, monkeypatch, capsys):
+    """--flow2-edge-weight trains (two steps), is recorded in the checkpoint's sizes, a resume with another weight is
+    refused, and a non-positive weight is refused before any work."""
+    shutil.copytree(Path(__import__("diffalign.config.compose", fromlist=["asset_path"]).asset_path("tiny_sd3"))
+                    / "vae", tmp_path / "out" / "tiny_sd3" / "vae")
+    base = ["flow2", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"), "--num-latents", "16",
+            "--unet-batch", "4", "--flow2-steps", "4", "--flow2-width", "32", "--flow2-layers", "1",
+            "--flow2-eval-every", "0", "--threads", "1"]
+    out = _main(base + ["--flow2-edge-weight", "3", "--flow2-stop-at", "2"], monkeypatch, capsys)
+    assert "edge weight 3.0:" in out and "stopped at step 2" in out
+    ckpt = torch.load(tmp_path / "w" / "flow2_checkpoint.pt", weights_only=False)
+    assert ckpt["sizes"]["edge_weight"] == 3.0 and math.isfinite(ckpt["running"])
+    with pytest.raises(SystemExit, match="edge_weight"):
+        _main(base + ["--flow2-edge-weight", "2", "--resume"], monkeypatch, capsys)
+    with pytest.raises(SystemExit):
+        _main(base + ["--flow2-edge-weight", "0"], monkeypatch, capsys)
+    assert "--flow2-edge-weight must be > 0" in capsys.readouterr().err
