@@ -172,3 +172,87 @@ def test_call_time_refusals_in_full():
             "SePPO needs a reference strategy holding θ_r (diffalign.reference); the training loop passes the one "
             "configured by `reference=` (SePPO: reference=pool).") + "$"):
         method(None, batch)
+
+
+def test_reference_sample_seeds_keep_63_bits_of_the_digest():
+    """The seed is the digest's first 8 bytes, little-endian, masked to 63 bits: odd and even ones alike."""
+    seeds = [reference_sample_seed(7, 2, p) for p in ("a", "b", "c", "d", "e", "f")]
+    assert seeds == [_seed(7, 2, p) for p in ("a", "b", "c", "d", "e", "f")]
+    assert {s % 2 for s in seeds} == {0, 1} and all(0 <= s < 2**63 for s in seeds)
+
+
+class _RecordingPolicy:
+    """What `SePPO.forward` reads of a policy: x_t = x_0 + ε, target ε, prediction 0; records `add_noise`'s inputs."""
+
+    device = torch.device("cpu")
+    scheduler = SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000))
+
+    def add_noise(self, latents, noise, timesteps):
+        self.got = (latents, noise, timesteps)
+        return latents + noise
+
+    def training_target(self, latents, noise, timesteps):
+        return noise
+
+    def predict(self, x, timesteps, prompt_embeds, guidance_scale=1.0):
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("share_noise", [True, False])
+def test_forward_draws_t_then_eps_and_a_second_eps_for_the_reference_samples_unless_shared(share_noise):
+    """Step 1 of the class docstring: t ~ U{timestep_min..timestep_max} (here 500..500), then ε, from the generator in
+    that order; with ``share_noise=False`` a second ε for x^r. The x^r of both prompts come from the stage cache."""
+    from diffalign.types import PromptEmbeds
+
+    cached = {"a": torch.full((1, 2, 2), 3.0), "b": torch.full((1, 2, 2), -3.0)}
+    reference = _Reference(version=1, cached=cached)
+    batch = SimpleNamespace(latents_w=torch.ones(2, 1, 2, 2), prompts=["a", "b"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)))
+    policy = _RecordingPolicy()
+    method = SePPO(share_noise=share_noise, timestep_min=500, timestep_max=500)
+    _, metrics = method(policy, batch, generator=torch.Generator().manual_seed(4), reference=reference)
+    gen = torch.Generator().manual_seed(4)
+    t = torch.randint(500, 501, (2,), generator=gen)
+    eps = torch.randn((2, 1, 2, 2), generator=gen)
+    eps_r = eps if share_noise else torch.randn((2, 1, 2, 2), generator=gen)
+    latents, noise, timesteps = policy.got
+    assert timesteps.tolist() == [500] * 4 and t.tolist() == [500, 500]
+    torch.testing.assert_close(noise, torch.cat([eps, eps_r]), rtol=0, atol=0)
+    torch.testing.assert_close(latents, torch.cat([batch.latents_w, torch.stack([cached["a"], cached["b"]])]),
+                               rtol=0, atol=0)
+    assert float(metrics["reference/cache_hits"]) == 1.0
+
+
+def test_without_the_cache_each_winner_gets_a_seed_drawn_after_t_and_eps(monkeypatch):
+    """``sample_cache="off"``: the x^r seeds are ``randint(0, 2**62)``, one per winner, drawn from the generator after
+    t and ε (class docstring, step 2), and the rollout's final latents are the x^r."""
+    from diffalign.types import PromptEmbeds
+
+    reference, calls = _Reference(version=1), []
+    monkeypatch.setattr(seppo, "rollout", _recording_rollout(reference, calls))
+    batch = SimpleNamespace(latents_w=torch.ones(2, 1, 2, 2), prompts=["a", "a"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)))
+    policy = _RecordingPolicy()
+    method = SePPO(sample_cache="off", timestep_min=500, timestep_max=500)
+    method.sampler = object()
+    method(policy, batch, generator=torch.Generator().manual_seed(4), reference=reference)
+    gen = torch.Generator().manual_seed(4)
+    torch.randint(500, 501, (2,), generator=gen)
+    torch.randn((2, 1, 2, 2), generator=gen)
+    seeds = torch.randint(0, 2**62, (2,), generator=gen).tolist()
+    assert [c["seeds"] for c in calls] == [seeds] and reference.samples.items == {}
+    torch.testing.assert_close(policy.got[0][2:], torch.stack([_draw(s) for s in seeds]), rtol=0, atol=0)
+
+
+def test_reference_samples_take_the_winners_dtype():
+    """bf16 winners: the float32 x^r of the cache are cast to bf16 before they join the batch (a float32 x^r would
+    promote the whole batch to float32)."""
+    from diffalign.types import PromptEmbeds
+
+    cached = {"a": torch.full((1, 2, 2), 0.5)}
+    batch = SimpleNamespace(latents_w=torch.ones(1, 1, 2, 2, dtype=torch.bfloat16), prompts=["a"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(1, 3, 2)))
+    policy = _RecordingPolicy()
+    SePPO()(policy, batch, generator=torch.Generator().manual_seed(0), reference=_Reference(version=1, cached=cached))
+    latents, noise, _ = policy.got
+    assert latents.dtype == noise.dtype == torch.bfloat16 and latents[1].tolist() == [[[0.5, 0.5], [0.5, 0.5]]]
