@@ -278,18 +278,21 @@ def test_the_sampler_node_is_built_and_the_timestep_range_refused_in_full():
 
 
 class _ScalingPolicy(_RecordingPolicy):
-    """f(x_t, t, c) = a x_t + mean(c) with a = the trainable ``scale`` (0.5) and a = 0.8 while θ_r is active; records
-    every call (θ_r active, grad enabled, guidance, timesteps, the rows' condition)."""
+    """f(x_t, t, c) = a x_t + mean(c) with a = the trainable ``scale`` (0.5) and a = `ref_scale` while θ_r is active;
+    target ε − (t / 1000) x_0; records every call (θ_r active, grad enabled, guidance, timesteps, the rows' condition)."""
 
-    def __init__(self, reference):
-        self.reference, self.calls = reference, []
+    def __init__(self, reference, ref_scale=0.8):
+        self.reference, self.calls, self.ref_scale = reference, [], ref_scale
         self.scale = torch.tensor(0.5, requires_grad=True)
+
+    def training_target(self, latents, noise, timesteps):
+        return noise - timesteps.view(-1, 1, 1, 1) / 1000 * latents
 
     def predict(self, x, timesteps, prompt_embeds, guidance_scale=None):
         c = prompt_embeds.prompt_embeds.mean(dim=(1, 2))
         self.calls.append({"reference": self.reference.active, "grad": torch.is_grad_enabled(),
                            "guidance_scale": guidance_scale, "timesteps": timesteps.tolist(), "c": c.tolist()})
-        a = torch.tensor(0.8) if self.reference.active else self.scale
+        a = torch.tensor(self.ref_scale) if self.reference.active else self.scale
         return a * x + c.view(-1, 1, 1, 1)
 
 
@@ -316,10 +319,11 @@ def test_forward_loss_by_hand_with_the_anchor_sign_and_the_cache_hit_rate(monkey
     eps = torch.randn((3, 1, 2, 2), generator=gen)
     x_r = torch.stack([cached["a"], _draw(_seed(0, 2, "b")), cached["a"]])
     assert [c["seeds"] for c in calls] == [[_seed(0, 2, "b")]]
-    x_t = torch.cat([latents_w, x_r]) + torch.cat([eps, eps])
+    x_0, t2 = torch.cat([latents_w, x_r]), torch.cat([t, t]).view(-1, 1, 1, 1)
+    x_t, target = x_0 + torch.cat([eps, eps]), torch.cat([eps, eps]) - t2 / 1000 * x_0
     c = torch.tensor([0.1, -0.4, 0.05, 0.1, -0.4, 0.05]).view(-1, 1, 1, 1)
-    ell = ((0.5 * x_t + c - torch.cat([eps, eps])) ** 2).mean(dim=(1, 2, 3)).tolist()
-    ell_r = ((0.8 * x_t + c - torch.cat([eps, eps])) ** 2).mean(dim=(1, 2, 3)).tolist()
+    ell = ((0.5 * x_t + c - target) ** 2).mean(dim=(1, 2, 3)).tolist()
+    ell_r = ((0.8 * x_t + c - target) ** 2).mean(dim=(1, 2, 3)).tolist()
     want, signs = 0.0, []
     for i in range(3):
         s = 1.0 if ell_r[i] - ell[i] >= 0 else -1.0
@@ -335,5 +339,20 @@ def test_forward_loss_by_hand_with_the_anchor_sign_and_the_cache_hit_rate(monkey
     assert [(k["reference"], k["grad"], k["guidance_scale"], k["timesteps"]) for k in policy.calls] == [
         (False, True, 1.0, t.tolist() * 2), (True, False, 1.0, t.tolist() * 2)]
     assert all(k["c"] == pytest.approx([0.1, -0.4, 0.05] * 2) for k in policy.calls)
+    assert len(reference.used) == 2 and all(u is policy for u in reference.used)  # sampling x^r, then θ_r's forward
     loss.backward()
     assert policy.scale.grad is not None and float(policy.scale.grad) != 0.0
+
+
+def test_forward_passes_aaf_tie_a_tie_at_theta_equal_theta_r_counts_as_a_winner():
+    """θ = θ_r (the first step of a stage): every anchor gap is 0; ``aaf_tie="winner"`` flips every x^r (flip_rate 1),
+    the default "loser" none; z = 0 either way, so the loss is ln 2."""
+    from diffalign.types import PromptEmbeds
+
+    for tie, flips in (("winner", 1.0), ("loser", 0.0)):
+        reference = _Reference(version=1, cached={"a": torch.ones(1, 2, 2)})
+        batch = SimpleNamespace(latents_w=torch.ones(2, 1, 2, 2), prompts=["a", "a"],
+                                prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)))
+        loss, metrics = SePPO(aaf_tie=tie)(_ScalingPolicy(reference, ref_scale=0.5), batch,
+                                           generator=torch.Generator().manual_seed(1), reference=reference)
+        assert float(metrics["flip_rate"]) == flips and float(loss.detach()) == pytest.approx(math.log(2))
