@@ -107,3 +107,53 @@ def test_check_config_asks_for_the_degraded_prompts_in_full():
     DDSPO.check_config(OmegaConf.create({"method": {"cpp": "off"}, "data": {"_target_": data}}))
     DDSPO.check_config(OmegaConf.create({"method": {"cpp": "tf"},
                                          "data": {"_target_": "diffalign.data.ddspo_pairs.DDSPOPairs"}}))
+
+
+def test_check_config_defaults_to_tf_cpp_and_in_batch_rand_cond_needs_the_degraded_prompts():
+    """``method.cpp`` left out is "tf" (DDSPOConfig's default), named as such; ``rand_cond`` without a prompt file reads
+    the batch's c⁻ even under ``cpp=off``; with ``rand_cond_prompts`` it does not."""
+    from diffalign.config.checks import ConfigError
+
+    shapes = {"_target_": "diffalign.data.shapes_pairs.ShapesPairs"}
+    fix = (" needs the degraded prompts c⁻ of DDSPO pairs, but data=ShapesPairs has none; pass data=ddspo_pairs "
+           "data.pairs_dir=<folder> (made by diffalign-ddspo-pairs, or add data.generate=true), or method.cpp=dd with "
+           "its target LoRAs")
+    with pytest.raises(ConfigError, match="^" + re.escape("method=ddspo with method.cpp=tf" + fix) + "$"):
+        DDSPO.check_config(OmegaConf.create({"method": {}, "data": shapes}))
+    with pytest.raises(ConfigError, match="^" + re.escape("method=ddspo with method.cpp=off" + fix) + "$"):
+        DDSPO.check_config(OmegaConf.create({"method": {"cpp": "off", "rand_cond": True}, "data": shapes}))
+    DDSPO.check_config(OmegaConf.create({"method": {"cpp": "off", "rand_cond": True, "rand_cond_prompts": "p.txt"},
+                                         "data": shapes}))
+
+
+def test_setup_adds_target_adapters_only_for_dd_cpp():
+    method = DDSPO(cpp="tf")
+    method.setup(object())  # a policy without a UNet: nothing is loaded
+    assert method.targets is None
+
+
+def test_the_prompt_pool_keeps_given_variants_degrades_the_others_and_skips_one_word_prompts(tmp_path):
+    """``rand_cond_prompts`` rows: a ``degraded_prompts`` list is kept; otherwise `random_word_removal` with seed 0
+    (class docstring); a prompt that cannot be degraded is skipped, and the rows after it still count."""
+    from diffalign.data.degrade import random_word_removal
+
+    path = tmp_path / "pool.jsonl"
+    path.write_text('{"prompt": "x y", "degraded_prompts": ["x"]}\n{"prompt": "cube"}\n'
+                    '{"prompt": "a red cube on green grass"}\n')
+    method = DDSPO(cpp="off", rand_cond=True, rand_cond_prompts=str(path))
+    assert method.pool == [("x y", ["x"]), ("a red cube on green grass",
+                                            random_word_removal("a red cube on green grass", seed=0))]
+    assert method.pool[1][1] == ['on grass', 'a red grass', 'cube grass', 'red cube grass', 'a grass']
+    one_word = tmp_path / "one.txt"
+    one_word.write_text("cube\n")
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"method.rand_cond_prompts={str(one_word)!r} has no prompt that can be degraded.") + "$"):
+        DDSPO(cpp="off", rand_cond=True, rand_cond_prompts=str(one_word))
+    with pytest.raises(FileNotFoundError, match="^" + re.escape("method.rand_cond_prompts=")):
+        DDSPO(cpp="off", rand_cond=True, rand_cond_prompts=str(tmp_path / "missing.txt"))
+
+
+def test_with_rows_casts_the_new_rows_to_the_old_dtype():
+    out = _with_rows(PromptEmbeds(torch.zeros(2, 1, 1)), torch.tensor([False, True]),
+                     PromptEmbeds(torch.full((1, 1, 1), 0.25, dtype=torch.float64)))
+    assert out.prompt_embeds.dtype == torch.float32 and out.prompt_embeds.flatten().tolist() == [0.0, 0.25]

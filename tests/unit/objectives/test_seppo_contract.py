@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import re
 from types import SimpleNamespace
 
@@ -256,3 +257,102 @@ def test_reference_samples_take_the_winners_dtype():
     SePPO()(policy, batch, generator=torch.Generator().manual_seed(0), reference=_Reference(version=1, cached=cached))
     latents, noise, _ = policy.got
     assert latents.dtype == noise.dtype == torch.bfloat16 and latents[1].tolist() == [[[0.5, 0.5], [0.5, 0.5]]]
+
+
+def test_the_sampler_node_is_built_and_the_timestep_range_refused_in_full():
+    """``sampler`` as a config node becomes its `Sampler` (`build_sampler` under the name ``sampler``), and a bad node,
+    a negative or an empty timestep range are refused at construction, naming the field."""
+    from diffalign.config.checks import ConfigError
+
+    method = SePPO(sampler={"name": "ddim", "num_inference_steps": 3, "guidance_scale": 2.0, "eta": 0.0})
+    assert (type(method.sampler).__name__, method.sampler.num_inference_steps, method.sampler.guidance_scale,
+            method.sampler.eta) == ("DDIMSampler", 3, 2.0, 0.0)
+    with pytest.raises(ConfigError, match="^" + re.escape("sampler.eta must be a number >= 0, got -1") + ";"):
+        SePPO(sampler={"name": "ddim", "eta": -1})
+    for fields, message in (({"timestep_min": -1}, "method.timestep_min=-1 must be >= 0."),
+                            ({"timestep_min": 10, "timestep_max": 5},
+                             "method.timestep_max=5 is below method.timestep_min=10; set timestep_max >= timestep_min, "
+                             "or null for the scheduler's last timestep.")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            SePPO(**fields)
+
+
+class _ScalingPolicy(_RecordingPolicy):
+    """f(x_t, t, c) = a x_t + mean(c) with a = the trainable ``scale`` (0.5) and a = `ref_scale` while θ_r is active;
+    target ε − (t / 1000) x_0; records every call (θ_r active, grad enabled, guidance, timesteps, the rows' condition)."""
+
+    def __init__(self, reference, ref_scale=0.8):
+        self.reference, self.calls, self.ref_scale = reference, [], ref_scale
+        self.scale = torch.tensor(0.5, requires_grad=True)
+
+    def training_target(self, latents, noise, timesteps):
+        return noise - timesteps.view(-1, 1, 1, 1) / 1000 * latents
+
+    def predict(self, x, timesteps, prompt_embeds, guidance_scale=None):
+        c = prompt_embeds.prompt_embeds.mean(dim=(1, 2))
+        self.calls.append({"reference": self.reference.active, "grad": torch.is_grad_enabled(),
+                           "guidance_scale": guidance_scale, "timesteps": timesteps.tolist(), "c": c.tolist()})
+        a = torch.tensor(self.ref_scale) if self.reference.active else self.scale
+        return a * x + c.view(-1, 1, 1, 1)
+
+
+def test_forward_loss_by_hand_with_the_anchor_sign_and_the_cache_hit_rate(monkeypatch):
+    """SePPO's loss (docs/methods/algorithms.md#seppo) from scratch: per-sample MSE of the policy and of θ_r against ε
+    on [x^w_t; x^r_t] (x_t = x_0 + ε, one t and ε per winner shared with its x^r), Δ = ℓ_θ − ℓ_θr, s = sign(ℓ_θr(x^w) −
+    ℓ_θ(x^w)), z = −β/2 (Δ_w − s Δ_r), L = mean log(1 + e^−z); x^r of "a" from the stage cache (2 of 3 rows) and of "b"
+    sampled from its documented seed; θ_r runs without gradient, both unguided, on the winners' own conditions."""
+    from diffalign.types import PromptEmbeds
+
+    cached = {"a": torch.tensor([[[0.3, -1.2], [2.0, 0.1]]])}
+    reference, calls = _Reference(version=2, cached=cached), []
+    monkeypatch.setattr(seppo, "rollout", _recording_rollout(reference, calls))
+    latents_w = torch.tensor([[[[1.0, -0.5], [0.2, 0.7]]], [[[-2.0, 0.4], [1.5, -0.3]]], [[[0.0, 0.1], [-0.1, 0.0]]]])
+    embeds = torch.stack([torch.full((3, 2), v) for v in (0.1, -0.4, 0.05)])
+    batch = SimpleNamespace(latents_w=latents_w, prompts=["a", "b", "a"], prompt_embeds=PromptEmbeds(embeds))
+    policy = _ScalingPolicy(reference)
+    method = SePPO(beta=3.0, timestep_min=100, timestep_max=900)
+    method.sampler = object()
+    loss, metrics = method(policy, batch, generator=torch.Generator().manual_seed(6), reference=reference)
+
+    gen = torch.Generator().manual_seed(6)
+    t = torch.randint(100, 901, (3,), generator=gen)
+    eps = torch.randn((3, 1, 2, 2), generator=gen)
+    x_r = torch.stack([cached["a"], _draw(_seed(0, 2, "b")), cached["a"]])
+    assert [c["seeds"] for c in calls] == [[_seed(0, 2, "b")]]
+    x_0, t2 = torch.cat([latents_w, x_r]), torch.cat([t, t]).view(-1, 1, 1, 1)
+    x_t, target = x_0 + torch.cat([eps, eps]), torch.cat([eps, eps]) - t2 / 1000 * x_0
+    c = torch.tensor([0.1, -0.4, 0.05, 0.1, -0.4, 0.05]).view(-1, 1, 1, 1)
+    ell = ((0.5 * x_t + c - target) ** 2).mean(dim=(1, 2, 3)).tolist()
+    ell_r = ((0.8 * x_t + c - target) ** 2).mean(dim=(1, 2, 3)).tolist()
+    want, signs = 0.0, []
+    for i in range(3):
+        s = 1.0 if ell_r[i] - ell[i] >= 0 else -1.0
+        z = -1.5 * ((ell[i] - ell_r[i]) - s * (ell[3 + i] - ell_r[3 + i]))
+        want += math.log1p(math.exp(-z)) / 3
+        signs.append(s)
+    assert sorted(set(signs)) == [-1.0, 1.0]  # the data exercise both branches of the anchor
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
+    assert float(metrics["flip_rate"]) == pytest.approx(signs.count(-1.0) / 3)
+    assert float(metrics["model_loss/chosen"]) == pytest.approx(sum(ell[:3]) / 3, rel=1e-5)
+    assert float(metrics["ref_loss/reference_sample"]) == pytest.approx(sum(ell_r[3:]) / 3, rel=1e-5)
+    assert float(metrics["reference/cache_hits"]) == pytest.approx(2 / 3)
+    assert [(k["reference"], k["grad"], k["guidance_scale"], k["timesteps"]) for k in policy.calls] == [
+        (False, True, 1.0, t.tolist() * 2), (True, False, 1.0, t.tolist() * 2)]
+    assert all(k["c"] == pytest.approx([0.1, -0.4, 0.05] * 2) for k in policy.calls)
+    assert len(reference.used) == 2 and all(u is policy for u in reference.used)  # sampling x^r, then θ_r's forward
+    loss.backward()
+    assert policy.scale.grad is not None and float(policy.scale.grad) != 0.0
+
+
+def test_forward_passes_aaf_tie_a_tie_at_theta_equal_theta_r_counts_as_a_winner():
+    """θ = θ_r (the first step of a stage): every anchor gap is 0; ``aaf_tie="winner"`` flips every x^r (flip_rate 1),
+    the default "loser" none; z = 0 either way, so the loss is ln 2."""
+    from diffalign.types import PromptEmbeds
+
+    for tie, flips in (("winner", 1.0), ("loser", 0.0)):
+        reference = _Reference(version=1, cached={"a": torch.ones(1, 2, 2)})
+        batch = SimpleNamespace(latents_w=torch.ones(2, 1, 2, 2), prompts=["a", "a"],
+                                prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)))
+        loss, metrics = SePPO(aaf_tie=tie)(_ScalingPolicy(reference, ref_scale=0.5), batch,
+                                           generator=torch.Generator().manual_seed(1), reference=reference)
+        assert float(metrics["flip_rate"]) == flips and float(loss.detach()) == pytest.approx(math.log(2))
