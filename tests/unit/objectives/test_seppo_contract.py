@@ -271,8 +271,8 @@ def test_the_sampler_node_is_built_and_the_timestep_range_refused_in_full():
         SePPO(sampler={"name": "ddim", "eta": -1})
     for fields, message in (({"timestep_min": -1}, "method.timestep_min=-1 must be >= 0."),
                             ({"timestep_min": 10, "timestep_max": 5},
-                             "method.timestep_max=5 is below method.timestep_min=10; set timestep_max >= timestep_min, "
-                             "or null for the scheduler's last timestep.")):
+                             ("method.timestep_max=5 is below method.timestep_min=10; set timestep_max >= "
+                              "timestep_min, or null for the scheduler's last timestep."))):
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             SePPO(**fields)
 
