@@ -6,6 +6,7 @@ conditions, the fields and every message in full."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -157,3 +158,33 @@ def test_with_rows_casts_the_new_rows_to_the_old_dtype():
     out = _with_rows(PromptEmbeds(torch.zeros(2, 1, 1)), torch.tensor([False, True]),
                      PromptEmbeds(torch.full((1, 1, 1), 0.25, dtype=torch.float64)))
     assert out.prompt_embeds.dtype == torch.float32 and out.prompt_embeds.flatten().tolist() == [0.0, 0.25]
+
+
+def test_without_cpp_the_target_is_the_policys_training_target_at_the_pairs_timesteps():
+    """``cpp="off"``: the target is `training_target(x_0, ε, t)` with the rows' own t (winner then loser: one t per pair,
+    repeated), as Diffusion-DPO (a v-prediction target reads t)."""
+    from types import SimpleNamespace
+
+    class Policy:
+        prediction_type = "v_prediction"
+        scheduler = SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000))
+
+        def add_noise(self, latents, noise, timesteps):
+            return latents + noise
+
+        def training_target(self, latents, noise, timesteps):
+            self.target_timesteps = timesteps
+            return noise
+
+        def predict(self, x, timesteps, prompt_embeds, guidance_scale=1.0):
+            return torch.zeros_like(x)
+
+        def reference(self):
+            return contextlib.nullcontext()
+
+    batch = SimpleNamespace(latents_w=torch.ones(2, 1, 2, 2), latents_l=torch.zeros(2, 1, 2, 2), prompts=["a", "b"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)), degraded_prompt_embeds=None)
+    policy = Policy()
+    DDSPO(cpp="off", timestep_min=100, timestep_max=900)(policy, batch, generator=torch.Generator().manual_seed(3))
+    t = torch.randint(100, 901, (2,), generator=torch.Generator().manual_seed(3))
+    assert policy.target_timesteps.tolist() == t.tolist() * 2
