@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,7 +164,6 @@ def test_with_rows_casts_the_new_rows_to_the_old_dtype():
 def test_without_cpp_the_target_is_the_policys_training_target_at_the_pairs_timesteps():
     """``cpp="off"``: the target is `training_target(x_0, ε, t)` with the rows' own t (winner then loser: one t per pair,
     repeated), as Diffusion-DPO (a v-prediction target reads t)."""
-    from types import SimpleNamespace
 
     class Policy:
         prediction_type = "v_prediction"
@@ -188,3 +188,81 @@ def test_without_cpp_the_target_is_the_policys_training_target_at_the_pairs_time
     DDSPO(cpp="off", timestep_min=100, timestep_max=900)(policy, batch, generator=torch.Generator().manual_seed(3))
     t = torch.randint(100, 901, (2,), generator=torch.Generator().manual_seed(3))
     assert policy.target_timesteps.tolist() == t.tolist() * 2
+
+
+class _EncodingPolicy:
+    """Records `encode_prompts`' calls and returns the prompts themselves."""
+
+    def __init__(self):
+        self.calls = []
+
+    def encode_prompts(self, prompts, do_classifier_free_guidance=True):
+        self.calls.append((list(prompts), do_classifier_free_guidance))
+        return list(prompts)
+
+
+def _draw(low, high, generator):
+    return int(torch.randint(low, high, (1,), generator=generator))
+
+
+def test_unpaired_conditions_from_the_pool_with_one_or_per_pair_generators(tmp_path):
+    """Class docstring, step 2, with ``rand_cond_prompts``: one generator draws every masked pair's pick, then every
+    variant index (mod its variants); a list draws each masked pair's pick then its variant from that pair's own."""
+    path = tmp_path / "pool.jsonl"
+    path.write_text("".join(f'{{"prompt": "p{i}", "degraded_prompts": ["p{i}-a", "p{i}-b", "p{i}-c"]}}\n'
+                            for i in range(5)))
+    method = DDSPO(cpp="off", rand_cond=True, rand_cond_prompts=str(path))
+    batch = SimpleNamespace(prompts=["x", "y", "z"])
+    mask = torch.tensor([True, False, True])
+    policy = _EncodingPolicy()
+    prompts, degraded = method._unpaired_conditions(policy, batch, torch.ones(3, dtype=torch.bool),
+                                                    torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(8)
+    picks = torch.randint(0, 5, (3,), generator=gen).tolist()
+    variants = torch.randint(0, 2**31, (3,), generator=gen).tolist()
+    assert prompts == [f"p{i}" for i in picks]
+    assert degraded == [f"p{i}-{'abc'[v % 3]}" for i, v in zip(picks, variants)]
+    assert policy.calls == [(prompts, False), (degraded, False)]
+    gens = [torch.Generator().manual_seed(s) for s in (20, 21, 22)]
+    prompts, degraded = method._unpaired_conditions(policy, batch, mask, gens)
+    want = []
+    for s in (20, 22):  # the masked pairs' own generators
+        g = torch.Generator().manual_seed(s)
+        pick = _draw(0, 5, g)
+        want.append((f"p{pick}", f"p{pick}-{'abc'[_draw(0, 2**31, g) % 3]}"))
+    assert list(zip(prompts, degraded)) == want
+    gens = [torch.Generator().manual_seed(s) for s in (40, 41, 42)]
+    _, degraded = method._unpaired_conditions(policy, batch, torch.ones(3, dtype=torch.bool), gens)
+    want = []
+    for s in (40, 41, 42):
+        g = torch.Generator().manual_seed(s)
+        pick = _draw(0, 5, g)
+        want.append(f"p{pick}-{'abc'[_draw(0, 2**31, g) % 3]}")
+    assert degraded == want
+
+
+def test_unpaired_conditions_from_the_batch_shift_each_masked_pair():
+    """Without a pool: pair i takes the conditions of pair (i + s) mod B, s ~ U{1..B−1} drawn once with one generator,
+    or per masked pair from its own; B = 1 is refused in full."""
+    method = DDSPO(cpp="off", rand_cond=True)
+    embeds = PromptEmbeds(torch.arange(4.0).view(4, 1, 1))
+    batch = SimpleNamespace(prompts=list("abcd"), prompt_embeds=embeds, degraded_prompt_embeds=PromptEmbeds(
+        10 + torch.arange(4.0).view(4, 1, 1)))
+    mask = torch.tensor([False, True, False, True])
+    c, c_minus = method._unpaired_conditions(None, batch, mask, torch.Generator().manual_seed(5))
+    s = _draw(1, 4, torch.Generator().manual_seed(5))
+    assert c.prompt_embeds.flatten().tolist() == [float((1 + s) % 4), float((3 + s) % 4)]
+    assert c_minus.prompt_embeds.flatten().tolist() == [10.0 + (1 + s) % 4, 10.0 + (3 + s) % 4]
+    gens = [torch.Generator().manual_seed(s) for s in (30, 31, 32, 33)]
+    c, _ = method._unpaired_conditions(None, batch, mask, gens)
+    shifts = [_draw(1, 4, torch.Generator().manual_seed(s)) for s in (31, 33)]
+    assert c.prompt_embeds.flatten().tolist() == [float((1 + shifts[0]) % 4), float((3 + shifts[1]) % 4)]
+    two = SimpleNamespace(prompts=["a", "b"], prompt_embeds=PromptEmbeds(torch.arange(2.0).view(2, 1, 1)),
+                          degraded_prompt_embeds=PromptEmbeds(torch.zeros(2, 1, 1)))
+    c, _ = method._unpaired_conditions(None, two, torch.tensor([True, False]), torch.Generator())
+    assert c.prompt_embeds.flatten().tolist() == [1.0]  # B = 2: the only shift, 1
+    one = SimpleNamespace(prompts=["a"], prompt_embeds=PromptEmbeds(torch.zeros(1, 1, 1)), degraded_prompt_embeds=None)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "method.rand_cond draws the unpaired prompts from the batch, which needs trainer.batch_size >= 2; or set "
+            "method.rand_cond_prompts to a prompt file.") + "$"):
+        method._unpaired_conditions(None, one, torch.tensor([True]), torch.Generator())
