@@ -266,3 +266,28 @@ def test_unpaired_conditions_from_the_batch_shift_each_masked_pair():
             "method.rand_cond draws the unpaired prompts from the batch, which needs trainer.batch_size >= 2; or set "
             "method.rand_cond_prompts to a prompt file.") + "$"):
         method._unpaired_conditions(None, one, torch.tensor([True]), torch.Generator())
+
+
+def test_call_time_refusals_in_full():
+    """Each refusal of `forward`, before any draw, names the field and the fix."""
+    pairs = SimpleNamespace(latents_w=torch.zeros(2, 1, 2, 2), latents_l=torch.zeros(2, 1, 2, 3), prompts=["a", "b"],
+                            prompt_embeds=PromptEmbeds(torch.zeros(2, 3, 2)), degraded_prompt_embeds=None)
+    policy = SimpleNamespace(prediction_type="epsilon")
+
+    def like(**fields):
+        return SimpleNamespace(**{**vars(pairs), "latents_l": torch.zeros(2, 1, 2, 2), **fields})
+
+    for method, batch, message in (
+            (DDSPO(cpp="off"), pairs, ("batch.latents_w has shape (2, 1, 2, 2) but batch.latents_l has shape "
+                                       "(2, 1, 2, 3); winner and loser must have one shape.")),
+            (DDSPO(cpp="off"), like(prompt_embeds=PromptEmbeds(torch.zeros(3, 3, 2))),
+             "batch.prompt_embeds has 3 rows for 2 pairs."),
+            (DDSPO(cpp="tf"), like(),
+             ("method.cpp='tf' (or rand_cond from the batch) needs the degraded prompts c⁻ of the pairs "
+              "(PreferenceBatch.degraded_prompt_embeds, B rows): train on DDSPO pairs (data=ddspo_pairs), or use "
+              "method.cpp=off / dd.")),
+            (DDSPO(cpp="dd", target_lora_w="w", target_lora_l="l"),
+             like(),
+             "method.cpp=dd: call objective.setup(policy) first (the training loop does) to load the target LoRAs.")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            method(policy, batch)
