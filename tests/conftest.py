@@ -313,3 +313,17 @@ class EveryOtherCorrect:
         correct = torch.tensor([(self.seen + k) % 2 == 0 for k in range(n)])
         self.seen += n
         return RewardOutput(correct.float(), info={"correct": correct})
+
+
+# The tiny world's hand-made images (tests/unit/world): the palette's exact red and blue, and a black 32x32 canvas
+# with filled boxes ((y0, y1, x0, x1), rgb), so a test derives the verifier's reading of it by hand.
+RED, BLUE = (220, 40, 40), (50, 90, 235)
+
+
+def world_canvas(*boxes):
+    import numpy as np
+
+    img = np.zeros((32, 32, 3), np.uint8)
+    for (y0, y1, x0, x1), rgb in boxes:
+        img[y0:y1, x0:x1] = rgb
+    return img
