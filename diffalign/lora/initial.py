@@ -268,8 +268,10 @@ def check_resume_lora(cfg: DictConfig) -> None:
     for key in _lora_settings_taken(cfg):
         current, saved = cfg.model.get(key), weights.settings.get(key)
         if key == "lora_target_modules":
-            uncovered = [m for m in weights.modules if not any(_matches(m, t) for t in current or ())]
-            if current is not None and uncovered:
+            if current is None or isinstance(current, str):  # (the model's own targets, or a PEFT regex: peft checks)
+                continue
+            uncovered = [m for m in weights.modules if not any(_matches(m, t) for t in current)]
+            if uncovered:
                 raise ValueError(f"{field}: the checkpoint {ckpt} adapts modules model.lora_target_modules={list(current)} "
                                  f"misses, e.g. {uncovered[:2]}; {fix}")
         elif current is not None and saved is not None and not _same(key, current, saved):
