@@ -25,6 +25,16 @@ depends on the caption's direction word and on the frame order); ``--text-lr``, 
 text encoder puts a caption and its direction-swapped copy; ``--arch motion`` swaps the UNet3D for an
 AnimateDiff-style `UNetMotionModel` (temporal attentions with sinusoidal frame positions) built from the image UNet. Everything is written to
 ``pretrain_metrics.json`` next to the model.
+
+``--arch wan`` (issue 34; docs/results/video.md, "A Wan-format base") trains a Wan-format base from scratch instead,
+in two stages run in ``--work`` (``--wan-stage vae``, ``transformer``, or ``all``), each resumable bit for bit
+(a checkpoint every ``--checkpoint-minutes``, ``--resume``, ``--stop-at``; pretrain_tiny_world.py's checkpoints):
+`train_wan_vae` (a tiny `AutoencoderKLWan`, 9 frames of 32×32 ↔ latents (4, 9, 8, 8)) and `train_wan_transformer`
+(`WanTransformer3DModel` + a tiny umT5, rectified flow with Wan's shifted schedule, the probe and held-out evaluation
+above), saved as a `WanPipeline` in ``--out`` (default ``<work>/tiny_wan_t2v``) that ``model=tiny_wan_t2v`` loads::
+
+    OMP_NUM_THREADS=1 python scripts/pretrain_tiny_video.py --arch wan --threads 1 --wan-vae-steps 2000 \
+        --steps 20000 --batch 16 --num-videos 16000 --probe-every 500 --eval-every 2000 --work runs/pretrain_wan
 """
 
 from __future__ import annotations
@@ -432,12 +442,12 @@ def wan_direction_probe(transformer, encode, lat, prompts, swapped, sigmas=(0.3,
             x, target = (1 - s) * lat + s * noise, noise - lat
             t = torch.full((len(lat),), 1000.0 * s)
 
-            def mse(inp, text, tgt):
+            def mse(inp, text, tgt, t=t):
                 return F.mse_loss(transformer(hidden_states=inp, timestep=t, encoder_hidden_states=text,
                                               return_dict=False)[0], tgt).item()
 
             true = mse(x, cond, target)
-            res[int(round(1000 * s))] = {"true": true, "swapped_caption_gap": mse(x, swap_cond, target) / true - 1,
+            res[round(1000 * s)] = {"true": true, "swapped_caption_gap": mse(x, swap_cond, target) / true - 1,
                                          "reversed_frames_gap": mse(x.flip(2), cond, target.flip(2)) / true - 1}
     return res
 

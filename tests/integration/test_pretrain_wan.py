@@ -98,6 +98,7 @@ def test_direction_probe_of_a_model_that_predicts_zero():
         assert res[t]["swapped_caption_gap"] == 0 and abs(res[t]["reversed_frames_gap"]) < 1e-6  # (summation order)
 
 
+@pytest.mark.slow
 def test_wan_vae_stage_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
     """Four VAE steps in one go against two, a checkpoint, a new process with --resume, two more: the step-4
     checkpoints hold identical weights, optimizer, LR schedule and RNG states."""
@@ -118,6 +119,7 @@ def trained(tmp_path_factory):
     return work, out
 
 
+@pytest.mark.slow
 def test_wan_transformer_stage_resumes_bit_for_bit(trained, tmp_path, monkeypatch, capsys):
     """On the trained VAE: five transformer steps in one go against two, a checkpoint, a new process with --resume,
     three more (the probe at step 2 and 4 and a held-out evaluation at step 4 in between): identical step-5
