@@ -270,12 +270,20 @@ def build_wan_vae(base_dim: int = 16, z_dim: int = 4):
     """A tiny `AutoencoderKLWan` for the world's videos: two spatial downsamples (``dim_mult`` (1, 2, 2)) and no
     temporal one, so `(B, 3, F, 32, 32)` pixels ↔ `(B, z_dim, F, 8, 8)` latents, one latent frame per video frame
     (``scale_factor_temporal`` 1, ``scale_factor_spatial`` 4). Its causal encoder reads the first frame alone and the
-    rest in chunks of 4 (`AutoencoderKLWan._encode`), so F must be 1 + 4k for every frame to be encoded."""
+    rest in chunks of 4 (`AutoencoderKLWan._encode`), so F must be 1 + 4k for every frame to be encoded.
+
+    The posterior's log-variance starts at −10 (std 0.007; the bias of the log-variance half of ``quant_conv``):
+    Wan's encoder starts with posterior means of about 0.3 and std 1, and trained so (1e-6·KL, the image VAE's
+    weight) it collapsed in a 250-step pilot to ignoring its latent (mean |μ| 0.27 → 0.03, std still 1.0, held-out
+    PSNR 14.9 dB: the background only; docs/results/video.md)."""
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1,
-                            temperal_downsample=[False, False], latents_mean=[0.0] * z_dim,
-                            latents_std=[1.0] * z_dim, scale_factor_temporal=1, scale_factor_spatial=4)
+    vae = AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, False], latents_mean=[0.0] * z_dim,
+                           latents_std=[1.0] * z_dim, scale_factor_temporal=1, scale_factor_spatial=4)
+    with torch.no_grad():
+        vae.quant_conv.bias[z_dim:] = -10.0  # DiagonalGaussianDistribution: channels [mean | log-variance]
+    return vae
 
 
 def build_wan_text_encoder(tokenizer, width: int = 64, layers: int = 2):
@@ -411,18 +419,21 @@ def train_wan_vae(args, work: Path, world) -> Path:
         specs = [rows[i] for i in np.random.default_rng(999).integers(len(rows), size=256)]
         lat = torch.cat([vae.encode(render_wan_videos(specs[s:s + 32], range(900_000 + s, 900_032 + s),
                                                       args.frames)).latent_dist.mean for s in range(0, 256, 32)])
+        posterior_std = vae.encode(render_wan_videos(specs[:32], range(900_000, 900_032), args.frames)).latent_dist.std
     mean, std = lat.mean(dim=(0, 2, 3, 4)), lat.std(dim=(0, 2, 3, 4))
+    posterior_std = float(posterior_std.mean())
     vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
                            latents_std=[round(float(v), 5) for v in std])
     rec = eval_wan_vae(vae, args.frames)
-    log(f"wan vae latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std}; reconstructions of "
+    log(f"wan vae latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std} (mean posterior std "
+        f"{posterior_std:.4f}); reconstructions of "
         f"the held-out videos: verifier accuracy {rec['accuracy']:.3f}, direction {rec['direction_sign']:.3f}, "
         f"PSNR {rec['psnr_db']:.2f} dB (n {rec['n']})")
     shutil.rmtree(out, ignore_errors=True)
     vae.save_pretrained(out)
     (work / "wan_vae_metrics.json").write_text(json.dumps(
         {"steps": args.wan_vae_steps, "minutes": minutes, "final_running_loss": running, "loss_curve": evals,
-         "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std,
+         "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std, "posterior_std": posterior_std,
          "heldout_reconstructions": rec, "args": {k: v for k, v in vars(args).items()}}, indent=2))
     return out
 
