@@ -33,7 +33,7 @@ in two stages run in ``--work`` (``--wan-stage vae``, ``transformer``, or ``all`
 (`WanTransformer3DModel` + a tiny umT5, rectified flow with Wan's shifted schedule, the probe and held-out evaluation
 above), saved as a `WanPipeline` in ``--out`` (default ``<work>/tiny_wan_t2v``) that ``model=tiny_wan_t2v`` loads::
 
-    OMP_NUM_THREADS=1 python scripts/pretrain_tiny_video.py --arch wan --threads 1 --wan-vae-steps 2000 \
+    OMP_NUM_THREADS=1 python scripts/pretrain_tiny_video.py --arch wan --threads 1 --wan-vae-steps 3000 \
         --steps 20000 --batch 16 --num-videos 16000 --probe-every 500 --eval-every 2000 --work runs/pretrain_wan
 """
 
@@ -550,7 +550,7 @@ def train_wan_transformer(args, work: Path, world) -> bool:
         start, running, elapsed, evals = world.load_stage_checkpoint(
             ckpt_path, sizes, "--steps / --batch / --lr / --num-videos / --wan-* / --flow-shift", **resumable)
 
-    def instruments(step: int, heldout: bool) -> dict:
+    def instruments(step: int, heldout: bool, weights: str = "live") -> dict:
         """The probe and text gap (live weights), and with `heldout` the EMA weights sampled on the held-out prompts
         (`--checkpoint-eval-seeds`); global RNG untouched, so a resumed run draws the same batches."""
         with torch.random.fork_rng(devices=[]):
@@ -573,9 +573,9 @@ def train_wan_transformer(args, work: Path, world) -> bool:
                         for t, v in res["probe"].items())
         if heldout:
             h = res["heldout"]
-            line = (f"EMA accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}; "
+            line = (f"held-out EMA accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}; "
                     + line)
-        log(f"wan step {step}: {line} text gap {res['text_gap']:.3f}")
+        log(f"wan step {step} ({weights} weights): {line} text gap {res['text_gap']:.3f}")
         return res
 
     def checkpoint(step: int) -> None:
@@ -628,7 +628,7 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     for ema, m in zip(emas, modules):
         ema.copy_to(m.parameters())
         m.eval()
-    final = instruments(args.steps, heldout=False)
+    final = instruments(args.steps, heldout=False, weights="final EMA")
     held = evaluate(policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds, steps=args.eval_steps)
     log(f"wan held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} "
         f"direction {held['direction_sign']:.3f} {held['per_tag']}")
@@ -725,7 +725,7 @@ def main() -> None:
                      help="vae: the tiny AutoencoderKLWan; transformer: WanTransformer3DModel + umT5 on its latents "
                           "(needs <--work>/wan_vae); all: both in turn")
     wan.add_argument("--work", default="runs/pretrain_wan", help="scratch folder: the VAE, latents, checkpoints")
-    wan.add_argument("--wan-vae-steps", type=int, default=2000)
+    wan.add_argument("--wan-vae-steps", type=int, default=3000)
     wan.add_argument("--wan-vae-batch", type=int, default=8)
     wan.add_argument("--wan-vae-lr", type=float, default=2e-3)
     wan.add_argument("--wan-vae-dim", type=int, default=16, help="AutoencoderKLWan base_dim (widths x1, x2, x2)")
