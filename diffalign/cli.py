@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -90,7 +91,7 @@ def _train_main(cfg: DictConfig) -> None:
         check_run(cfg, overrides, explicit_model_keys=command_line_model_keys())
         online = is_online(cfg)
     except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"diffalign: error: {err}") from None
+        _refuse(err)
     if online:
         from diffalign.train.online import train as run
     else:
@@ -105,11 +106,12 @@ def _train_main(cfg: DictConfig) -> None:
         try:
             prepared = build_run(cfg)  # every component once (the run lock: taken by the Hydra callback)
         except ConfigError as err:  # a constructor's argument check (diffalign.config.validation.construct)
-            raise SystemExit(f"diffalign: error: {err}") from None
+            _refuse(err)
         run(prepared)
     except RunLockedError as err:  # (the Hydra callback refuses first; this covers hydra.callbacks overridden away)
         raise SystemExit(f"diffalign: error: {err}") from None
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpoint saved; exit 143 / 130 like an untrapped signal
+        _close_progress_bars()
         print(f"diffalign: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
     except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
@@ -118,13 +120,30 @@ def _train_main(cfg: DictConfig) -> None:
         _exit_with_error(err)
 
 
-def _exit_with_error(err: BaseException) -> None:
-    """Exits with status 1 and ``diffalign: error: <err>`` on a line of its own: a progress bar still open on stderr
-    (the run stopped inside it) has no newline yet, so one is written first."""
+def _refuse(err: BaseException) -> NoReturn:
+    """Exits with status 1 and ``diffalign: error: <err>`` for a run refused by a check that runs after Hydra made the
+    output folder: the folder is left as it was (removed when this run created it; Hydra's files put back when it
+    existed: `diffalign.runtime.runlock.undo_run_start`)."""
+    from diffalign.runtime.runlock import undo_run_start
+
+    undo_run_start()
+    raise SystemExit(f"diffalign: error: {err}") from None
+
+
+def _close_progress_bars() -> None:
+    """Closes the progress bars still open (the run stopped inside them; a bar left open would be drawn once more when
+    the interpreter exits, after the exit line), so that the line written next is the last one on the terminal and
+    starts on a line of its own."""
     from tqdm import tqdm
 
-    if any(not bar.disable for bar in list(tqdm._instances)):
-        sys.stderr.write("\n")
+    for bar in list(tqdm._instances):
+        bar.close()
+
+
+def _exit_with_error(err: BaseException) -> NoReturn:
+    """Exits with status 1 and ``diffalign: error: <err>`` as the last line on the terminal: the progress bars still
+    open (the run stopped inside them) are closed first."""
+    _close_progress_bars()
     raise SystemExit(f"diffalign: error: {err}") from None
 
 
@@ -259,7 +278,7 @@ def _eval_main(cfg: DictConfig) -> None:
         _adopt_run_model(cfg, folders, _command_line_overrides())
         _adopt_saved_lora_settings(cfg, folders)
     except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"diffalign: error: {err}") from None
+        _refuse(err)
 
     from diffalign.rewards.base import RewardError
     from diffalign.runtime.faults import StopSignals, TrainingInterrupted
@@ -271,6 +290,7 @@ def _eval_main(cfg: DictConfig) -> None:
             _evaluate(cfg, variants)
             stop.raise_if_received("at the end", f"the evaluation finished; its results are in {cfg.output_dir}")
         except TrainingInterrupted as err:
+            _close_progress_bars()
             print(f"diffalign: {err}", file=sys.stderr)
             raise SystemExit(err.exit_code) from None
         except RewardError as err:  # one line naming the reward, batch and prompt (finished batches are kept)
@@ -309,9 +329,25 @@ def _evaluate(cfg: DictConfig, variants: dict) -> None:
 
 
 def _say_interrupted() -> None:
-    from tqdm.auto import tqdm
+    _close_progress_bars()
+    print("diffalign: interrupted", file=sys.stderr)
 
-    tqdm.write("diffalign: interrupted", file=sys.stderr)  # (on its own line, also under an open progress bar)
+
+def _run_hydra(config_name: str, task) -> None:
+    """Runs `task` under Hydra with ``config_name``. A run that stops before it wrote anything of its own (Ctrl-C
+    before it started, an error Hydra reports) leaves no output folder behind; Ctrl-C ends with one line, exit 130."""
+    from diffalign.runtime.runlock import undo_run_start
+
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(task)()
+    except KeyboardInterrupt:  # Ctrl-C before the run started, or a second one (the first stops at a safe point)
+        undo_run_start(existing=False)
+        _say_interrupted()
+        sys.exit(130)
+    except SystemExit as ended:
+        if ended.code not in (None, 0):
+            undo_run_start(existing=False)
+        raise
 
 
 @quiet_on_broken_pipe
@@ -325,11 +361,7 @@ def train() -> None:
         check_composition("train", sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
-    try:
-        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_train_main)()
-    except KeyboardInterrupt:  # Ctrl-C before the run started, or a second one (the first stops at a safe point)
-        _say_interrupted()
-        sys.exit(130)
+    _run_hydra("train", _train_main)
 
 
 @quiet_on_broken_pipe
@@ -343,11 +375,7 @@ def evaluate() -> None:
         check_composition("evaluate", sys.argv[1:])
     except (ValueError, ImportError) as err:
         sys.exit(f"diffalign: error: {err}")
-    try:
-        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="evaluate")(_eval_main)()
-    except KeyboardInterrupt:  # Ctrl-C before the evaluation started, or a second one
-        _say_interrupted()
-        sys.exit(130)
+    _run_hydra("evaluate", _eval_main)
 
 
 if __name__ == "__main__":  # `python -m diffalign.cli <overrides>`, and `accelerate launch ... -m diffalign.cli <overrides>`

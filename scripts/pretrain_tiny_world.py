@@ -18,6 +18,10 @@ Stages (run in this order; ``all`` runs them in sequence):
   training renders with wide margins (`diffalign.world.render.WIDE_MARGINS`), wider and deeper, longer, EMA;
   resumable as ``flux`` (``<work>/flow2_checkpoint.pt``, ``--resume``); the EMA model is saved every
   ``--flow2-eval-every`` steps as ``<work>/tiny_sd3_wide`` for the fragility gate (scripts/fragility_gate.py).
+* ``flux2`` — the stronger FLUX.1-format base (issue 31; not shipped, not part of ``all``): ``flux``'s model family
+  trained with ``flow2``'s recipe and loop (`train_strong_base`); ``<work>/flux2_checkpoint.pt``, ``--resume``; the
+  EMA model is exported every ``--flux2-eval-every`` steps as ``<work>/tiny_flux_wide`` (``model=tiny_flux
+  model.pretrained_model_name_or_path=<work>/tiny_flux_wide`` loads it).
 
 Full reproduction of the shipped models (about 30 minutes on an idle 2-core CPU; measured: VAE 3000 steps,
 UNet 2800 steps in 8.8 min, CLIP 1200 steps; see diffalign/assets/pretrain_metrics.json)::
@@ -38,7 +42,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -581,9 +587,44 @@ def eval_flux(pipe, n_prompts: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The stronger SD3-format base (issue 34 item 2; resumable)
+# The stronger bases (issue 34 item 2: SD3 format; issue 31: FLUX.1 format), one resumable training loop
 # ----------------------------------------------------------------------------------------------------------------------
 FLOW2_MODULES = ("transformer", "text_encoder", "text_encoder_2")
+
+
+class StrongBase(NamedTuple):
+    """The model-specific parts of a stronger-base stage (flow2, flux2) that `train_strong_base` trains.
+
+    Attributes:
+        name: the stage ("flow2", "flux2"): log prefix, the ``--<name>-*`` options read (steps, lr, ema, eval_every,
+            eval_prompts, stop_at, edge_weight) and the files ``<work>/<name>_latents.pt``,
+            ``<name>_checkpoint.pt``, ``<name>_metrics.json``.
+        pipe: the pipeline being trained (its `module_names` components are trained jointly).
+        module_names: the trained components, in checkpoint order.
+        sizes: what a checkpoint must match to be resumed (the stage's ``--<name>-*`` sizes, batch, latents).
+        encode: `(n)` → the latents cache: ``{"means", "stds"}`` (posterior of `n` wide-margin renders, `(n, 4, 8,
+            8)`) and what `condition` reads.
+        condition: `(data, idx, drop)` → the conditioning of batch rows `idx` (`(B,)` long) with the captions of rows
+            `drop` (`(B,)` bool) replaced by "".
+        forward: `(noisy, sigma, cond)` → the predicted velocity ε − x0 in the latents' layout `(B, 4, 8, 8)`, from
+            noisy latents `(B, 4, 8, 8)` and σ ∈ (0, 1] `(B,)`.
+        evaluate: `(pipe, n_prompts)` → held-out verifier accuracy in [0, 1].
+        export: `(folder)` → writes the pipeline (float16 files, as shipped) to `folder`.
+        export_name: the folder's name under ``<work>``.
+        metric: the metrics file's key for the final accuracy.
+    """
+
+    name: str
+    pipe: object
+    module_names: tuple
+    sizes: dict
+    encode: Callable[[int], dict]
+    condition: Callable[[dict, torch.Tensor, torch.Tensor], tuple]
+    forward: Callable[[torch.Tensor, torch.Tensor, tuple], torch.Tensor]
+    evaluate: Callable[[object, int], float]
+    export: Callable[[Path], None]
+    export_name: str
+    metric: str
 
 
 def flow2_text_context(encoders, tok: torch.Tensor):
@@ -608,100 +649,204 @@ def train_flow2(args) -> bool:
     deeper transformer (``--flow2-width``, ``--flow2-layers``), longer, with an EMA (``--flow2-ema``) whose weights are
     evaluated and saved, on the shipped tiny VAE (tiny_sd3's, float16 → float32, as `shipped_flow_vae`).
 
-    Resumable bit for bit, like `train_flux`: every ``--checkpoint-minutes`` (and at ``--flow2-stop-at``) the modules,
-    EMAs, optimizer, LR schedule, the batch generator's and torch's RNG states, the step and the evaluations go
-    atomically to ``<work>/flow2_checkpoint.pt``; ``--resume`` continues from it with the same batches. Every
+    Trained by `train_strong_base` (resumable bit for bit; ``<work>/flow2_checkpoint.pt``). Every
     ``--flow2-eval-every`` steps the EMA weights are evaluated (held-out accuracy, `eval_flow`) and saved as a
     pipeline folder ``<work>/tiny_sd3_wide`` (the fragility gate runs on it:
     ``python scripts/fragility_gate.py model=tiny_sd3 model.pretrained_model_name_or_path=<work>/tiny_sd3_wide``).
     The finished model stays in ``<work>``: it replaces the shipped tiny_sd3 only after it passes the gate and the
     recipes are re-measured.
     """
-    from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
-
     from diffalign.models.tiny_flow import build_tiny_flow_pipeline
 
     torch.manual_seed(0)
-    work = Path(args.work)
     vae = shipped_flow_vae(args)
     pipe = build_tiny_flow_pipeline(seed=0, vae=vae, width=args.flow2_width, num_layers=args.flow2_layers)
-    modules = [getattr(pipe, n).train() for n in FLOW2_MODULES]
-    transformer, encoders = modules[0], modules[1:]
-    log("flow2 params " + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M"
-                                    for n, m in zip(FLOW2_MODULES, modules)))
+    transformer, encoders = pipe.transformer, [pipe.text_encoder, pipe.text_encoder_2]
+    empty = pipe.tokenizer([""], padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                           return_tensors="pt").input_ids
+
+    def encode(n: int) -> dict:
+        means, stds, ids = encode_train_latents(vae, pipe.tokenizer, n, margins=WIDE_MARGINS)
+        return {"n": n, "means": means, "stds": stds, "ids": ids}
+
+    def condition(data: dict, idx: torch.Tensor, drop: torch.Tensor):
+        tok = data["ids"][idx].clone()
+        tok[drop] = empty
+        return flow2_text_context(encoders, tok)
+
+    def forward(noisy: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        ctx, pooled = cond
+        return transformer(noisy, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=sigma * 1000).sample
+
+    def export(out: Path) -> None:
+        pipe.save_pretrained(out, safe_serialization=True)
+        for name in ("vae", *FLOW2_MODULES):  # float16 files, as tiny_sd3 ships
+            getattr(pipe, name).to(torch.float16).save_pretrained(out / name, safe_serialization=True)
+            getattr(pipe, name).to(torch.float32)
+
+    sizes = {"steps": args.flow2_steps, "batch": args.unet_batch, "lr": args.flow2_lr, "width": args.flow2_width,
+             "layers": args.flow2_layers, "ema": args.flow2_ema, "num_latents": args.num_latents}
+    return train_strong_base(args, StrongBase(
+        name="flow2", pipe=pipe, module_names=FLOW2_MODULES, sizes=sizes, encode=encode, condition=condition,
+        forward=forward, evaluate=eval_flow, export=export, export_name="tiny_sd3_wide",
+        metric="heldout_accuracy_20_steps_cfg4.5"))
+
+
+def train_flux2(args) -> bool:
+    """The stronger tiny FLUX.1-format base (issue 31): `train_flux`'s model family — `FluxTransformer2DModel` on packed
+    2×2 latents, no guidance embedding (true CFG), tiny CLIP pooled + T5 encoders from `diffalign.models.tiny_flux`,
+    trained jointly on tiny_sd3's shipped VAE — with `train_flow2`'s recipe: wide-margin renders, wider and deeper
+    (``--flux2-heads`` heads of 16, ``--flux2-layers`` double- and ``--flux2-single-layers`` single-stream blocks),
+    longer, EMA (``--flux2-ema``), ``--flux2-edge-weight``; trained by `train_strong_base` (resumable bit for bit,
+    ``<work>/flux2_checkpoint.pt``; T5's dropout draws from torch's global RNG, which the checkpoint holds).
+
+    Every ``--flux2-eval-every`` steps the EMA weights are evaluated (held-out accuracy, `eval_flux`: true CFG 4.5)
+    and saved as ``<work>/tiny_flux_wide`` in the shipped tiny_flux layout (float16 files, no ``vae/``: it is
+    tiny_sd3's), so ``model=tiny_flux model.pretrained_model_name_or_path=<work>/tiny_flux_wide`` loads it with the
+    config's ``model.vae``. Nothing is shipped.
+    """
+    from diffusers import FluxPipeline
+
+    from diffalign.models.tiny_flux import (
+        TINY_FLUX_MAX_SEQUENCE_LENGTH,
+        build_tiny_flux_pipeline,
+        build_tiny_flux_transformer,
+    )
+
+    torch.manual_seed(0)
+    vae = shipped_flow_vae(args)
+    transformer = build_tiny_flux_transformer(guidance_embeds=False, num_layers=args.flux2_layers,
+                                              num_single_layers=args.flux2_single_layers,
+                                              num_attention_heads=args.flux2_heads,
+                                              latent_channels=vae.config.latent_channels)
+    pipe = build_tiny_flux_pipeline(seed=0, guidance_embeds=False, vae=vae, transformer=transformer)
+    img_ids = {}
+
+    def encode(n: int) -> dict:
+        means, stds, _ = encode_train_latents(vae, pipe.tokenizer, n, margins=WIDE_MARGINS)
+        return {"n": n, "means": means, "stds": stds, "prompts": [s["prompt"] for s in sample_train_specs(n, seed=1)]}
+
+    def condition(data: dict, idx: torch.Tensor, drop: torch.Tensor):
+        text = ["" if d else data["prompts"][i] for i, d in zip(idx.tolist(), drop.tolist())]
+        return pipe.encode_prompt(prompt=text, prompt_2=None, max_sequence_length=TINY_FLUX_MAX_SEQUENCE_LENGTH)
+
+    def forward(noisy: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+        states, pooled, text_ids = cond
+        b, c, h, w = noisy.shape
+        if (h, w) not in img_ids:
+            img_ids[h, w] = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, noisy.device, noisy.dtype)
+        packed = transformer(hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w), timestep=sigma,
+                             pooled_projections=pooled, encoder_hidden_states=states, txt_ids=text_ids,
+                             img_ids=img_ids[h, w], return_dict=False)[0]
+        f = pipe.vae_scale_factor
+        return FluxPipeline._unpack_latents(packed, h * f, w * f, f)
+
+    def export(out: Path) -> None:
+        pipe.save_pretrained(out, safe_serialization=True)
+        shutil.rmtree(out / "vae")  # tiny_flux has no VAE of its own: model.vae is tiny_sd3's
+        for name in FLUX_MODULES:  # float16 files, as tiny_flux ships
+            getattr(pipe, name).to(torch.float16).save_pretrained(out / name, safe_serialization=True)
+            getattr(pipe, name).to(torch.float32)
+
+    sizes = {"steps": args.flux2_steps, "batch": args.unet_batch, "lr": args.flux2_lr, "heads": args.flux2_heads,
+             "layers": args.flux2_layers, "single_layers": args.flux2_single_layers, "ema": args.flux2_ema,
+             "num_latents": args.num_latents}
+    return train_strong_base(args, StrongBase(
+        name="flux2", pipe=pipe, module_names=FLUX_MODULES, sizes=sizes, encode=encode, condition=condition,
+        forward=forward, evaluate=eval_flux, export=export, export_name="tiny_flux_wide",
+        metric="heldout_accuracy_20_steps_true_cfg4.5"))
+
+
+def train_strong_base(args, stage: StrongBase) -> bool:
+    """The training loop of the stronger bases (flow2, flux2): rectified flow on cached latents of wide-margin renders
+    (logit-normal σ clamped to [1e-3, 1], x_σ = (1 − σ)·x0 + σ·ε, velocity target ε − x0, 10 % caption dropout),
+    AdamW (weight decay 1e-2), 200 warmup steps + cosine LR to 0.1×, gradient norm clipped at 1, one EMA per module;
+    ``--<name>-edge-weight`` W ≠ 1 weights the squared error of the latents whose 4×4 pixel block holds an object edge
+    by W (`latent_edge_blocks`), normalised by the batch's mean weight. Returns False if stopped at
+    ``--<name>-stop-at``, True when finished (metrics in ``<work>/<name>_metrics.json``).
+
+    Resumable bit for bit: every ``--checkpoint-minutes`` (and at ``--<name>-stop-at``) the modules, EMAs, optimizer,
+    LR schedule, the batch generator's and torch's RNG states, the step and the evaluations go atomically to
+    ``<work>/<name>_checkpoint.pt``; ``--resume`` continues from it with the same batches. Every
+    ``--<name>-eval-every`` steps the EMA weights, rounded to float16 as shipped, are evaluated and exported to
+    ``<work>/<export_name>``.
+
+    Raises:
+        SystemExit: on ``--resume`` with other sizes than the checkpoint's (`load_stage_checkpoint`).
+    """
+    from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
+
+    def opt_(key: str):
+        return getattr(args, f"{stage.name}_{key}")
+
+    work, name = Path(args.work), stage.name
+    modules = [getattr(stage.pipe, n).train() for n in stage.module_names]
+    log(f"{name} params " + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M"
+                                      for n, m in zip(stage.module_names, modules)))
     # 1. latents of wide-margin renders (cached: a resume must not depend on re-encoding, and skips it)
-    cache = work / "flow2_latents.pt"
+    cache = work / f"{name}_latents.pt"
     if cache.exists() and torch.load(cache)["n"] == args.num_latents:
         data = torch.load(cache)
     else:
         t0 = time.time()
-        means, stds, ids = encode_train_latents(vae, pipe.tokenizer, args.num_latents, margins=WIDE_MARGINS)
-        data = {"n": args.num_latents, "means": means, "stds": stds, "ids": ids}
+        data = stage.encode(args.num_latents)
         save_atomic(data, cache)
-        log(f"encoded {len(means)} wide-margin latents in {time.time() - t0:.0f}s")
-    means, stds, ids = data["means"], data["stds"], data["ids"]
-    empty = pipe.tokenizer([""], padding="max_length", max_length=pipe.tokenizer.model_max_length,
-                           return_tensors="pt").input_ids
+        log(f"encoded {len(data['means'])} wide-margin latents in {time.time() - t0:.0f}s")
+    means, stds = data["means"], data["stds"]
+    shift, scale = stage.pipe.vae.config.shift_factor or 0.0, stage.pipe.vae.config.scaling_factor
     # 2. optimisation state, fresh or resumed
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.flow2_lr, weight_decay=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(200, args.flow2_steps, floor=0.1))
-    emas = [EMAModel(m.parameters(), decay=args.flow2_ema) for m in modules]
+    opt = torch.optim.AdamW(params, lr=opt_("lr"), weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(200, opt_("steps"), floor=0.1))
+    emas = [EMAModel(m.parameters(), decay=opt_("ema")) for m in modules]
     gen = torch.Generator().manual_seed(0)
-    sizes = {"steps": args.flow2_steps, "batch": args.unet_batch, "lr": args.flow2_lr, "width": args.flow2_width,
-             "layers": args.flow2_layers, "ema": args.flow2_ema, "num_latents": args.num_latents}
-    edge_weights = None
-    if args.flow2_edge_weight != 1.0:  # only then a size of the run: checkpoints of unweighted runs still resume
-        sizes["edge_weight"] = args.flow2_edge_weight
+    sizes, edge_weights = dict(stage.sizes), None
+    if opt_("edge_weight") != 1.0:  # only then a size of the run: checkpoints of unweighted runs still resume
+        sizes["edge_weight"] = opt_("edge_weight")
         edges = latent_edge_blocks(args.num_latents, WIDE_MARGINS)
-        edge_weights = 1.0 + (args.flow2_edge_weight - 1.0) * edges.float()
-        log(f"edge weight {args.flow2_edge_weight}: {edges.float().mean():.3f} of the latent positions cover an "
+        edge_weights = 1.0 + (opt_("edge_weight") - 1.0) * edges.float()
+        log(f"edge weight {opt_('edge_weight')}: {edges.float().mean():.3f} of the latent positions cover an "
             f"object edge")
-    ckpt_path = work / "flow2_checkpoint.pt"
+    ckpt_path = work / f"{name}_checkpoint.pt"
     resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
     start, running, elapsed, evals = 0, None, 0.0, []
     if args.resume and ckpt_path.exists():
-        start, running, elapsed, evals = load_stage_checkpoint(ckpt_path, sizes, "--flow2-*", **resumable)
+        start, running, elapsed, evals = load_stage_checkpoint(ckpt_path, sizes, f"--{name}-*", **resumable)
 
     def checkpoint(step: int) -> None:
         save_stage_checkpoint(ckpt_path, step, sizes, running=running, elapsed=elapsed + time.time() - t0,
                               evals=evals, **resumable)
 
     def save_ema(step: int, final: bool = False) -> None:
-        """EMA weights, rounded to float16 as shipped, evaluated and saved as <work>/tiny_sd3_wide."""
+        """EMA weights, rounded to float16 as shipped, evaluated and exported to <work>/<export_name>."""
         for ema, m in zip(emas, modules):
             ema.store(m.parameters())
             ema.copy_to(m.parameters())
             m.to(torch.float16).to(torch.float32).eval()
         with torch.random.fork_rng(devices=[]):
-            acc = eval_flow(pipe, args.flow2_eval_prompts)
-        out = work / "tiny_sd3_wide"
+            acc = stage.evaluate(stage.pipe, opt_("eval_prompts"))
+        out = work / stage.export_name
         shutil.rmtree(out, ignore_errors=True)
-        pipe.save_pretrained(out, safe_serialization=True)
-        for name in ("vae", *FLOW2_MODULES):  # float16 files, as tiny_sd3 ships
-            getattr(pipe, name).to(torch.float16).save_pretrained(out / name, safe_serialization=True)
-            getattr(pipe, name).to(torch.float32)
+        stage.export(out)
         if not final:
             for ema, m in zip(emas, modules):
                 ema.restore(m.parameters())
                 m.train()
         evals.append({"step": step, "heldout_accuracy": acc})
-        log(f"flow2 step {step} EMA held-out verifier accuracy {acc:.3f}; saved {out}")
+        log(f"{name} step {step} EMA held-out verifier accuracy {acc:.3f}; saved {out}")
 
     # 3. train
+    steps = opt_("steps")
     t0, last_ckpt = time.time(), time.time()
-    for step in range(start, args.flow2_steps):
+    for step in range(start, steps):
         idx = torch.randint(len(means), (args.unet_batch,), generator=gen)
-        lat = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen)) * vae.config.scaling_factor
-        tok = ids[idx].clone()
-        tok[torch.rand(len(idx), generator=gen) < 0.1] = empty
+        lat = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen) - shift) * scale
+        drop = torch.rand(len(idx), generator=gen) < 0.1
         noise = torch.randn(lat.shape, generator=gen)
         sigma = compute_density_for_timestep_sampling("logit_normal", len(idx), logit_mean=0.0, logit_std=1.0,
                                                       generator=gen).clamp(1e-3, 1.0)
         s = sigma.view(-1, 1, 1, 1)
-        ctx, pooled = flow2_text_context(encoders, tok)
-        pred = transformer((1 - s) * lat + s * noise, encoder_hidden_states=ctx, pooled_projections=pooled,
-                           timestep=sigma * 1000).sample
+        pred = stage.forward((1 - s) * lat + s * noise, sigma, stage.condition(data, idx, drop))
         if edge_weights is None:
             loss = F.mse_loss(pred, noise - lat)
         else:  # weighted mean over the batch's latents, normalised by the mean weight (the loss keeps its scale)
@@ -716,23 +861,23 @@ def train_flow2(args) -> bool:
             ema.step(m.parameters())
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         done = step + 1
-        if step % 100 == 0 or done == args.flow2_steps:
-            log(f"flow2 step {step} loss {running:.4f} ({(done - start) / (time.time() - t0):.2f} it/s)")
-        if args.flow2_eval_every and done % args.flow2_eval_every == 0 and done < args.flow2_steps:
+        if step % 100 == 0 or done == steps:
+            log(f"{name} step {step} loss {running:.4f} ({(done - start) / (time.time() - t0):.2f} it/s)")
+        if opt_("eval_every") and done % opt_("eval_every") == 0 and done < steps:
             save_ema(done)
-        if done == args.flow2_stop_at:
+        if done == opt_("stop_at"):
             checkpoint(done)
-            log(f"stopped at step {done} (--flow2-stop-at); continue with --resume")
+            log(f"stopped at step {done} (--{name}-stop-at); continue with --resume")
             return False
-        if time.time() - last_ckpt > 60 * args.checkpoint_minutes and done < args.flow2_steps:
+        if time.time() - last_ckpt > 60 * args.checkpoint_minutes and done < steps:
             checkpoint(done)
             last_ckpt = time.time()
-    checkpoint(args.flow2_steps)
-    save_ema(args.flow2_steps, final=True)
-    (work / "flow2_metrics.json").write_text(json.dumps(
-        {"steps": args.flow2_steps, "batch": args.unet_batch, "sizes": sizes,
+    checkpoint(steps)
+    save_ema(steps, final=True)
+    (work / f"{name}_metrics.json").write_text(json.dumps(
+        {"steps": steps, "batch": args.unet_batch, "sizes": sizes,
          "minutes": (elapsed + time.time() - t0) / 60, "final_loss": running,
-         "heldout_accuracy_20_steps_cfg4.5": evals[-1]["heldout_accuracy"], "heldout_accuracy_by_step": evals},
+         stage.metric: evals[-1]["heldout_accuracy"], "heldout_accuracy_by_step": evals},
         indent=2))
     return True
 
@@ -846,8 +991,9 @@ def eval_clip(model, tokenizer, n: int, by_kind: bool = False, random_negative: 
 # ----------------------------------------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["vae", "unet", "clip", "flow", "flux", "flow2", "all"],
-                   help="flow2 (the stronger SD3-format base, not yet shipped) is not part of all")
+    p.add_argument("stage", choices=["vae", "unet", "clip", "flow", "flux", "flow2", "flux2", "all"],
+                   help="flow2 and flux2 (the stronger SD3- and FLUX-format bases, not yet shipped) are not part "
+                        "of all")
     p.add_argument("--out", default="diffalign/assets", help="where the finished models are copied")
     p.add_argument("--work", default="runs/pretrain", help="scratch folder for stage outputs")
     p.add_argument("--vae-steps", type=int, default=3000)
@@ -883,22 +1029,34 @@ def main() -> None:
     p.add_argument("--flow2-edge-weight", type=float, default=1.0,
                    help="loss weight of the latents whose 4x4 pixel block holds an object edge (1: unweighted; "
                         "docs/results/tiny_world.md, 'Why the new base is still fragile')")
+    p.add_argument("--flux2-steps", type=int, default=20_000)
+    p.add_argument("--flux2-lr", type=float, default=5e-4)
+    p.add_argument("--flux2-heads", type=int, default=8, help="attention heads of 16 (width 16 x heads)")
+    p.add_argument("--flux2-layers", type=int, default=4, help="double-stream blocks")
+    p.add_argument("--flux2-single-layers", type=int, default=8, help="single-stream blocks")
+    p.add_argument("--flux2-ema", type=float, default=0.999, help="EMA decay")
+    p.add_argument("--flux2-eval-prompts", type=int, default=117)
+    p.add_argument("--flux2-eval-every", type=int, default=1000, help="steps between EMA evaluations and saves")
+    p.add_argument("--flux2-stop-at", type=int, default=0, help="checkpoint and stop after this step (0: never)")
+    p.add_argument("--flux2-edge-weight", type=float, default=1.0,
+                   help="as --flow2-edge-weight, for flux2")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
-    p.add_argument("--resume", action="store_true", help="continue from <work>/flux_checkpoint.pt (flux) or "
-                   "<work>/flow2_checkpoint.pt (flow2)")
+    p.add_argument("--resume", action="store_true", help="continue from <work>/<stage>_checkpoint.pt (flux, "
+                   "flow2, flux2)")
     p.add_argument("--eval-images", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    if not args.flow2_edge_weight > 0:
-        p.error(f"--flow2-edge-weight must be > 0 (1: unweighted), got {args.flow2_edge_weight}")
+    for stage in ("flow2", "flux2"):
+        if not getattr(args, f"{stage}_edge_weight") > 0:
+            p.error(f"--{stage}-edge-weight must be > 0 (1: unweighted), got {getattr(args, f'{stage}_edge_weight')}")
     torch.set_num_threads(args.threads)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     stages = ["vae", "unet", "clip", "flow", "flux"] if args.stage == "all" else [args.stage]
     for stage in stages:
         finished = {"vae": train_vae, "unet": train_unet, "clip": train_clip, "flow": train_flow,
-                    "flux": train_flux, "flow2": train_flow2}[stage](args)
-        if finished is False or stage == "flow2":
-            return  # stopped early (--*-stop-at), or flow2 (kept in --work): nothing to copy
+                    "flux": train_flux, "flow2": train_flow2, "flux2": train_flux2}[stage](args)
+        if finished is False or stage in ("flow2", "flux2"):
+            return  # stopped early (--*-stop-at), or flow2/flux2 (kept in --work): nothing to copy
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, stage in (("tiny_sd", "unet"), ("tiny_clip", "clip"), ("tiny_sd3", "flow"), ("tiny_flux", "flux")):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 try:
     import fcntl
@@ -327,6 +328,120 @@ def run_lock(output_dir: str | os.PathLike, program: str = "diffalign") -> Itera
             release(output_dir)
 
 
+HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+"""What Hydra writes into a run's output folder before the run's own checks (with ``<hydra.job.name>.log``)."""
+
+
+@dataclass
+class _Started:
+    """What `RunLockCallback` found in an output folder before Hydra wrote there: the topmost folder this process
+    created for it (None when the folder existed), Hydra's files as they were (`HYDRA_FILES`: their bytes, None when
+    absent) and the job log's name and size (None when absent)."""
+
+    created: Path | None
+    files: dict[str, bytes | None]
+    log_name: str | None
+    log_size: int | None
+
+
+_STARTED: dict[Path, _Started] = {}
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _job_log_name(config) -> str | None:
+    """``<hydra.job.name>.log``, the job log Hydra writes into the run folder; None for a config without a
+    ``hydra`` node (a callback driven by hand)."""
+    name = OmegaConf.select(config, "hydra.job.name", default=None) if isinstance(config, DictConfig) else None
+    return f"{name}.log" if isinstance(name, str) and name else None
+
+
+def record_run_start(output_dir: str | os.PathLike, log_name: str | None = None) -> None:
+    """Records, before anything is written to `output_dir`, what `undo_run_start` needs to leave the folder as it was:
+    whether this process creates it (and which missing parents with it), else Hydra's files there (`HYDRA_FILES`)
+    and the size of the job log `log_name`. The first record of a folder wins (Hydra starts a run and then its job)."""
+    key = Path(output_dir).resolve()
+    if key in _STARTED:
+        return
+    created, probe = None, key
+    while not probe.exists() and probe != probe.parent:
+        created, probe = probe, probe.parent
+    files = {} if created is not None else {name: _read_bytes(key / name) for name in HYDRA_FILES}
+    log_size = None
+    if created is None and log_name and (key / log_name).is_file():
+        log_size = (key / log_name).stat().st_size
+    _STARTED[key] = _Started(created, files, log_name, log_size)
+
+
+def _holds_only_run_start_files(folder: Path, log_name: str | None) -> bool:
+    allowed = {LOCK_NAME, ".hydra", *([log_name] if log_name else [])}
+    if not folder.is_dir() or any(p.name not in allowed for p in folder.iterdir()):
+        return False
+    hydra = folder / ".hydra"
+    return not hydra.exists() or all(f".hydra/{p.name}" in HYDRA_FILES for p in hydra.iterdir())
+
+
+def undo_run_start(*, existing: bool = True) -> list[Path]:
+    """Leaves the output folders of this process's run as they were before Hydra wrote into them, for a run that was
+    refused (a config error found after Hydra made the folder) or stopped before it wrote anything of its own: a
+    folder this process created that holds only its lock, Hydra's ``.hydra/`` files and the job log is removed, with
+    the empty parents created with it; in a folder that existed (`existing`), Hydra's files are put back as they were
+    (a refused ``resume=latest`` must not replace the run's ``.hydra/config.yaml``, which ``diffalign-eval`` reads)
+    and the job log is cut back to its size. The locks of these folders are released. Folders not recorded by
+    `record_run_start` are left alone.
+
+    Args:
+        existing (`bool`): also restore folders that existed before the run (only for a refused run: a run that
+            stopped after it started may have written there).
+
+    Returns:
+        `list[Path]`: the folders removed or restored.
+    """
+    undone = []
+    for key, started in list(_STARTED.items()):
+        if started.created is None and not existing:
+            continue
+        del _STARTED[key]
+        if started.created is not None and not _holds_only_run_start_files(key, started.log_name):
+            continue
+        if key in _HELD:
+            _HELD[key].count = 1
+            release(key)
+        with contextlib.suppress(OSError):  # (a file still open elsewhere on Windows: left as it is)
+            if started.created is not None:
+                for name in (*HYDRA_FILES, *([started.log_name] if started.log_name else [])):
+                    (key / name).unlink(missing_ok=True)
+                if (key / ".hydra").exists():
+                    (key / ".hydra").rmdir()
+                folder = key
+                while True:
+                    folder.rmdir()
+                    if folder == started.created:
+                        break
+                    folder = folder.parent
+            else:
+                for name, content in started.files.items():
+                    if content is None:
+                        (key / name).unlink(missing_ok=True)
+                    else:
+                        (key / name).write_bytes(content)
+                if all(content is None for content in started.files.values()) and (key / ".hydra").is_dir():
+                    (key / ".hydra").rmdir()
+                log = key / started.log_name if started.log_name else None
+                if log is not None and log.is_file():
+                    if started.log_size is None:
+                        log.unlink()
+                    else:
+                        os.truncate(log, started.log_size)
+        undone.append(key)
+    return undone
+
+
 class RunLockCallback(Callback):
     """Hydra callback (``hydra.callbacks.run_lock`` in ``train.yaml`` / ``evaluate.yaml``) that locks ``output_dir``
     when a run starts, before Hydra writes ``.hydra/`` and its log file there, and unlocks it at the end. A refusal
@@ -338,16 +453,25 @@ class RunLockCallback(Callback):
 
     def _take(self, config) -> None:
         output_dir = str(config.output_dir)
+        key = Path(output_dir).resolve()  # (before Hydra may change the working directory)
+        if key not in _HELD:  # what the folder holds before the lock (and Hydra) write there: `undo_run_start`
+            record_run_start(key, _job_log_name(config))
         try:
             taken = acquire(output_dir, self.program)
         except (RunLockedError, PermissionError) as err:
+            _STARTED.pop(key, None)  # (another run's folder, or one that cannot be made: nothing of ours there)
             raise SystemExit(f"diffalign: error: {err}") from None
         if taken:
-            self.dirs.append(str(Path(output_dir).resolve()))  # (before Hydra may change the working directory)
+            self.dirs.append(str(key))
+        else:  # (a non-zero rank: rank 0 owns the folder)
+            _STARTED.pop(key, None)
 
     def _drop(self) -> None:
         if self.dirs:
-            release(self.dirs.pop())
+            key = self.dirs.pop()
+            release(key)
+            if key not in self.dirs:  # (the run ended as it should: nothing to undo there)
+                _STARTED.pop(Path(key), None)
 
     def on_run_start(self, config, **kwargs) -> None:
         self._take(config)

@@ -145,6 +145,8 @@ def test_diffalign_train_error_is_not_glued_to_the_progress_bar(tmp_path):
     assert "epochs:" in res.stderr  # the bar was open
     errors = [line for line in res.stderr.splitlines() if "diffalign: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("diffalign: error:"), res.stderr[-2000:]
+    # the error is the last thing written: the bar is not drawn again after it (as the interpreter exits)
+    assert res.stderr.rstrip("\n").rsplit("\n", 1)[-1] == errors[0], repr(res.stderr[-600:])
 
 
 @pytest.mark.parametrize("command", ["diffalign-train", "diffalign-eval", "diffalign-bench", "diffalign-export",

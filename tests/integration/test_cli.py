@@ -130,6 +130,40 @@ def test_cli_errors_before_any_model_is_loaded(tmp_path, monkeypatch, capsys, re
     assert code != 0 and not list((tmp_path / "d").glob("checkpoint-*"))
 
 
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(folder.rglob("*"))}
+
+
+def test_a_refused_run_leaves_its_folder_as_it_was(tmp_path, monkeypatch, capsys, release_run_locks):
+    """A config error found after Hydra made the output folder (``runs/train-<time>/`` with ``.hydra/`` and
+    ``cli.log``): the one error line, and the folder is gone (created by this run, with its ``runs/`` parent), or put
+    back byte for byte where it existed (a refused ``resume=latest`` must not replace the run's saved config, which
+    ``diffalign-eval`` reads to pick the model)."""
+    from diffalign import cli
+
+    for args in (["method.beta=-1"], ["method.beta=-1", "output_dir=a/b"], ["trainer.batch_size=0"]):
+        done = run_cli_in_process(cli.train, args, tmp_path, monkeypatch, capsys)
+        assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("diffalign: error: "), args
+        assert list(tmp_path.iterdir()) == [], (args, list(tmp_path.rglob("*")))
+    done = run_cli_in_process(cli.evaluate, [f"checkpoint={tmp_path / 'nope'}"], tmp_path, monkeypatch, capsys,
+                              prog="diffalign-eval")
+    assert done.returncode == 1 and "diffalign: error: checkpoint=" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "run"  # an earlier run's folder: its saved config, its log, a checkpoint
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("model:\n  _target_: the.earlier.run\n")
+    (run / "cli.log").write_text("the earlier run's log\n")
+    (run / "checkpoint-4").mkdir()
+    before = _tree(run)
+    done = run_cli_in_process(cli.train, ["output_dir=run", "resume=latest", "model=tiny_sd3", "method.beta=-1"],
+                              tmp_path, monkeypatch, capsys)
+    assert done.returncode == 1 and "method.beta=-1.0 must be > 0" in done.stderr
+    assert _tree(run) == before  # (no hydra.yaml / overrides.yaml added, no lock file left)
+    (tmp_path / "empty").mkdir()
+    done = run_cli_in_process(cli.train, ["output_dir=empty", "method.beta=-1"], tmp_path, monkeypatch, capsys)
+    assert done.returncode == 1 and (tmp_path / "empty").is_dir() and _tree(tmp_path / "empty") == {}
+
+
 def test_two_step_run_changes_every_trainable_parameter_and_lora_loads_in_diffusers(tmp_path):
     from diffalign.models.tiny_random import build_tiny_random_pipeline, build_tiny_random_policy
     from diffalign.train.preference import train

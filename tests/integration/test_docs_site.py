@@ -91,3 +91,19 @@ def test_readme_is_a_front_door_and_ci_runs_its_commands():
     test = next(line for line in ci if "pytest" in line)
     assert commands[0].startswith(install), (commands[0], install)
     assert commands[1].endswith(test), (commands[1], test)
+
+
+MACHINE_LOCAL = re.compile(r"(?<![\w.<>-])/(?:work|root|home)/[^\s`)]*|\.\./shared\b")
+
+
+def test_docs_name_no_folder_of_the_machine_they_were_written_on():
+    """The README and docs/ give commands with paths a reader has or replaces (``runs/...``, ``<work>``,
+    ``/models/...``), never a folder of the machine the figures were measured on (``/work/...``, ``/root/...``,
+    ``/home/...``) nor the team's notes outside the repository (``../shared``)."""
+    found = []
+    for path in [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{path.relative_to(REPO)}:{number}: {hit}" for hit in MACHINE_LOCAL.findall(line)]
+    assert not found, "machine-local paths in the docs:\n" + "\n".join(found)
+    assert MACHINE_LOCAL.findall("--work /work/pretrain/flow2 and ../shared/DESIGN.md, not <work>/x or runs/work/") \
+        == ["/work/pretrain/flow2", "../shared"]

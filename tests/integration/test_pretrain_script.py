@@ -151,6 +151,69 @@ def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_p
     assert not (tmp_path / "out" / "tiny_sd3_wide").exists()  # nothing is shipped
 
 
+
+@pytest.mark.slow
+def test_flux2_stage_resumes_bit_for_bit_and_its_ema_export_loads_as_model_tiny_flux(tmp_path, monkeypatch, capsys):
+    """The stronger FLUX-format base's stage (flux2, the loop flow2 runs): five steps in one go against three (with an
+    EMA evaluation and export at step 3), a checkpoint, a new process with --resume, two more give identical step-5
+    checkpoints, edge-weighted loss included. The step-3 export holds the checkpoint's EMA weights rounded to float16,
+    has no VAE of its own, and ``model=tiny_flux model.pretrained_model_name_or_path=<export>`` loads it with the VAE
+    the stage trained on (tiny_sd3's)."""
+    from conftest import compose_cfg
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from hydra.utils import instantiate
+
+    from diffalign.config.compose import asset_path
+    from diffalign.lora.initial import model_config
+
+    shutil.copytree(Path(asset_path("tiny_sd3")) / "vae", tmp_path / "out" / "tiny_sd3" / "vae")
+    base = [sys.executable, str(ROOT / "scripts" / "pretrain_tiny_world.py"), "flux2", "--out", str(tmp_path / "out"),
+            "--num-latents", "16", "--unet-batch", "4", "--flux2-steps", "5", "--flux2-heads", "2", "--flux2-layers",
+            "1", "--flux2-single-layers", "1", "--flux2-eval-every", "3", "--flux2-eval-prompts", "2",
+            "--flux2-edge-weight", "3", "--threads", "1"]
+
+    def run(*extra):
+        res = subprocess.run(base + list(extra), check=False, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    _main(base[2:] + ["--work", str(tmp_path / "a"), "--flux2-stop-at", "5"], monkeypatch, capsys)
+    out = _main(base[2:] + ["--work", str(tmp_path / "b"), "--flux2-stop-at", "3"], monkeypatch, capsys)
+    assert "edge weight 3.0:" in out and "flux2 step 3 EMA held-out verifier accuracy" in out
+    assert "stopped at step 3" in out
+    at_3 = torch.load(tmp_path / "b" / "flux2_checkpoint.pt", weights_only=False)
+    export = tmp_path / "b" / "tiny_flux_wide"
+    assert not (export / "vae").exists()
+    # the export is the step-3 EMA (the checkpoint's shadow weights, in parameters() order), as float16 files
+    saved = FluxTransformer2DModel.from_pretrained(export / "transformer")
+    assert saved.config.num_layers == 1 and saved.config.num_single_layers == 1 and not saved.config.guidance_embeds
+    names = [n for n, _ in saved.named_parameters()]
+    shadow = dict(zip(names, at_3["emas"][0]["shadow_params"]))
+    for name, value in saved.named_parameters():
+        assert torch.equal(value, shadow[name].to(torch.float16).to(torch.float32)), name
+    # model=tiny_flux loads the export, with the VAE of the config (tiny_sd3's, the one the stage trained on)
+    cfg = compose_cfg([f"output_dir={tmp_path}", "model=tiny_flux", f"model.pretrained_model_name_or_path={export}"])
+    policy = instantiate(model_config(cfg.model))
+    loaded = {k.replace(".base_layer", ""): v for k, v in policy.pipe.transformer.state_dict().items() if "lora_" not in k}
+    assert loaded.keys() == dict(saved.named_parameters()).keys()
+    assert all(torch.equal(loaded[n], v) for n, v in saved.named_parameters())
+    trained_vae = AutoencoderKL.from_pretrained(tmp_path / "out" / "tiny_sd3" / "vae", torch_dtype=torch.float32)
+    assert _same(policy.pipe.vae.state_dict(), trained_vae.state_dict())
+    # the resumed half: a new process, steps 4-5, the same checkpoint as the uninterrupted run
+    assert "resumed from" in run("--work", str(tmp_path / "b"), "--flux2-stop-at", "5", "--resume")
+    a = torch.load(tmp_path / "a" / "flux2_checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "flux2_checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 5 and a["sizes"]["edge_weight"] == 3.0
+    assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]] == [3]
+    for key in set(a) - {"elapsed"}:
+        assert _same(a[key], b[key]), key
+    for before, after in zip(at_3["modules"], b["modules"]):
+        for name, value in after.items():
+            if value.is_floating_point() and "position_ids" not in name:
+                assert not torch.equal(before[name], value), name
+    assert not (tmp_path / "out" / "tiny_flux_wide").exists()  # nothing is shipped
+
+
 def _script():
     import importlib.util
 

@@ -517,3 +517,44 @@ def test_the_lock_file_is_created_readable_by_all_and_writable_by_its_owner(tmp_
         assert (tmp_path / "run" / LOCK_NAME).stat().st_mode & 0o777 == 0o644 & ~umask
     finally:
         release(tmp_path / "run")
+
+
+def test_undo_run_start_removes_only_what_the_run_start_wrote(tmp_path):
+    """`undo_run_start`: a folder this process created, holding only its lock, Hydra's three files and the job log,
+    goes with the parents created for it (not the parent that existed); one holding anything else stays; a folder
+    that existed gets Hydra's files back as they were and its log cut back, and only when asked (``existing``)."""
+    hydra_files = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+    def start(folder, log="cli.log"):  # what Hydra does after the callback: the lock, .hydra/, the job log
+        runlock.record_run_start(folder, log)
+        assert acquire(folder, "diffalign-train")
+        (folder / ".hydra").mkdir(exist_ok=True)
+        for name in hydra_files:
+            (folder / ".hydra" / name).write_text(f"new {name}\n")
+        with open(folder / log, "a") as f:
+            f.write("new line\n")
+
+    created = tmp_path / "runs" / "a" / "b"
+    start(created)
+    kept = tmp_path / "kept"
+    start(kept)
+    (kept / "checkpoint-1").mkdir()
+    existing = tmp_path / "existing"
+    (existing / ".hydra").mkdir(parents=True)
+    (existing / ".hydra" / "config.yaml").write_text("old config\n")
+    (existing / "cli.log").write_text("old log\n")
+    start(existing)
+    assert runlock.undo_run_start(existing=False) == [created.resolve()]  # (kept: not only the run start's files)
+    assert not (tmp_path / "runs").exists() and not holds(created)
+    assert (kept / "checkpoint-1").is_dir() and (kept / ".hydra" / "config.yaml").is_file()
+    assert (existing / ".hydra" / "hydra.yaml").is_file() and holds(existing)  # (existing=False: left alone)
+    assert runlock.undo_run_start() == [existing.resolve()]
+    assert sorted(p.name for p in (existing / ".hydra").iterdir()) == ["config.yaml"]
+    assert (existing / ".hydra" / "config.yaml").read_text() == "old config\n"
+    assert (existing / "cli.log").read_text() == "old log\n" and not holds(existing)
+    assert not (existing / LOCK_NAME).exists() and runlock.undo_run_start() == []
+    release(kept)
+    empty = tmp_path / "empty"  # an existing empty folder: Hydra's .hydra/ and log go, the folder stays
+    empty.mkdir()
+    start(empty)
+    assert runlock.undo_run_start() == [empty.resolve()] and list(empty.iterdir()) == []
