@@ -25,6 +25,16 @@ depends on the caption's direction word and on the frame order); ``--text-lr``, 
 text encoder puts a caption and its direction-swapped copy; ``--arch motion`` swaps the UNet3D for an
 AnimateDiff-style `UNetMotionModel` (temporal attentions with sinusoidal frame positions) built from the image UNet. Everything is written to
 ``pretrain_metrics.json`` next to the model.
+
+``--arch wan`` (issue 34; docs/results/video.md, "A Wan-format base") trains a Wan-format base from scratch instead,
+in two stages run in ``--work`` (``--wan-stage vae``, ``transformer``, or ``all``), each resumable bit for bit
+(a checkpoint every ``--checkpoint-minutes``, ``--resume``, ``--stop-at``; pretrain_tiny_world.py's checkpoints):
+`train_wan_vae` (a tiny `AutoencoderKLWan`, 9 frames of 32×32 ↔ latents (4, 9, 8, 8)) and `train_wan_transformer`
+(`WanTransformer3DModel` + a tiny umT5, rectified flow with Wan's shifted schedule, the probe and held-out evaluation
+above), saved as a `WanPipeline` in ``--out`` (default ``<work>/tiny_wan_t2v``) that ``model=tiny_wan_t2v`` loads::
+
+    OMP_NUM_THREADS=1 python scripts/pretrain_tiny_video.py --arch wan --threads 1 --wan-vae-steps 3000 \
+        --steps 20000 --batch 16 --num-videos 16000 --probe-every 500 --eval-every 2000 --work runs/pretrain_wan
 """
 
 from __future__ import annotations
@@ -239,15 +249,429 @@ def inflate_motion_model(image_dir: Path, tokenizer, num_frames: int = 8, motion
     return unet, extend_text_encoder(image_dir, tokenizer), image_names
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# --arch wan: a Wan-format base (tiny AutoencoderKLWan + WanTransformer3DModel + tiny umT5), docs/results/video.md
+# ----------------------------------------------------------------------------------------------------------------------
+WAN_MAX_SEQUENCE_LENGTH = 16  # the video tokenizer's model_max_length: "[BOS] a red circle moving up and ... [EOS]"
+
+
+def _world_script():
+    """scripts/pretrain_tiny_world.py as a module: its resumable-stage helpers (`save_stage_checkpoint`,
+    `load_stage_checkpoint`, `lr_lambda`), shared so both scripts checkpoint the same way."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", Path(__file__).with_name("pretrain_tiny_world.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_wan_vae(base_dim: int = 16, z_dim: int = 4):
+    """A tiny `AutoencoderKLWan` for the world's videos: two spatial downsamples (``dim_mult`` (1, 2, 2)) and no
+    temporal one, so `(B, 3, F, 32, 32)` pixels ↔ `(B, z_dim, F, 8, 8)` latents, one latent frame per video frame
+    (``scale_factor_temporal`` 1, ``scale_factor_spatial`` 4). Its causal encoder reads the first frame alone and the
+    rest in chunks of 4 (`AutoencoderKLWan._encode`), so F must be 1 + 4k for every frame to be encoded.
+
+    The posterior's log-variance starts at −10 (std 0.007; the bias of the log-variance half of ``quant_conv``):
+    Wan's encoder starts with posterior means of about 0.3 and std 1, and trained so (1e-6·KL, the image VAE's
+    weight) it collapsed in a 250-step pilot to ignoring its latent (mean |μ| 0.27 → 0.03, std still 1.0, held-out
+    PSNR 14.9 dB: the background only; docs/results/video.md)."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, False], latents_mean=[0.0] * z_dim,
+                           latents_std=[1.0] * z_dim, scale_factor_temporal=1, scale_factor_spatial=4)
+    with torch.no_grad():
+        vae.quant_conv.bias[z_dim:] = -10.0  # DiagonalGaussianDistribution: channels [mean | log-variance]
+    return vae
+
+
+def build_wan_text_encoder(tokenizer, width: int = 64, layers: int = 2):
+    """A tiny `UMT5EncoderModel` over the video tokenizer (`build_tokenizer(video=True)`; ids 0 pad, 2 EOS), the
+    encoder `WanPipeline.encode_prompt` runs; no dropout."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=width, d_kv=width // 4, d_ff=4 * width, num_layers=layers, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id))
+
+
+def build_wan_transformer(z_dim: int, text_dim: int, width: int = 128, layers: int = 4, heads: int = 4):
+    """A tiny `WanTransformer3DModel`: 1×2×2 patches (F×4×4 tokens for F×8×8 latents), `heads` heads of
+    ``width / heads`` with Wan's 3-D rotary positions (frames, rows, columns), and in every block self-attention over
+    all frames' tokens and cross-attention to the text states."""
+    from diffusers import WanTransformer3DModel
+
+    if width % heads:
+        raise ValueError(f"--wan-width {width} must be divisible by --wan-heads {heads}")
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=width // heads,
+                                 in_channels=z_dim, out_channels=z_dim, text_dim=text_dim, freq_dim=64,
+                                 ffn_dim=4 * width, num_layers=layers, rope_max_seq_len=32)
+
+
+def build_wan_pipeline(vae, text_encoder, transformer, tokenizer, flow_shift: float):
+    """The `WanPipeline` the Wan stage saves: its scheduler is Wan's released one (UniPC on flow sigmas with
+    `flow_shift`); `diffalign.models.wan.WanPolicy` samples it with an Euler/SDE flow scheduler of the same shift."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=flow_shift)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def render_wan_videos(rows, seeds, frames: int) -> torch.Tensor:
+    """Videos of `rows` (seed i for row i) as `(B, 3, F, 32, 32)` in [-1, 1], Wan's channels-first pixel layout."""
+    vids = videos_to_tensor(np.stack([render_video(r, seed=int(s), num_frames=frames) for r, s in zip(rows, seeds)]))
+    return vids.permute(0, 2, 1, 3, 4) * 2 - 1
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's / SD3's time shift σ' = s·σ / (1 + (s − 1)·σ) (Esser et al. 2024, arXiv:2403.03206, eq. 23;
+    `FlowMatchEulerDiscreteScheduler(shift=s)`), so the training noise levels follow the sampling schedule's."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+@torch.no_grad()
+def eval_wan_vae(vae, frames: int, n_seeds: int = 4) -> dict:
+    """The motion verifier on reconstructions (posterior mean) of the held-out video prompts' ground-truth renders,
+    `n_seeds` seeds each: strict accuracy, `direction_sign`, and PSNR (dB, pixels in [0, 1]); the renders themselves
+    score 1.0 (tests/unit/world/test_video_world.py)."""
+    from diffalign.world.video import verify_video
+
+    rows = load_prompts("video_heldout")
+    rows, seeds = [r for r in rows for _ in range(n_seeds)], [50_000 + s for _ in rows for s in range(n_seeds)]
+    correct, sign, mse = [], [], []
+    for s in range(0, len(rows), 16):
+        x = render_wan_videos(rows[s:s + 16], seeds[s:s + 16], frames)
+        rec = vae.decode(vae.encode(x).latent_dist.mean).sample
+        rec01, x01 = ((rec + 1) / 2).clamp(0, 1), (x + 1) / 2
+        mse.append(F.mse_loss(rec01, x01, reduction="none").flatten(1).mean(1))
+        vids = (rec01.permute(0, 2, 3, 4, 1).numpy() * 255 + 0.5).astype(np.uint8)  # (B, F, H, W, 3)
+        for v, r in zip(vids, rows[s:s + 16]):
+            verdict = verify_video(v, r)
+            correct.append(verdict.correct)
+            sign += direction_sign(verdict.tracks, r)
+    return {"accuracy": float(np.mean(correct)), "direction_sign": float(np.mean(sign)) if sign else float("nan"),
+            "psnr_db": float(10 * math.log10(1.0 / torch.cat(mse).mean().item())), "n": len(correct)}
+
+
+def train_wan_vae(args, work: Path, world) -> Path:
+    """Stage 1 of ``--arch wan``: the tiny `AutoencoderKLWan` (`build_wan_vae`) on fresh renders of the train video
+    prompts every step, the image VAE's loss (foreground-weighted L1 + MSE + 1e-6·KL, pretrain_tiny_world.py's
+    ``vae`` stage), AdamW 2e-3 with warm-up and cosine decay; resumable as the transformer stage. Then the latents'
+    per-channel mean and std (posterior means of 256 train videos) become ``latents_mean`` / ``latents_std`` (Wan's
+    normalisation, ``(z − mean) / std``), and the verifier scores reconstructions (`eval_wan_vae`). Saves
+    ``<work>/wan_vae`` and ``<work>/wan_vae_metrics.json``; returns the folder."""
+    out = work / "wan_vae"
+    torch.manual_seed(args.seed)
+    vae = build_wan_vae(args.wan_vae_dim, args.wan_z_dim).train()
+    log(f"wan vae {sum(p.numel() for p in vae.parameters()) / 1e6:.3f}M params, {args.wan_vae_steps} steps")
+    rows = load_prompts("video_train")
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.wan_vae_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, world.lr_lambda(min(100, args.wan_vae_steps // 10 + 1),
+                                                                   args.wan_vae_steps))
+    gen = torch.Generator().manual_seed(args.seed)
+    sizes = {"steps": args.wan_vae_steps, "batch": args.wan_vae_batch, "dim": args.wan_vae_dim, "z": args.wan_z_dim,
+             "frames": args.frames, "lr": args.wan_vae_lr}
+    ckpt_path = work / "wan_vae_checkpoint.pt"
+    resumable = {"modules": [vae], "emas": [], "optimizer": opt, "scheduler": sched, "generator": gen}
+    start, running, elapsed, evals = 0, None, 0.0, []
+    if args.resume and ckpt_path.exists():
+        start, running, elapsed, evals = world.load_stage_checkpoint(ckpt_path, sizes, "--wan-vae-* / --frames",
+                                                                     **resumable)
+    t0, last_ckpt = time.time(), time.time()
+    for step in range(start, args.wan_vae_steps):
+        pick = torch.randint(len(rows), (args.wan_vae_batch,), generator=gen).tolist()
+        x = render_wan_videos([rows[i] for i in pick], [10_000_000 + step * args.wan_vae_batch + k
+                                                        for k in range(len(pick))], args.frames)
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        rec = vae.decode(z).sample
+        weight = 1.0 + 3.0 * (x.amax(dim=1, keepdim=True) > -0.3).float()  # the objects' pixels weigh 4x more
+        loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        done = step + 1
+        if step % 50 == 0 or done == args.wan_vae_steps:
+            log(f"wan vae step {step} loss {loss.item():.4f} (running {running:.4f}, "
+                f"{(done - start) / (time.time() - t0):.2f} it/s)")
+            evals.append({"step": done, "loss": loss.item(), "running": running})
+        if done == args.stop_at:
+            world.save_stage_checkpoint(ckpt_path, done, sizes, running=running, elapsed=elapsed + time.time() - t0,
+                                        evals=evals, **resumable)
+            log(f"stopped at step {done} (--stop-at); continue with --resume")
+            return None
+        if time.time() - last_ckpt > 60 * args.checkpoint_minutes and done < args.wan_vae_steps:
+            world.save_stage_checkpoint(ckpt_path, done, sizes, running=running, elapsed=elapsed + time.time() - t0,
+                                        evals=evals, **resumable)
+            last_ckpt = time.time()
+    minutes = (elapsed + time.time() - t0) / 60
+    vae.eval()
+    with torch.no_grad():
+        specs = [rows[i] for i in np.random.default_rng(999).integers(len(rows), size=256)]
+        lat = torch.cat([vae.encode(render_wan_videos(specs[s:s + 32], range(900_000 + s, 900_032 + s),
+                                                      args.frames)).latent_dist.mean for s in range(0, 256, 32)])
+        posterior_std = vae.encode(render_wan_videos(specs[:32], range(900_000, 900_032), args.frames)).latent_dist.std
+    mean, std = lat.mean(dim=(0, 2, 3, 4)), lat.std(dim=(0, 2, 3, 4))
+    posterior_std = float(posterior_std.mean())
+    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
+                           latents_std=[round(float(v), 5) for v in std])
+    rec = eval_wan_vae(vae, args.frames)
+    log(f"wan vae latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std} (mean posterior std "
+        f"{posterior_std:.4f}); reconstructions of "
+        f"the held-out videos: verifier accuracy {rec['accuracy']:.3f}, direction {rec['direction_sign']:.3f}, "
+        f"PSNR {rec['psnr_db']:.2f} dB (n {rec['n']})")
+    shutil.rmtree(out, ignore_errors=True)
+    vae.save_pretrained(out)
+    (work / "wan_vae_metrics.json").write_text(json.dumps(
+        {"steps": args.wan_vae_steps, "minutes": minutes, "final_running_loss": running, "loss_curve": evals,
+         "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std, "posterior_std": posterior_std,
+         "heldout_reconstructions": rec, "args": {k: v for k, v in vars(args).items()}}, indent=2))
+    return out
+
+
+def wan_direction_probe(transformer, encode, lat, prompts, swapped, sigmas=(0.3, 0.6, 0.9)) -> dict:
+    """`direction_probe` for a flow model: the velocity MSE (target ε − x0, x_σ = (1 − σ) x0 + σ ε, t = 1000 σ) of
+    moving-object latents `(B, C, F, h, w)` with the true caption, the direction-swapped caption, and the frames
+    reversed (input and target), at each σ (fixed noise); keys are t = 1000 σ. A model that uses the direction word
+    has swapped > true. (The reversed latents are not the latents of the reversed video under a causal VAE; the gap
+    still says whether the model reads the order of its latent frames.)"""
+    g = torch.Generator().manual_seed(123)
+    res = {}
+    with torch.no_grad():
+        cond, swap_cond = encode(prompts), encode(swapped)
+        for s in sigmas:
+            noise = torch.randn(lat.shape, generator=g)
+            x, target = (1 - s) * lat + s * noise, noise - lat
+            t = torch.full((len(lat),), 1000.0 * s)
+
+            def mse(inp, text, tgt, t=t):
+                return F.mse_loss(transformer(hidden_states=inp, timestep=t, encoder_hidden_states=text,
+                                              return_dict=False)[0], tgt).item()
+
+            true = mse(x, cond, target)
+            res[round(1000 * s)] = {"true": true, "swapped_caption_gap": mse(x, swap_cond, target) / true - 1,
+                                         "reversed_frames_gap": mse(x.flip(2), cond, target.flip(2)) / true - 1}
+    return res
+
+
+def train_wan_transformer(args, work: Path, world) -> bool:
+    """Stage 2 of ``--arch wan``: `WanTransformer3DModel` (`build_wan_transformer`) and the tiny umT5
+    (`build_wan_text_encoder`) trained jointly from scratch by rectified flow on the stage-1 VAE's normalised latents
+    of `--num-videos` train videos (posterior mean and std cached in ``<work>/wan_latents.pt``, a latent drawn each
+    step): σ logit-normal then shifted by `--flow-shift` (`shift_sigmas`, the schedule the pipeline samples), x_σ =
+    (1 − σ) x0 + σ ε, target ε − x0, t = 1000 σ (`WanPipeline`'s convention), text states from
+    `WanPipeline.encode_prompt` (what sampling feeds the transformer), 10 % caption dropout (""), AdamW `--lr` with
+    warm-up and cosine decay, grad clip 1, EMA 0.999. Every `--probe-every` steps `wan_direction_probe` and the text
+    gap on the live weights; every `--eval-every` steps the EMA weights sampled on the held-out prompts (`evaluate`).
+    Resumable bit for bit (pretrain_tiny_world.py's checkpoint: weights, EMAs, optimizer, LR schedule, RNG states)
+    every `--checkpoint-minutes` in ``<work>/wan_checkpoint.pt``; `--stop-at` checkpoints and stops. At the end the
+    EMA weights are evaluated and saved (float32) with the VAE as a `WanPipeline` in `--out`. Returns
+    False when stopped early."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
+
+    from diffalign.models.wan import WanPolicy
+
+    vae_dir = work / "wan_vae"
+    if not (vae_dir / "config.json").exists():
+        raise SystemExit(f"--wan-stage transformer: no trained VAE in {vae_dir}; run --wan-stage vae first (same --work)")
+    vae = AutoencoderKLWan.from_pretrained(vae_dir).eval().requires_grad_(False)
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer(video=True)
+    text_encoder = build_wan_text_encoder(tokenizer, args.wan_text_width)
+    transformer = build_wan_transformer(vae.config.z_dim, args.wan_text_width, args.wan_width, args.wan_layers,
+                                        args.wan_heads)
+    pipe = build_wan_pipeline(vae, text_encoder, transformer, tokenizer, args.flow_shift)
+    modules = [transformer, text_encoder]
+    log(f"wan transformer {sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M params, text encoder "
+        f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M, vae {vae_dir}")
+    # 1. latents (cached: a resume must not depend on re-encoding, and skips it)
+    cache = work / "wan_latents.pt"
+    key = {"n": args.num_videos, "frames": args.frames, "vae": (vae_dir / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns}
+    if cache.exists() and torch.load(cache)["key"] == key:
+        data = torch.load(cache)
+    else:
+        t_enc, rows = time.time(), load_prompts("video_train")
+        pick = np.random.default_rng(1).integers(len(rows), size=args.num_videos)
+        means, stds = [], []
+        with torch.no_grad():
+            for s in range(0, args.num_videos, 32):
+                d = vae.encode(render_wan_videos([rows[i] for i in pick[s:s + 32]],
+                                                 range(1_000_003 + s, 1_000_003 + s + 32), args.frames)).latent_dist
+                means.append(d.mean)
+                stds.append(d.std)
+        data = {"key": key, "means": torch.cat(means), "stds": torch.cat(stds), "prompts": [rows[i]["prompt"] for i in pick]}
+        world.save_atomic(data, cache)
+        log(f"encoded {args.num_videos} videos {tuple(data['means'].shape[1:])} in {time.time() - t_enc:.0f}s")
+    means, stds, prompts = data["means"], data["stds"], data["prompts"]
+    z = vae.config.z_dim
+    lat_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+    lat_std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+
+    def encode(texts):
+        return pipe.encode_prompt(prompt=texts, do_classifier_free_guidance=False,
+                                  max_sequence_length=WAN_MAX_SEQUENCE_LENGTH, device=torch.device("cpu"))[0]
+
+    # 2. instruments: the direction probe's moving-object latents and captions, the held-out sampler
+    probe_rows = [r for r in load_prompts("video_train") if any(e["motion"] != "still" for e in r["include"])]
+    probe_rows = [probe_rows[i] for i in np.random.default_rng(2).integers(len(probe_rows), size=32)]
+    with torch.no_grad():
+        probe_lat = (vae.encode(render_wan_videos(probe_rows, range(2_000_000, 2_000_032), args.frames))
+                     .latent_dist.mean - lat_mean) / lat_std
+    probe_prompts = [r["prompt"] for r in probe_rows]
+    probe_swapped = [" ".join(SWAP_DIRECTION.get(w, w) for w in q.split()) for q in probe_prompts]
+    policy = WanPolicy(pipe, num_frames=args.frames, height=32, width=32, lora_rank=None,
+                       max_sequence_length=WAN_MAX_SEQUENCE_LENGTH)
+    for m in modules:  # the policy froze them (and put the text encoder in eval mode): train them here
+        m.requires_grad_(True).train()
+    # 3. optimisation state, fresh or resumed
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, world.lr_lambda(min(200, args.steps // 10 + 1), args.steps,
+                                                                   floor=0.1))
+    emas = [EMAModel(m.parameters(), decay=0.999) for m in modules]
+    gen = torch.Generator().manual_seed(args.seed)
+    sizes = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "num_videos": args.num_videos,
+             "frames": args.frames, "width": args.wan_width, "layers": args.wan_layers, "heads": args.wan_heads,
+             "text_width": args.wan_text_width, "flow_shift": args.flow_shift}
+    ckpt_path = work / "wan_checkpoint.pt"
+    resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
+    start, running, elapsed, evals = 0, None, 0.0, []
+    if args.resume and ckpt_path.exists():
+        start, running, elapsed, evals = world.load_stage_checkpoint(
+            ckpt_path, sizes, "--steps / --batch / --lr / --num-videos / --wan-* / --flow-shift", **resumable)
+
+    def instruments(step: int, heldout: bool, weights: str = "live") -> dict:
+        """The probe and text gap (live weights), and with `heldout` the EMA weights sampled on the held-out prompts
+        (`--checkpoint-eval-seeds`); global RNG untouched, so a resumed run draws the same batches."""
+        with torch.random.fork_rng(devices=[]):
+            for m in modules:
+                m.eval()
+            res = {"step": step, "probe": wan_direction_probe(transformer, encode, probe_lat, probe_prompts,
+                                                              probe_swapped),
+                   "text_gap": (encode(probe_prompts) - encode(probe_swapped)).norm(dim=-1).mean().item()}
+            if heldout:
+                for ema, m in zip(emas, modules):
+                    ema.store(m.parameters())
+                    ema.copy_to(m.parameters())
+                res["heldout"] = evaluate(policy, load_prompts("video_heldout")[:args.eval_prompts],
+                                          args.checkpoint_eval_seeds, steps=args.eval_steps)
+                for ema, m in zip(emas, modules):
+                    ema.restore(m.parameters())
+            for m in modules:
+                m.train()
+        line = " ".join(f"t{t}: swap {v['swapped_caption_gap']:+.4f} rev {v['reversed_frames_gap']:+.4f}"
+                        for t, v in res["probe"].items())
+        if heldout:
+            h = res["heldout"]
+            line = (f"held-out EMA accuracy {h['accuracy']:.3f} dense {h['dense']:.3f} direction {h['direction_sign']:.3f}; "
+                    + line)
+        log(f"wan step {step} ({weights} weights): {line} text gap {res['text_gap']:.3f}")
+        return res
+
+    def checkpoint(step: int) -> None:
+        world.save_stage_checkpoint(ckpt_path, step, sizes, running=running, elapsed=elapsed + time.time() - t0,
+                                    evals=evals, **resumable)
+
+    # 4. train
+    t0, last_ckpt = time.time(), time.time()
+    for step in range(start, args.steps):
+        idx = torch.randint(len(means), (args.batch,), generator=gen)
+        lat = ((means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen)) - lat_mean) / lat_std
+        drop = (torch.rand(len(idx), generator=gen) < 0.1).tolist()
+        noise = torch.randn(lat.shape, generator=gen)
+        sigma = shift_sigmas(compute_density_for_timestep_sampling("logit_normal", len(idx), logit_mean=0.0,
+                                                                   logit_std=1.0, generator=gen), args.flow_shift)
+        sigma = sigma.clamp(1e-3, 1.0)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        states = encode(["" if d else prompts[i] for i, d in zip(idx.tolist(), drop)])
+        pred = transformer(hidden_states=(1 - s) * lat + s * noise, timestep=1000 * sigma,
+                           encoder_hidden_states=states, return_dict=False)[0]
+        loss = F.mse_loss(pred, noise - lat)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        for ema, m in zip(emas, modules):
+            ema.step(m.parameters())
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        done = step + 1
+        if step % 50 == 0 or done == args.steps:
+            log(f"wan step {step} loss {loss.item():.4f} (running {running:.4f}, "
+                f"{(done - start) / (time.time() - t0):.2f} it/s)")
+            evals.append({"step": done, "loss": loss.item(), "running": running})
+        eval_now = bool(args.eval_every) and done % args.eval_every == 0 and done < args.steps
+        if eval_now or (args.probe_every and done % args.probe_every == 0):
+            t_eval = time.time()
+            evals.append(instruments(done, heldout=eval_now))
+            t0 += time.time() - t_eval  # training minutes exclude the instruments
+        if done == args.stop_at:
+            checkpoint(done)
+            log(f"stopped at step {done} (--stop-at); continue with --resume")
+            return False
+        if time.time() - last_ckpt > 60 * args.checkpoint_minutes and done < args.steps:
+            checkpoint(done)
+            last_ckpt = time.time()
+    train_minutes = (elapsed + time.time() - t0) / 60
+    # 5. the EMA weights evaluated and saved as a WanPipeline with its VAE, in float32 (WanTransformer3DModel keeps
+    # its rotary, time-embedding and norm modules in float32; the whole folder is a few MB)
+    for ema, m in zip(emas, modules):
+        ema.copy_to(m.parameters())
+        m.eval()
+    final = instruments(args.steps, heldout=False, weights="final EMA")
+    held = evaluate(policy, load_prompts("video_heldout")[:args.eval_prompts], args.eval_seeds, steps=args.eval_steps)
+    log(f"wan held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} "
+        f"direction {held['direction_sign']:.3f} {held['per_tag']}")
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    vae_metrics = json.loads((work / "wan_vae_metrics.json").read_text()) if (work / "wan_vae_metrics.json").exists() \
+        else None
+    (out / "pretrain_metrics.json").write_text(json.dumps(
+        {"arch": "wan", "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
+         "train_minutes": train_minutes, "final_running_loss": running, "heldout": held, "probe": final["probe"],
+         "text_gap": final["text_gap"], "evals": evals, "vae": vae_metrics,
+         "transformer_params": sum(p.numel() for p in transformer.parameters()), "args": vars(args)}, indent=2))
+    log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 2**20:.1f} MB)")
+    return True
+
+
+def main_wan(args) -> None:
+    """``--arch wan``: `--wan-stage` vae, transformer, or all (vae then transformer) in `--work`."""
+    if (args.frames - 1) % 4:
+        raise SystemExit(f"--frames {args.frames}: the Wan VAE's causal encoder reads 1 + 4k frames; pass --frames 9")
+    if args.flow_shift <= 0:
+        raise SystemExit(f"--flow-shift {args.flow_shift}: the time shift must be > 0 (1 = none; Wan 2.1 480p: 3)")
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    world = _world_script()
+    if args.wan_stage in ("vae", "all") and train_wan_vae(args, work, world) is None:
+        return
+    if args.wan_stage in ("transformer", "all"):
+        train_wan_transformer(args, work, world)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=1300)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--num-videos", type=int, default=8000)
-    p.add_argument("--frames", type=int, default=8)
+    p.add_argument("--frames", type=int, default=None, help="video frames (default 8; --arch wan: 9, Wan's 1 + 4k)")
     p.add_argument("--channels", type=int, nargs=2, default=[24, 48])
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--out", default=str(ASSETS / "tiny_t2v"))
+    p.add_argument("--out", default=None, help="where the pipeline is saved (default diffalign/assets/tiny_t2v; "
+                                                "--arch wan: <--work>/tiny_wan_t2v)")
     p.add_argument("--eval-seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default: all 28)")
     p.add_argument("--eval-steps", type=int, default=20)
@@ -257,11 +681,12 @@ def main() -> None:
                    help="start from the shipped image model (diffalign/assets/tiny_sd): its UNet inflated to a UNet3D "
                         "with the temporal layers' outputs zeroed (each frame = the image model at step 0) and its "
                         "text encoder extended to the video vocabulary")
-    p.add_argument("--arch", choices=["unet3d", "motion"], default="unet3d",
+    p.add_argument("--arch", choices=["unet3d", "motion", "wan"], default="unet3d",
                    help="with --inflate: unet3d = diffusers' UNet3DConditionModel (temporal convolutions + temporal "
                         "attentions without frame positions; the shipped model); motion = an AnimateDiff-style "
                         "UNetMotionModel (temporal attentions with sinusoidal frame positions, no temporal "
-                        "convolutions), see inflate_motion_model")
+                        "convolutions), see inflate_motion_model; wan = a Wan-format base trained from scratch (no "
+                        "--inflate): a tiny AutoencoderKLWan, then WanTransformer3DModel + umT5 (see --wan-stage)")
     p.add_argument("--motion-heads", type=int, default=4, help="heads of the motion modules' attentions (--arch motion)")
     p.add_argument("--spatial-lr", type=float, default=None,
                    help="learning rate of the inflated image weights (default: --lr); the temporal layers use --lr")
@@ -295,7 +720,37 @@ def main() -> None:
     p.add_argument("--probe-every", type=int, default=0,
                    help="every N steps: log the direction probe and the text gap only (cheap; no held-out sampling)")
     p.add_argument("--seed", type=int, default=0)
+    wan = p.add_argument_group("--arch wan (a Wan-format base: docs/results/video.md)")
+    wan.add_argument("--wan-stage", choices=["vae", "transformer", "all"], default="all",
+                     help="vae: the tiny AutoencoderKLWan; transformer: WanTransformer3DModel + umT5 on its latents "
+                          "(needs <--work>/wan_vae); all: both in turn")
+    wan.add_argument("--work", default="runs/pretrain_wan", help="scratch folder: the VAE, latents, checkpoints")
+    wan.add_argument("--wan-vae-steps", type=int, default=3000)
+    wan.add_argument("--wan-vae-batch", type=int, default=8)
+    wan.add_argument("--wan-vae-lr", type=float, default=2e-3)
+    wan.add_argument("--wan-vae-dim", type=int, default=16, help="AutoencoderKLWan base_dim (widths x1, x2, x2)")
+    wan.add_argument("--wan-z-dim", type=int, default=4, help="latent channels")
+    wan.add_argument("--wan-width", type=int, default=128, help="transformer width (heads x head width)")
+    wan.add_argument("--wan-layers", type=int, default=4)
+    wan.add_argument("--wan-heads", type=int, default=4)
+    wan.add_argument("--wan-text-width", type=int, default=64, help="umT5 width (the transformer's text_dim)")
+    wan.add_argument("--flow-shift", type=float, default=3.0,
+                     help="time shift of the training sigmas and of the saved scheduler (Wan 2.1 480p: 3)")
+    wan.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    wan.add_argument("--resume", action="store_true",
+                     help="continue the stage from <--work>/wan_vae_checkpoint.pt or wan_checkpoint.pt, bit for bit")
+    wan.add_argument("--stop-at", type=int, default=0,
+                     help="checkpoint and stop the stage being run after this step (0: never)")
     args = p.parse_args()
+    if args.arch == "wan":
+        args.frames = args.frames or 9
+        args.out = args.out or str(Path(args.work) / "tiny_wan_t2v")
+        if args.inflate or args.init:
+            raise SystemExit("--arch wan trains from scratch: drop --inflate / --init")
+        main_wan(args)
+        return
+    args.frames = args.frames or 8
+    args.out = args.out or str(ASSETS / "tiny_t2v")
     if not 0 <= args.t_min < 1000:
         raise ValueError(f"--t-min {args.t_min}: the training timesteps are 0..999; pass a value in [0, 999]")
     if args.max_loss_weight < 0 or (args.max_loss_weight and args.loss_weighting != "v"):
