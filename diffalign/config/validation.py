@@ -143,6 +143,10 @@ def check_resume(cfg: DictConfig) -> None:
 
     resume = cfg.get("resume")
     output_dir = Path(str(cfg.output_dir))
+    if resume == "latest" and "${launch_time:" in str(OmegaConf.to_container(cfg, resolve=False).get("output_dir")):
+        # (the default output_dir, runs/train-<time>: a new folder each time, so there is never anything to continue)
+        raise ConfigError(f"resume=latest continues the run in output_dir, but output_dir is the default, a new folder "
+                          f"({output_dir}); pass output_dir=<the run's folder> resume=latest")
     if resume not in (None, "latest"):
         check_resume_target(output_dir, resume)
     if resume is None and latest_checkpoint(output_dir) is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from diffalign.lora.io import LoraWeights, load_into_policy, read_lora
+from diffalign.lora.io import LORA_WEIGHT_NAME, LoraWeights, load_into_policy, read_lora
 
 FIELD = "model.init_lora"
 SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules")
@@ -238,6 +238,45 @@ def adopt_init_lora(cfg: DictConfig, explicit: Iterable[str] = ()) -> dict | Non
         for key in taken:
             cfg.model[key] = settings[key]
     return settings
+
+
+def check_resume_lora(cfg: DictConfig) -> None:
+    """Refuses a run that resumes (``resume=latest`` finding a checkpoint, or ``resume=<folder>``) from a checkpoint
+    whose LoRA the configured model would not take: a LoRA for another denoiser (`check_lora_family`), with modules
+    the model lacks or of another size (`check_lora_fits`), or of another rank, alpha or target modules than the
+    config builds. That is a run resumed without the recipe or model overrides it was started with (``diffalign-train
+    output_dir=runs/x resume=latest`` for a run started with ``recipe=tiny_dgpo``), which otherwise fails once the
+    model has loaded, with "loaded state dict contains a parameter group that doesn't match". A run with
+    ``model.init_lora`` adopts the checkpoint's settings instead (`adopt_init_lora`).
+
+    Raises:
+        ValueError: one line naming ``resume``, the checkpoint, the mismatch and the fix (the overrides the run was
+            started with, kept in ``<output_dir>/.hydra/overrides.yaml``).
+    """
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is None or cfg.model.get("init_lora") is not None or not (Path(ckpt) / LORA_WEIGHT_NAME).is_file():
+        return
+    field = f"resume={cfg.resume}"
+    fix = (f"resume with the overrides the run was started with (recipe=..., model=...: "
+           f"{Path(str(cfg.output_dir)) / '.hydra' / 'overrides.yaml'})")
+    weights = read_lora(ckpt, field_name="resume")
+    try:
+        check_lora_family(cfg, weights, field=field)
+        check_lora_fits(cfg, weights, field=field)
+    except ValueError as err:
+        raise ValueError(f"{err}; to continue that run, {fix}") from None
+    for key in _lora_settings_taken(cfg):
+        current, saved = cfg.model.get(key), weights.settings.get(key)
+        if key == "lora_target_modules":
+            if current is None or isinstance(current, str):  # (the model's own targets, or a PEFT regex: peft checks)
+                continue
+            uncovered = [m for m in weights.modules if not any(_matches(m, t) for t in current)]
+            if uncovered:
+                raise ValueError(f"{field}: the checkpoint {ckpt} adapts modules model.lora_target_modules={list(current)} "
+                                 f"misses, e.g. {uncovered[:2]}; {fix}")
+        elif current is not None and saved is not None and not _same(key, current, saved):
+            raise ValueError(f"{field}: the checkpoint {ckpt} was trained with {key}={saved}, the config builds "
+                             f"model.{key}={current}; {fix}")
 
 
 def _missing_targets(err: BaseException) -> set[str] | None:

@@ -80,12 +80,13 @@ def check_run(cfg: DictConfig, overrides: Iterable[str] = (), explicit_model_key
     Raises:
         ValueError / FileNotFoundError: one line naming the field and the fix.
     """
-    from diffalign.lora.initial import adopt_init_lora
+    from diffalign.lora.initial import adopt_init_lora, check_resume_lora
     from diffalign.runtime.distributed import check_launch
 
     overrides = list(overrides)
     adopt_init_lora(cfg, explicit=explicit_model_keys)  # its rank, alpha and targets, then checked with the rest
     validate_train_config(cfg, overrides=overrides)
+    check_resume_lora(cfg)  # a resume without the run's own recipe / model: named before the model loads
     check_launch(cfg)  # a DeepSpeed launch, and what FSDP does not run (diffalign/runtime/distributed.py)
 
 

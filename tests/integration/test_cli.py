@@ -80,6 +80,11 @@ def test_more_checks_before_any_model_is_loaded(tmp_path):
     with pytest.raises(ValueError, match="already holds checkpoints; pass resume=latest"):
         validate_train_config(compose_cfg([f"output_dir={tmp_path / 'run'}"]))
     validate_train_config(compose_cfg([f"output_dir={tmp_path / 'run'}", "resume=latest"]))
+    # the default output_dir is a new runs/train-<time> folder each time: resume=latest there would silently start over
+    with pytest.raises(ValueError, match=r"^resume=latest continues the run in output_dir, but output_dir is the "
+                                         r"default, a new folder \(runs/train-\d{8}-\d{6}\); pass output_dir="):
+        validate_train_config(compose_cfg(["resume=latest"]))
+    validate_train_config(compose_cfg(["resume=latest", f"output_dir={tmp_path / 'not-yet'}"]))  # a first launch
     with pytest.raises(FileNotFoundError, match="eval.prompts="):
         validate_train_config(compose_cfg(["eval.prompts=/nope.jsonl"]))
 
@@ -309,3 +314,13 @@ def test_eval_command_refuses_checkpoints_trained_with_different_lora_settings(t
     with pytest.raises(SystemExit, match="different LoRA settings"):
         _eval_main(cfg)
     assert not (tmp_path / "ev" / "samples.jsonl").exists()  # refused before anything was sampled
+
+
+def test_help_names_the_command(tmp_path, monkeypatch, capsys):
+    """``--help`` begins with the command's name, not Hydra's default, the module's (``cli is powered by Hydra.``)."""
+    from diffalign import cli
+
+    for command, prog in ((cli.train, "diffalign-train"), (cli.evaluate, "diffalign-eval")):
+        done = run_cli_in_process(command, ["--help"], tmp_path, monkeypatch, capsys, prog=prog)
+        assert done.returncode == 0 and done.stdout.splitlines()[0] == f"{prog} is powered by Hydra.", done.stdout[:200]
+        assert list(tmp_path.iterdir()) == []

@@ -319,3 +319,38 @@ def test_eval_takes_the_model_from_the_runs_config(tmp_path, loras, monkeypatch)
     with pytest.raises(SystemExit, match=r"runs that trained different models .*StableDiffusion3Policy.*"
                                          r"assets/tiny_sd3.*StableDiffusionPolicy.*assets/tiny_sd\)"):
         cli._eval_main(cfg)
+
+
+def test_a_resume_without_the_runs_model_or_lora_settings_is_refused_before_the_model_loads(tmp_path, loras,
+                                                                                          monkeypatch):
+    """``diffalign-train output_dir=runs/x resume=latest`` for a run started with another recipe: before, the model
+    loaded and the optimizer's state failed to load ("loaded state dict contains a parameter group that doesn't
+    match", a Hydra error report). Now `check_run` names the checkpoint, the mismatch and the run's overrides file."""
+    import diffusers
+
+    from diffalign.train.prepare import check_run
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained", no_loading)
+    run = tmp_path / "run"
+    overrides_file = str(run / ".hydra" / "overrides.yaml")
+    family = (r"^resume=latest: .*checkpoint-3/pytorch_lora_weights.safetensors is a LoRA for a transformer, but the "
+              r"model .* has a unet; .*; to continue that run, resume with the overrides the run was started with "
+              r"\(recipe=..., model=...: ")
+    rank = (r"^resume=latest: the checkpoint .*checkpoint-3 was trained with lora_rank=4, the config builds "
+            r"model.lora_rank=8; resume with the overrides")
+    for name, match in (("tiny_sd3", family), ("tiny_sd", rank)):
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(loras[name]["folder"], run / "checkpoint-3")
+        with pytest.raises(ValueError, match=match) as refused:
+            check_run(compose_cfg(dpo_overrides(run, "tiny_sd") + ["resume=latest"]))
+        assert str(refused.value).endswith(overrides_file + ")")
+    same = ["model.lora_rank=4", "model.lora_alpha=2", "+model.lora_target_modules=[to_q,to_k,to_v,to_out.0,conv1]"]
+    with pytest.raises(ValueError, match="adapts modules model.lora_target_modules=.* misses, e.g. .*conv1"):
+        check_run(compose_cfg(dpo_overrides(run, "tiny_sd") + ["resume=latest", *same[:2],
+                                                                "+model.lora_target_modules=[to_q,to_k,to_v,to_out.0]"]))
+    check_run(compose_cfg(dpo_overrides(run, "tiny_sd") + ["resume=latest", *same]))  # the run's own settings
+    check_run(compose_cfg(dpo_overrides(run, "tiny_sd") + ["resume=latest", f"model.init_lora={run / 'checkpoint-3'}"]))
+    check_run(compose_cfg(dpo_overrides(tmp_path / "new", "tiny_sd") + ["resume=latest"]))  # nothing to resume yet
