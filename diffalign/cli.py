@@ -336,7 +336,7 @@ def _say_interrupted() -> None:
 def _run_hydra(config_name: str, task) -> None:
     """Runs `task` under Hydra with ``config_name``. A run that stops before it wrote anything of its own (Ctrl-C
     before it started, an error Hydra reports) leaves no output folder behind; Ctrl-C ends with one line, exit 130."""
-    from diffalign.runtime.runlock import undo_run_start
+    from diffalign.runtime.runlock import forget_run_start, undo_run_start
 
     try:
         hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(task)()
@@ -348,6 +348,8 @@ def _run_hydra(config_name: str, task) -> None:
         if ended.code not in (None, 0):
             undo_run_start(existing=False)
         raise
+    finally:  # (the run has ended: a later run from this process must not undo this one's folders)
+        forget_run_start()
 
 
 @quiet_on_broken_pipe

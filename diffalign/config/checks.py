@@ -303,7 +303,8 @@ def check_structured_keys(cfg: DictConfig) -> None:
     for group, node in cfg.items():
         nodes = [(str(group), node)]
         if isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            nodes = [(f"{group}.{k}", v) for k, v in node.items()]  # reward.<name>: one schema per entry
+            nodes = [(f"{group}.{k}", node[k]) for k in node  # reward.<name>: one schema per entry
+                     if not OmegaConf.is_missing(node, k)]  # (a ``???`` value: its own check names it)
         for name, sub in nodes:
             if not isinstance(sub, DictConfig):
                 continue

@@ -90,6 +90,9 @@ def check_model_config(cfg) -> None:
     boolean(m, "local_files_only", p, nullable=True)
     text(m, "revision", p, nullable=True)
     text(m, "variant", p, nullable=True)
+    if OmegaConf.is_missing(m, "pretrained_model_name_or_path"):  # (`in` is False for a ``???`` value)
+        raise ConfigError(f"model.pretrained_model_name_or_path is not set: model={m._target_} has no shipped weights; "
+                          "pass model.pretrained_model_name_or_path=<a diffusers folder or hub id>")
     if "pretrained_model_name_or_path" in m:
         import os
 

@@ -442,6 +442,13 @@ def undo_run_start(*, existing: bool = True) -> list[Path]:
     return undone
 
 
+def forget_run_start() -> None:
+    """Drops what `record_run_start` recorded, once the run it was for has ended however it ended (what it wrote
+    there is the run's own now): a later `undo_run_start` in this process (a second run started from Python) leaves
+    those folders alone."""
+    _STARTED.clear()
+
+
 class RunLockCallback(Callback):
     """Hydra callback (``hydra.callbacks.run_lock`` in ``train.yaml`` / ``evaluate.yaml``) that locks ``output_dir``
     when a run starts, before Hydra writes ``.hydra/`` and its log file there, and unlocks it at the end. A refusal

@@ -105,6 +105,8 @@ def test_the_cli_prints_the_alarm_without_a_traceback(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         cli.train()
     assert str(stopped.value.code).startswith("diffalign: error: the log-probs recomputed for training differ")
+    from diffalign.runtime.runlock import undo_run_start
+    assert undo_run_start() == []  # the run has ended: nothing of it is left for a later run in this process to undo
 
 
 def test_the_alarm_settings_are_checked_before_any_model_loads(tmp_path):

@@ -524,6 +524,7 @@ def test_undo_run_start_removes_only_what_the_run_start_wrote(tmp_path):
     goes with the parents created for it (not the parent that existed); one holding anything else stays; a folder
     that existed gets Hydra's files back as they were and its log cut back, and only when asked (``existing``)."""
     hydra_files = ("config.yaml", "hydra.yaml", "overrides.yaml")
+    runlock.forget_run_start()  # (records of runs this worker process ran before are not this test's)
 
     def start(folder, log="cli.log"):  # what Hydra does after the callback: the lock, .hydra/, the job log
         runlock.record_run_start(folder, log)
