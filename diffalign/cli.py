@@ -98,7 +98,7 @@ def _train_main(cfg: DictConfig) -> None:
         from diffalign.train.preference import train as run
     from diffalign.config.checks import ConfigError
     from diffalign.rewards.base import RewardError
-    from diffalign.runtime.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted
+    from diffalign.runtime.faults import NonFiniteError, RolloutMismatchError, TrainingInterrupted, resume_hint
     from diffalign.runtime.runlock import RunLockedError
     from diffalign.runtime.storage import DiskFullError
 
@@ -117,6 +117,7 @@ def _train_main(cfg: DictConfig) -> None:
     except (NonFiniteError, RolloutMismatchError, RewardError) as err:  # (a checkpoint was saved; the message names it)
         _exit_with_error(err)
     except DiskFullError as err:  # the folder, what was written and the space; nothing partial kept (runtime/storage.py)
+        err.hint = resume_hint(cfg.output_dir)
         _exit_with_error(err)
 
 

@@ -239,7 +239,7 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
     Raises:
         TrainingInterrupted: a SIGTERM / SIGINT arrived during the preparation (after the current chunk).
     """
-    from diffalign.runtime.faults import TrainingInterrupted
+    from diffalign.runtime.faults import TrainingInterrupted, resume_hint
 
     if "preparation" not in inspect.signature(dataset.prepare).parameters:
         dataset.prepare(policy, rewards)
@@ -253,7 +253,7 @@ def prepare_dataset(dataset, policy, rewards, *, cfg, accelerator, stop=None) ->
 
     def stop_error(done: int, total: int, folder: Path) -> Exception:
         return TrainingInterrupted(f"stopped by {stop.name} during the data preparation after {done} of {total} "
-                                   f"chunks (kept in {folder}); continue with resume=latest", stop.signum)
+                                   f"chunks (kept in {folder}); {resume_hint(output_dir)}", stop.signum)
 
     from diffalign.runtime.distributed import full_weights
 

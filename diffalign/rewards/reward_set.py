@@ -308,7 +308,7 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None]) -> Iterator
 
     Raises:
         RewardError: the reward's error with the saved folder as ``checkpoint`` and in the message ("— checkpoint
-            saved to <folder>; fix or deselect the reward, then resume with resume=latest"); the message names the
+            saved to <folder>; fix or deselect the reward, then continue with output_dir=<its parent> resume=latest"); the message names the
             reward, the step, the batch and the prompt(s) (the original error chained; re-raised as it is where this
             process wrote no checkpoint). If saving itself fails, that error is raised from the reward's.
     """
@@ -321,9 +321,11 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None]) -> Iterator
             raise RuntimeError(f"{err}; saving a checkpoint before stopping also failed: {save_err}") from err
         if err.checkpoint is None:
             raise
+        from diffalign.runtime.faults import resume_hint
+
         stop = RewardError(err.reward_name, f"{err.detail} — checkpoint saved to {err.checkpoint}; fix or deselect "
-                           "the reward, then resume with resume=latest", step=err.step, batch_index=err.batch_index,
-                           prompts=err.prompts)
+                           f"the reward, then {resume_hint(Path(err.checkpoint).parent)}", step=err.step,
+                           batch_index=err.batch_index, prompts=err.prompts)
         stop.checkpoint = err.checkpoint
         raise stop from err
 

@@ -302,8 +302,10 @@ def save_checkpoint(
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(err):  # one line naming the folder and the size of a checkpoint; the run resumes from the last
+            from diffalign.runtime.faults import resume_hint
+
             earlier = _numbered_checkpoints(output_dir)
-            raise DiskFullError(output_dir, f"checkpoint-{step}",
+            raise DiskFullError(output_dir, f"checkpoint-{step}", hint=resume_hint(output_dir),
                                 needed=folder_bytes(earlier[-1][1]) if earlier else None) from None
         raise
     logger.info("saved checkpoint %s", final)

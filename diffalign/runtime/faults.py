@@ -107,6 +107,17 @@ class NonFiniteGuard:
         self.skips, self.consecutive = int(state["skips"]), int(state["consecutive"])
 
 
+def resume_hint(output_dir: str | Path) -> str:
+    """How a stopped training run continues: ``continue with output_dir=<folder> resume=latest``. The folder is named
+    because ``resume=latest`` alone looks in the default ``output_dir``, a new ``runs/train-<time>`` folder (and is
+    refused there). A folder with a space, quote, comma or bracket is written ``"output_dir='<folder>'"``: the double
+    quotes for the shell, the single ones for Hydra's override parser."""
+    folder = str(output_dir)
+    if any(c in folder for c in " \t'\",=[]{}()"):
+        return f"continue with \"output_dir='{folder.replace(chr(39), chr(92) + chr(39))}'\" resume=latest"
+    return f"continue with output_dir={folder} resume=latest"
+
+
 class StopSignals:
     """A context manager that records SIGTERM / SIGINT instead of dying, so the loop can checkpoint and exit.
 

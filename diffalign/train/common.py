@@ -52,7 +52,13 @@ from diffalign.runtime.distributed import (
     switch_fsdp_on,
     wrap_on_cpu,
 )
-from diffalign.runtime.faults import NonFiniteError, NonFiniteGuard, StopSignals, TrainingInterrupted
+from diffalign.runtime.faults import (
+    NonFiniteError,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingInterrupted,
+    resume_hint,
+)
 from diffalign.runtime.storage import write_folder
 from diffalign.runtime.trackers import tracker_init_kwargs
 from diffalign.world.prompts import load_prompts
@@ -232,11 +238,12 @@ class Updates:
         if not self.guard.exhausted:
             return
         ckpt = checkpoint()
+        how = resume_hint(ckpt.parent) if ckpt is not None else "continue with resume=latest"  # (another process)
         raise NonFiniteError(
             f"{self.guard.consecutive} updates in a row had a non-finite loss or gradient ({where}, "
             f"trainer.max_consecutive_nonfinite={self.guard.max_consecutive}); checkpoint saved to {ckpt}{note}. "
             "Lower trainer.optimizer.lr (or the method's strength, e.g. method.beta), set trainer.max_grad_norm, or "
-            "use trainer.mixed_precision=no, then resume with resume=latest", checkpoint=ckpt)
+            f"use trainer.mixed_precision=no, then {how}", checkpoint=ckpt)
 
 
 class Checkpoints:
@@ -294,7 +301,8 @@ class Checkpoints:
         if is_fsdp(self.accelerator):
             if not collective:
                 write("[diffalign] FSDP: no checkpoint written (the weights are sharded and this process stopped "
-                      "alone); resume=latest continues from the last one", self.accelerator)
+                      f"alone); output_dir={self.output_dir} resume=latest continues from the last one",
+                      self.accelerator)
                 return None
             if existing.exists():  # (the same answer on every process: the folder is shared)
                 return existing if self.accelerator.is_main_process else None
@@ -370,10 +378,9 @@ def stop_if_requested(stop: StopSignals, accelerator: Accelerator, checkpoint: C
     if not stop.requested(accelerator):
         return
     ckpt = checkpoint()
-    write(f"[diffalign] {stop.name} received: stopped {where}, checkpoint {ckpt}; continue with resume=latest",
-          accelerator)
-    raise TrainingInterrupted(f"stopped by {stop.name} {where}; checkpoint saved to {ckpt}; continue with "
-                              "resume=latest", stop.signum, checkpoint=ckpt)
+    write(f"[diffalign] {stop.name} received: stopped {where}, checkpoint {ckpt}; {stop.hint}", accelerator)
+    raise TrainingInterrupted(f"stopped by {stop.name} {where}; checkpoint saved to {ckpt}; {stop.hint}", stop.signum,
+                              checkpoint=ckpt)
 
 
 def save_final_lora(policy, final_dir: Path) -> Path:

@@ -54,7 +54,7 @@ from diffalign.rewards.reward_set import (
 )
 from diffalign.runtime.console import WarningCounts, console_summary, write
 from diffalign.runtime.distributed import main_process_work
-from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.faults import NonFiniteGuard, StopSignals, resume_hint
 from diffalign.runtime.storage import write_text
 from diffalign.samplers.base import Sampler, build_sampler
 from diffalign.samplers.groups import group_rollout
@@ -89,7 +89,8 @@ def train(run: PreparedRun | DictConfig) -> dict:
     cfg = run.cfg if isinstance(run, PreparedRun) else run
     # repeating warnings counted, one summary line per epoch; log lines around the progress bars
     # (diffalign.runtime.console)
-    with run_lock_once(cfg.output_dir), StopSignals() as stop, console_summary() as warnings:
+    stop_signals = StopSignals(hint=resume_hint(cfg.output_dir))  # (stop messages end with how to continue)
+    with run_lock_once(cfg.output_dir), stop_signals as stop, console_summary() as warnings:
         t_start = time.time()
         prepared = run if isinstance(run, PreparedRun) else prepare_run(cfg)
         if not prepared.online:

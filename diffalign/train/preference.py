@@ -50,7 +50,7 @@ from diffalign.models.base import bare_forward
 from diffalign.rewards.reward_set import WeightedSum, set_reward_step, stop_on_reward_error
 from diffalign.runtime.console import WarningCounts, console_summary, write
 from diffalign.runtime.distributed import main_process_work
-from diffalign.runtime.faults import NonFiniteGuard, StopSignals
+from diffalign.runtime.faults import NonFiniteGuard, StopSignals, resume_hint
 from diffalign.runtime.storage import write_text
 from diffalign.train.common import (  # noqa: F401 (build_lr_scheduler: re-exported)
     Checkpoints,
@@ -156,7 +156,8 @@ def train(run: PreparedRun | DictConfig) -> dict:
     cfg = run.cfg if isinstance(run, PreparedRun) else run
     # repeating warnings (saturation, skipped updates, ...) counted, one summary line per trainer.warnings_every
     # steps; every log line written around the progress bars (diffalign.runtime.console)
-    with run_lock_once(cfg.output_dir), StopSignals() as stop, console_summary() as warnings:
+    stop_signals = StopSignals(hint=resume_hint(cfg.output_dir))  # (stop messages end with how to continue)
+    with run_lock_once(cfg.output_dir), stop_signals as stop, console_summary() as warnings:
         t_start = time.time()
         prepared = run if isinstance(run, PreparedRun) else prepare_run(cfg)  # 1. checks, then every component
         if prepared.online:

@@ -106,7 +106,7 @@ def test_a_full_disk_at_a_checkpoint_save_is_one_line_and_resume_continues(tmp_p
     line = exit_line(lambda: _train_main(compose_cfg(smoke_overrides(tmp_path))))
     need = format_bytes(bytes_of(tmp_path / "checkpoint-1"))  # the size of the checkpoint before it
     assert line.startswith(f"diffalign: error: no space left on the disk of {tmp_path} while writing checkpoint-2 (")
-    assert f"about {need} needed" in line and line.endswith("continue with resume=latest"), line
+    assert f"about {need} needed" in line and line.endswith(f"continue with output_dir={tmp_path} resume=latest"), line
     assert (tmp_path / "checkpoint-1").is_dir() and not (tmp_path / "checkpoint-2").exists()
     assert leftovers(tmp_path) == [] and not (tmp_path / "final").exists()
 
@@ -142,7 +142,7 @@ def test_a_full_disk_in_the_data_preparation_keeps_the_chunks_made_and_resume_fi
     need = format_bytes(round(sum(c.stat().st_size for c in chunks) / 2 * 6))  # the 6 missing at the mean size
     assert line.startswith(f"diffalign: error: no space left on the disk of {folder} while writing chunk 3 of 8 of "
                            "the on-policy data ("), line
-    assert f"about {need} needed" in line and line.endswith("continue with resume=latest")
+    assert f"about {need} needed" in line and line.endswith(f"continue with output_dir={tmp_path} resume=latest")
     assert leftovers(tmp_path) == [] and not list(tmp_path.glob("checkpoint-*"))
 
     monkeypatch.undo()

@@ -128,7 +128,7 @@ def test_sigint_during_the_data_preparation_stops_after_the_chunk_and_resume_fin
     last = err.strip().splitlines()[-1]
     assert last.startswith("diffalign: stopped by SIGINT during the data preparation after ") and \
         last.endswith("chunks (kept in " + str(next(run.glob("prepared/*")))
-                      + "); continue with resume=latest"), last
+                      + f"); continue with output_dir={run} resume=latest"), last
     assert "Traceback" not in err and not list(run.glob("checkpoint-*"))
     made = len(list(run.glob("prepared/*/chunk-*")))
     assert 2 <= made < 8
@@ -149,7 +149,7 @@ def test_sigterm_during_the_training_runs_evaluation_stops_it_and_resume_finishe
     assert proc.returncode == 143, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("diffalign: stopped by SIGTERM during the evaluation (") and \
-        last.endswith("continue with resume=latest") and "Traceback" not in err
+        last.endswith(f"continue with output_dir={run} resume=latest") and "Traceback" not in err
     assert (run / "checkpoint-2").is_dir() and not (run / "eval" / "metrics.json").exists()
     results = train(compose_cfg(args + ["resume=latest"]))
     assert results["global_step"] == 2 and (run / "eval" / "metrics.json").is_file()

@@ -183,7 +183,8 @@ def test_stop_on_reward_error_saves_then_reraises_without_printing(tmp_path, cap
         raise RewardError("r", "returned non-finite scores", step=3)
     assert saved == [1] and info.value.checkpoint == tmp_path
     assert str(info.value) == (f"reward 'r': returned non-finite scores — checkpoint saved to {tmp_path}; fix or "
-                               "deselect the reward, then resume with resume=latest (step 3)")
+                               f"deselect the reward, then continue with output_dir={tmp_path.parent} resume=latest "
+                               "(step 3)")  # (the folder holding the checkpoint: the run's)
     assert capsys.readouterr() == ("", "")  # the raised message is the one report (the CLI's exit line)
     with stop_on_reward_error(lambda: saved.append(2)):
         pass
