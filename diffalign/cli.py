@@ -81,10 +81,23 @@ def _command_line_overrides() -> list[str]:
         return []
 
 
+def _adopt_job_folder(cfg: DictConfig) -> None:
+    """Under ``-m`` (a Hydra sweep: ``diffalign-train -m seed=0,1,2``) the job's ``output_dir`` becomes its own folder,
+    ``<output_dir>/<job number>`` (`diffalign.runtime.runlock.job_output_dir`): every job of a sweep got the sweep's
+    ``output_dir``, so the second one found the first's checkpoints and was refused."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and HydraConfig.get().runtime.output_dir:
+        with open_dict(cfg):
+            cfg.output_dir = HydraConfig.get().runtime.output_dir
+
+
 def _train_main(cfg: DictConfig) -> None:
     from diffalign.lora.initial import command_line_model_keys
     from diffalign.train.prepare import build_run, check_run, is_online
 
+    _adopt_job_folder(cfg)
     overrides = _command_line_overrides()
     try:
         # every check once, before any model loads (model.init_lora adopted; diffalign/train/prepare.py)
@@ -247,6 +260,7 @@ def _eval_main(cfg: DictConfig) -> None:
     )
     from diffalign.evaluation.files import LORA_FILE, check_checkpoint_exists, resolve_checkpoints
 
+    _adopt_job_folder(cfg)
     try:
         check_top_level_keys(cfg, train_config_keys("evaluate"), "evaluate.yaml")  # +output=..., +checkpont=...
         check_structured_keys(cfg)  # a key added with + that no structured node has

@@ -331,6 +331,9 @@ def run_lock(output_dir: str | os.PathLike, program: str = "diffalign") -> Itera
 HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 """What Hydra writes into a run's output folder before the run's own checks (with ``<hydra.job.name>.log``)."""
 
+SWEEP_FILE = "multirun.yaml"
+"""What Hydra writes into a sweep's folder (``-m``: ``hydra.sweep.dir``) before its first job starts."""
+
 
 @dataclass
 class _Started:
@@ -371,6 +374,8 @@ def record_run_start(output_dir: str | os.PathLike, log_name: str | None = None)
     created, probe = None, key
     while not probe.exists() and probe != probe.parent:
         created, probe = probe, probe.parent
+    if created is None and any(_STARTED[p].created is not None for p in key.parents if p in _STARTED):
+        created = key  # (a sweep's job folder, inside the sweep folder this process made: Hydra makes it first)
     files = {} if created is not None else {name: _read_bytes(key / name) for name in HYDRA_FILES}
     log_size = None
     if created is None and log_name and (key / log_name).is_file():
@@ -379,7 +384,7 @@ def record_run_start(output_dir: str | os.PathLike, log_name: str | None = None)
 
 
 def _holds_only_run_start_files(folder: Path, log_name: str | None) -> bool:
-    allowed = {LOCK_NAME, ".hydra", *([log_name] if log_name else [])}
+    allowed = {LOCK_NAME, ".hydra", SWEEP_FILE, *([log_name] if log_name else [])}
     if not folder.is_dir() or any(p.name not in allowed for p in folder.iterdir()):
         return False
     hydra = folder / ".hydra"
@@ -403,7 +408,7 @@ def undo_run_start(*, existing: bool = True) -> list[Path]:
         `list[Path]`: the folders removed or restored.
     """
     undone = []
-    for key, started in list(_STARTED.items()):
+    for key, started in reversed(list(_STARTED.items())):  # (a sweep's job folders before the sweep's folder)
         if started.created is None and not existing:
             continue
         del _STARTED[key]
@@ -414,7 +419,7 @@ def undo_run_start(*, existing: bool = True) -> list[Path]:
             release(key)
         with contextlib.suppress(OSError):  # (a file still open elsewhere on Windows: left as it is)
             if started.created is not None:
-                for name in (*HYDRA_FILES, *([started.log_name] if started.log_name else [])):
+                for name in (*HYDRA_FILES, SWEEP_FILE, *([started.log_name] if started.log_name else [])):
                     (key / name).unlink(missing_ok=True)
                 if (key / ".hydra").exists():
                     (key / ".hydra").rmdir()
@@ -449,6 +454,19 @@ def forget_run_start() -> None:
     _STARTED.clear()
 
 
+def job_output_dir(config) -> str:
+    """The folder a run writes to: ``output_dir``; under ``-m`` (a Hydra sweep, ``hydra.mode=MULTIRUN``) each job's
+    own folder, ``hydra.runtime.output_dir`` (``<hydra.sweep.dir>/<hydra.sweep.subdir>``: ``<output_dir>/<job
+    number>`` in ``train.yaml`` and ``evaluate.yaml``), so that the jobs of a sweep do not write into one folder."""
+    from hydra.types import RunMode
+
+    if isinstance(config, DictConfig) and OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
+        job_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
+        if job_dir:
+            return str(job_dir)
+    return str(config.output_dir)
+
+
 class RunLockCallback(Callback):
     """Hydra callback (``hydra.callbacks.run_lock`` in ``train.yaml`` / ``evaluate.yaml``) that locks ``output_dir``
     when a run starts, before Hydra writes ``.hydra/`` and its log file there, and unlocks it at the end. A refusal
@@ -459,7 +477,7 @@ class RunLockCallback(Callback):
         self.dirs: list[str] = []
 
     def _take(self, config) -> None:
-        output_dir = str(config.output_dir)
+        output_dir = str(job_output_dir(config))
         key = Path(output_dir).resolve()  # (before Hydra may change the working directory)
         if key not in _HELD:  # what the folder holds before the lock (and Hydra) write there: `undo_run_start`
             record_run_start(key, _job_log_name(config))
@@ -482,6 +500,9 @@ class RunLockCallback(Callback):
 
     def on_run_start(self, config, **kwargs) -> None:
         self._take(config)
+
+    def on_multirun_start(self, config, **kwargs) -> None:  # (``-m``: Hydra makes the sweep's folder next)
+        record_run_start(OmegaConf.select(config, "hydra.sweep.dir"))
 
     def on_run_end(self, config, **kwargs) -> None:
         self._drop()
