@@ -28,6 +28,19 @@ def asset_path(name: str) -> str:
     return str(path)
 
 
+def config_groups_help() -> str:
+    """The config groups and their options for ``--help`` (``${diffalign_config_groups:}`` in the help template of
+    ``train.yaml`` / ``evaluate.yaml``): Hydra's own listing (``$APP_CONFIG_GROUPS``) less what is not an option to
+    choose: the ``schema/*`` groups (the structured configs that `register_configs` stores for the checks) and
+    ``accelerate/`` (launch configs for ``accelerate launch --config_file``, refused as ``+accelerate=...``)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    def shown(group: str) -> bool:
+        return not any(group == top or group.startswith(f"{top}/") for top in ("hydra", "schema", "accelerate"))
+
+    return GlobalHydra.instance().hydra.format_config_groups(shown)
+
+
 def setup_hydra() -> None:
     """Registers the ``diffalign_asset`` and ``launch_time`` resolvers and every config (`register_configs`): what
     composing a config of ``CONFIG_DIR`` needs, done once before Hydra starts (idempotent)."""
@@ -39,4 +52,6 @@ def setup_hydra() -> None:
         from diffalign.runtime.launch import launch_time
 
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
+    if not OmegaConf.has_resolver("diffalign_config_groups"):
+        OmegaConf.register_new_resolver("diffalign_config_groups", config_groups_help)
     register_configs()

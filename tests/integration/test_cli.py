@@ -326,11 +326,19 @@ def test_eval_command_refuses_checkpoints_trained_with_different_lora_settings(t
     assert not (tmp_path / "ev" / "samples.jsonl").exists()  # refused before anything was sampled
 
 
-def test_help_names_the_command(tmp_path, monkeypatch, capsys):
-    """``--help`` begins with the command's name, not Hydra's default, the module's (``cli is powered by Hydra.``)."""
+def test_help_names_the_command_and_lists_only_groups_to_choose(tmp_path, monkeypatch, capsys):
+    """``--help`` begins with the command's name and what it does, not Hydra's default, the module's (``cli is powered
+    by Hydra.``); its group list is the config folder's groups (and the registered rewards), not the ``schema/*``
+    structured configs the checks use, nor ``accelerate/`` (launch configs, refused as ``+accelerate=...``)."""
     from diffalign import cli
 
     for command, prog in ((cli.train, "diffalign-train"), (cli.evaluate, "diffalign-eval")):
         done = run_cli_in_process(command, ["--help"], tmp_path, monkeypatch, capsys, prog=prog)
-        assert done.returncode == 0 and done.stdout.splitlines()[0] == f"{prog} is powered by Hydra.", done.stdout[:200]
+        assert done.returncode == 0 and done.stdout.splitlines()[0].startswith(f"{prog}: "), done.stdout[:200]
+        groups = done.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+        listed = {line.split(":")[0] for line in groups.splitlines() if ": " in line}
+        assert {"model", "method", "sampler", "recipe", "reward", "trainer"} <= listed, listed
+        assert not any(g.startswith(("schema", "hydra", "accelerate")) for g in listed), listed
+        model_line = next(line for line in groups.splitlines() if line.startswith("model: "))
+        assert set(model_line.removeprefix("model: ").split(", ")) == set(GROUPS["model"])  # (the folder's files)
         assert list(tmp_path.iterdir()) == []
