@@ -26,6 +26,8 @@ Settings (environment variables; defaults in brackets):
 * ``TIME_LIMIT_S`` [480] — each process's ``timeout`` (seconds); ``STAGES`` [flow2 flux2 wan];
 * ``FLOW2_STEPS`` [6000], ``FLUX2_STEPS`` [4000], ``WAN_VAE_STEPS`` [1000], ``WAN_STEPS`` [3000] — the runs'
   lengths (a checkpoint written with other lengths is refused: keep them across the calls of one run);
+* ``NUM_LATENTS`` [30000], ``EDGE_WEIGHT`` [4] — flow2's and flux2's latents cache and ``--<stage>-edge-weight``
+  (the issue 31 / 34 runs' settings; their model sizes are the scripts' defaults);
 * ``EVALS`` [4] — EMA evaluations and exports per flow2/flux2 run (a run killed by its timeout keeps the last);
 * ``THREADS`` [4] — CPU threads per process; ``TF32`` [0] — 1 passes ``--tf32``;
 * ``FLOW2_ARGS``, ``FLUX2_ARGS``, ``WAN_ARGS`` [empty] — more options for each script (shell words).
@@ -78,7 +80,8 @@ def stage_command(stage: str, work: Path, cfg: dict) -> list[str]:
         steps = cfg[f"{stage}_steps"]
         return [sys.executable, str(ROOT / "scripts" / "pretrain_tiny_world.py"), stage, "--work", str(work),
                 "--out", str(ROOT / "diffalign" / "assets"), f"--{stage}-steps", str(steps),
-                f"--{stage}-eval-every", str(max(1, steps // cfg["evals"])), *common,
+                f"--{stage}-eval-every", str(max(1, steps // cfg["evals"])), "--num-latents", str(cfg["num_latents"]),
+                f"--{stage}-edge-weight", setting("EDGE_WEIGHT", "4"), *common,
                 *shlex.split(setting(f"{stage.upper()}_ARGS", ""))]
     wan_stage = "transformer" if (work / "wan_vae" / "config.json").exists() else "all"
     return [sys.executable, str(ROOT / "scripts" / "pretrain_tiny_video.py"), "--arch", "wan", "--wan-stage",
@@ -145,6 +148,7 @@ def pack(work: Path, archive: Path, max_bytes: int) -> str:
 def main() -> int:
     cfg = {"device": setting("DEVICE", "cuda"), "threads": int_setting("THREADS", 4),
            "tf32": setting("TF32", "0") == "1", "evals": int_setting("EVALS", 4),
+           "num_latents": int_setting("NUM_LATENTS", 30_000),
            **{k.lower(): int_setting(k, v) for k, v in DEFAULT_STEPS.items()}}
     limit = int_setting("TIME_LIMIT_S", 480, minimum=30)
     stages = setting("STAGES", " ".join(STAGES)).split()
