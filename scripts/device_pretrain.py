@@ -108,9 +108,9 @@ def read_progress(stage: str, work: Path, target: int) -> dict:
             if c["evals"]:
                 res["heldout_accuracy"] = c["evals"][-1]["heldout_accuracy"]
         metrics = work / f"{stage}_metrics.json"
-        if metrics.exists():
-            m = json.loads(metrics.read_text())
-            res.update(steps=m["steps"], loss=m["final_loss"], finished=m["steps"] == target,
+        m = json.loads(metrics.read_text()) if metrics.exists() else {}
+        if m.get("steps") == target:  # (a metrics file of a run of another length says nothing about this one)
+            res.update(steps=m["steps"], loss=m["final_loss"], finished=True,
                        heldout_accuracy=m["heldout_accuracy_by_step"][-1]["heldout_accuracy"])
         return res
     v = ckpt("wan_vae_checkpoint.pt")
@@ -121,10 +121,10 @@ def read_progress(stage: str, work: Path, target: int) -> dict:
     if c is not None:
         res.update(steps=c["step"], loss=c["running"])
     metrics = work / "tiny_wan_t2v" / "pretrain_metrics.json"
-    if metrics.exists():
-        m = json.loads(metrics.read_text())
+    m = json.loads(metrics.read_text()) if metrics.exists() else {}
+    if m.get("steps") == target:
         res.update(steps=m["steps"], loss=m["final_running_loss"], heldout_accuracy=m["heldout"]["accuracy"],
-                   finished=m["steps"] == target)
+                   finished=True)
     return res
 
 
