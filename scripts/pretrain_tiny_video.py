@@ -346,11 +346,11 @@ def eval_wan_vae(vae, frames: int, n_seeds: int = 4) -> dict:
     rows, seeds = [r for r in rows for _ in range(n_seeds)], [50_000 + s for _ in rows for s in range(n_seeds)]
     correct, sign, mse = [], [], []
     for s in range(0, len(rows), 16):
-        x = render_wan_videos(rows[s:s + 16], seeds[s:s + 16], frames)
+        x = render_wan_videos(rows[s:s + 16], seeds[s:s + 16], frames).to(vae.device)
         rec = vae.decode(vae.encode(x).latent_dist.mean).sample
         rec01, x01 = ((rec + 1) / 2).clamp(0, 1), (x + 1) / 2
         mse.append(F.mse_loss(rec01, x01, reduction="none").flatten(1).mean(1))
-        vids = (rec01.permute(0, 2, 3, 4, 1).numpy() * 255 + 0.5).astype(np.uint8)  # (B, F, H, W, 3)
+        vids = (rec01.permute(0, 2, 3, 4, 1).cpu().numpy() * 255 + 0.5).astype(np.uint8)  # (B, F, H, W, 3)
         for v, r in zip(vids, rows[s:s + 16]):
             verdict = verify_video(v, r)
             correct.append(verdict.correct)
@@ -365,10 +365,13 @@ def train_wan_vae(args, work: Path, world) -> Path:
     ``vae`` stage), AdamW 2e-3 with warm-up and cosine decay; resumable as the transformer stage. Then the latents'
     per-channel mean and std (posterior means of 256 train videos) become ``latents_mean`` / ``latents_std`` (Wan's
     normalisation, ``(z − mean) / std``), and the verifier scores reconstructions (`eval_wan_vae`). Saves
-    ``<work>/wan_vae`` and ``<work>/wan_vae_metrics.json``; returns the folder."""
+    ``<work>/wan_vae`` and ``<work>/wan_vae_metrics.json``; returns the folder. ``--device`` holds the VAE and its
+    training; renders and random draws stay on the CPU (then moved), so ``--device cpu`` is bit for bit today's run.
+    """
     out = work / "wan_vae"
+    device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    vae = build_wan_vae(args.wan_vae_dim, args.wan_z_dim).train()
+    vae = build_wan_vae(args.wan_vae_dim, args.wan_z_dim).to(device).train()
     log(f"wan vae {sum(p.numel() for p in vae.parameters()) / 1e6:.3f}M params, {args.wan_vae_steps} steps")
     rows = load_prompts("video_train")
     opt = torch.optim.AdamW(vae.parameters(), lr=args.wan_vae_lr, weight_decay=0.0)
@@ -387,9 +390,9 @@ def train_wan_vae(args, work: Path, world) -> Path:
     for step in range(start, args.wan_vae_steps):
         pick = torch.randint(len(rows), (args.wan_vae_batch,), generator=gen).tolist()
         x = render_wan_videos([rows[i] for i in pick], [10_000_000 + step * args.wan_vae_batch + k
-                                                        for k in range(len(pick))], args.frames)
+                                                        for k in range(len(pick))], args.frames).to(device)
         post = vae.encode(x).latent_dist
-        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen).to(device)
         rec = vae.decode(z).sample
         weight = 1.0 + 3.0 * (x.amax(dim=1, keepdim=True) > -0.3).float()  # the objects' pixels weigh 4x more
         loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * post.kl().mean()
@@ -418,8 +421,10 @@ def train_wan_vae(args, work: Path, world) -> Path:
     with torch.no_grad():
         specs = [rows[i] for i in np.random.default_rng(999).integers(len(rows), size=256)]
         lat = torch.cat([vae.encode(render_wan_videos(specs[s:s + 32], range(900_000 + s, 900_032 + s),
-                                                      args.frames)).latent_dist.mean for s in range(0, 256, 32)])
-        posterior_std = vae.encode(render_wan_videos(specs[:32], range(900_000, 900_032), args.frames)).latent_dist.std
+                                                      args.frames).to(device)).latent_dist.mean.cpu()
+                         for s in range(0, 256, 32)])
+        posterior_std = vae.encode(render_wan_videos(specs[:32], range(900_000, 900_032), args.frames)
+                                   .to(device)).latent_dist.std
     mean, std = lat.mean(dim=(0, 2, 3, 4)), lat.std(dim=(0, 2, 3, 4))
     posterior_std = float(posterior_std.mean())
     vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
@@ -432,7 +437,7 @@ def train_wan_vae(args, work: Path, world) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     vae.save_pretrained(out)
     (work / "wan_vae_metrics.json").write_text(json.dumps(
-        {"steps": args.wan_vae_steps, "minutes": minutes, "final_running_loss": running, "loss_curve": evals,
+        {"steps": args.wan_vae_steps, "device": str(device), "minutes": minutes, "final_running_loss": running, "loss_curve": evals,
          "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std, "posterior_std": posterior_std,
          "heldout_reconstructions": rec, "args": {k: v for k, v in vars(args).items()}}, indent=2))
     return out
@@ -443,15 +448,16 @@ def wan_direction_probe(transformer, encode, lat, prompts, swapped, sigmas=(0.3,
     moving-object latents `(B, C, F, h, w)` with the true caption, the direction-swapped caption, and the frames
     reversed (input and target), at each σ (fixed noise); keys are t = 1000 σ. A model that uses the direction word
     has swapped > true. (The reversed latents are not the latents of the reversed video under a causal VAE; the gap
-    still says whether the model reads the order of its latent frames.)"""
+    still says whether the model reads the order of its latent frames.) The noise is drawn on the CPU and moved to
+    `lat`'s device."""
     g = torch.Generator().manual_seed(123)
     res = {}
     with torch.no_grad():
         cond, swap_cond = encode(prompts), encode(swapped)
         for s in sigmas:
-            noise = torch.randn(lat.shape, generator=g)
+            noise = torch.randn(lat.shape, generator=g).to(lat.device)  # drawn on the CPU on any device
             x, target = (1 - s) * lat + s * noise, noise - lat
-            t = torch.full((len(lat),), 1000.0 * s)
+            t = torch.full((len(lat),), 1000.0 * s, device=lat.device)
 
             def mse(inp, text, tgt, t=t):
                 return F.mse_loss(transformer(hidden_states=inp, timestep=t, encoder_hidden_states=text,
@@ -475,7 +481,9 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     Resumable bit for bit (pretrain_tiny_world.py's checkpoint: weights, EMAs, optimizer, LR schedule, RNG states)
     every `--checkpoint-minutes` in ``<work>/wan_checkpoint.pt``; `--stop-at` checkpoints and stops. At the end the
     EMA weights are evaluated and saved (float32) with the VAE as a `WanPipeline` in `--out`. Returns
-    False when stopped early."""
+    False when stopped early. ``--device`` holds the pipeline, training and evaluation; the latents cache and the
+    random draws stay on the CPU (then moved), so ``--device cpu`` is bit for bit today's run; a checkpoint resumes
+    on another device, not bit for bit (`load_stage_checkpoint`)."""
     from diffusers import AutoencoderKLWan
     from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
 
@@ -484,13 +492,14 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     vae_dir = work / "wan_vae"
     if not (vae_dir / "config.json").exists():
         raise SystemExit(f"--wan-stage transformer: no trained VAE in {vae_dir}; run --wan-stage vae first (same --work)")
-    vae = AutoencoderKLWan.from_pretrained(vae_dir).eval().requires_grad_(False)
+    device = torch.device(args.device)
+    vae = AutoencoderKLWan.from_pretrained(vae_dir).eval().requires_grad_(False).to(device)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer(video=True)
     text_encoder = build_wan_text_encoder(tokenizer, args.wan_text_width)
     transformer = build_wan_transformer(vae.config.z_dim, args.wan_text_width, args.wan_width, args.wan_layers,
                                         args.wan_heads)
-    pipe = build_wan_pipeline(vae, text_encoder, transformer, tokenizer, args.flow_shift)
+    pipe = build_wan_pipeline(vae, text_encoder, transformer, tokenizer, args.flow_shift).to(device)
     modules = [transformer, text_encoder]
     log(f"wan transformer {sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M params, text encoder "
         f"{sum(p.numel() for p in text_encoder.parameters()) / 1e6:.3f}M, vae {vae_dir}")
@@ -506,9 +515,10 @@ def train_wan_transformer(args, work: Path, world) -> bool:
         with torch.no_grad():
             for s in range(0, args.num_videos, 32):
                 d = vae.encode(render_wan_videos([rows[i] for i in pick[s:s + 32]],
-                                                 range(1_000_003 + s, 1_000_003 + s + 32), args.frames)).latent_dist
-                means.append(d.mean)
-                stds.append(d.std)
+                                                 range(1_000_003 + s, 1_000_003 + s + 32), args.frames)
+                               .to(device)).latent_dist
+                means.append(d.mean.cpu())
+                stds.append(d.std.cpu())
         data = {"key": key, "means": torch.cat(means), "stds": torch.cat(stds), "prompts": [rows[i]["prompt"] for i in pick]}
         world.save_atomic(data, cache)
         log(f"encoded {args.num_videos} videos {tuple(data['means'].shape[1:])} in {time.time() - t_enc:.0f}s")
@@ -519,14 +529,14 @@ def train_wan_transformer(args, work: Path, world) -> bool:
 
     def encode(texts):
         return pipe.encode_prompt(prompt=texts, do_classifier_free_guidance=False,
-                                  max_sequence_length=WAN_MAX_SEQUENCE_LENGTH, device=torch.device("cpu"))[0]
+                                  max_sequence_length=WAN_MAX_SEQUENCE_LENGTH, device=device)[0]
 
     # 2. instruments: the direction probe's moving-object latents and captions, the held-out sampler
     probe_rows = [r for r in load_prompts("video_train") if any(e["motion"] != "still" for e in r["include"])]
     probe_rows = [probe_rows[i] for i in np.random.default_rng(2).integers(len(probe_rows), size=32)]
     with torch.no_grad():
-        probe_lat = (vae.encode(render_wan_videos(probe_rows, range(2_000_000, 2_000_032), args.frames))
-                     .latent_dist.mean - lat_mean) / lat_std
+        probe_lat = (vae.encode(render_wan_videos(probe_rows, range(2_000_000, 2_000_032), args.frames).to(device))
+                     .latent_dist.mean - lat_mean.to(device)) / lat_std.to(device)
     probe_prompts = [r["prompt"] for r in probe_rows]
     probe_swapped = [" ".join(SWAP_DIRECTION.get(w, w) for w in q.split()) for q in probe_prompts]
     policy = WanPolicy(pipe, num_frames=args.frames, height=32, width=32, lora_rank=None,
@@ -592,6 +602,7 @@ def train_wan_transformer(args, work: Path, world) -> bool:
         sigma = shift_sigmas(compute_density_for_timestep_sampling("logit_normal", len(idx), logit_mean=0.0,
                                                                    logit_std=1.0, generator=gen), args.flow_shift)
         sigma = sigma.clamp(1e-3, 1.0)
+        lat, noise, sigma = lat.to(device), noise.to(device), sigma.to(device)  # drawn on the CPU, as on any device
         s = sigma.view(-1, 1, 1, 1, 1)
         states = encode(["" if d else prompts[i] for i, d in zip(idx.tolist(), drop)])
         pred = transformer(hidden_states=(1 - s) * lat + s * noise, timestep=1000 * sigma,
@@ -638,7 +649,7 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     vae_metrics = json.loads((work / "wan_vae_metrics.json").read_text()) if (work / "wan_vae_metrics.json").exists() \
         else None
     (out / "pretrain_metrics.json").write_text(json.dumps(
-        {"arch": "wan", "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
+        {"arch": "wan", "device": str(device), "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
          "train_minutes": train_minutes, "final_running_loss": running, "heldout": held, "probe": final["probe"],
          "text_gap": final["text_gap"], "evals": evals, "vae": vae_metrics,
          "transformer_params": sum(p.numel() for p in transformer.parameters()), "args": vars(args)}, indent=2))
@@ -652,10 +663,13 @@ def main_wan(args) -> None:
         raise SystemExit(f"--frames {args.frames}: the Wan VAE's causal encoder reads 1 + 4k frames; pass --frames 9")
     if args.flow_shift <= 0:
         raise SystemExit(f"--flow-shift {args.flow_shift}: the time shift must be > 0 (1 = none; Wan 2.1 480p: 3)")
+    world = _world_script()
+    if world.resolve_device(args.device).type == "cuda" and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    world = _world_script()
     if args.wan_stage in ("vae", "all") and train_wan_vae(args, work, world) is None:
         return
     if args.wan_stage in ("transformer", "all"):
@@ -739,6 +753,9 @@ def main() -> None:
     wan.add_argument("--checkpoint-minutes", type=float, default=5.0)
     wan.add_argument("--resume", action="store_true",
                      help="continue the stage from <--work>/wan_vae_checkpoint.pt or wan_checkpoint.pt, bit for bit")
+    wan.add_argument("--device", default="cpu", help="where the models train and are evaluated (cpu, cuda, cuda:N); "
+                     "batches are still drawn on the CPU")
+    wan.add_argument("--tf32", action="store_true", help="with a CUDA --device: allow TF32 matmuls and convolutions")
     wan.add_argument("--stop-at", type=int, default=0,
                      help="checkpoint and stop the stage being run after this step (0: never)")
     args = p.parse_args()
@@ -749,6 +766,8 @@ def main() -> None:
             raise SystemExit("--arch wan trains from scratch: drop --inflate / --init")
         main_wan(args)
         return
+    if args.device != "cpu":
+        raise SystemExit(f"--device {args.device}: only --arch wan takes --device; drop it for --arch {args.arch}")
     args.frames = args.frames or 8
     args.out = args.out or str(ASSETS / "tiny_t2v")
     if not 0 <= args.t_min < 1000:

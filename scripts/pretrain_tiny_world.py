@@ -242,14 +242,15 @@ def train_unet(args) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 def encode_train_latents(vae, tokenizer, n: int, margins=DEFAULT_MARGINS):
     """Posterior means/stds of `n` renders of train prompts (scenes with `margins`), and their token ids (shared by
-    the unet/flow stages)."""
+    the unet/flow stages). The renders go to the VAE's device; the latents come back on the CPU."""
     specs = sample_train_specs(n, seed=1)
     means, stds = [], []
     with torch.no_grad():
         for i in range(0, len(specs), 256):
-            d = vae.encode(render_batch(specs[i:i + 256], seed=1 + i, margins=margins) * 2 - 1).latent_dist
-            means.append(d.mean)
-            stds.append(d.std)
+            x = render_batch(specs[i:i + 256], seed=1 + i, margins=margins).to(vae.device)
+            d = vae.encode(x * 2 - 1).latent_dist
+            means.append(d.mean.cpu())
+            stds.append(d.std.cpu())
     ids = tokenizer([s["prompt"] for s in specs], padding="max_length", max_length=tokenizer.model_max_length,
                     truncation=True, return_tensors="pt").input_ids
     return torch.cat(means), torch.cat(stds), ids
@@ -384,6 +385,28 @@ def shipped_flow_vae(args):
     raise FileNotFoundError(f"no tiny_sd3/vae in --work {args.work} or --out {args.out}: run the flow stage first")
 
 
+def resolve_device(spec: str) -> torch.device:
+    """The `torch.device` of a ``--device`` value ("cpu", "cuda", "cuda:N"), checked before any work.
+
+    Raises:
+        SystemExit: one line naming ``--device`` if the value is no device, not CPU or CUDA, or names a CUDA
+            device this machine does not have.
+    """
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise SystemExit(f"--device {spec!r} is no torch device; pass cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {spec!r}: these scripts train on cpu or cuda[:N]; pass one of those")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {spec!r}: torch sees no CUDA device here; pass --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here; pass "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def save_atomic(obj, path: Path) -> None:
     """`torch.save` to a temporary file in the same folder, then `os.replace`: a reader (or a resume after a kill)
     sees the old checkpoint or the new one, never half a file."""
@@ -395,18 +418,24 @@ def save_atomic(obj, path: Path) -> None:
 def load_stage_checkpoint(ckpt_path: Path, sizes: dict, options: str, *, modules, emas, optimizer, scheduler,
                           generator) -> tuple[int, object, float, list]:
     """Restores a resumable stage (flux, flow2) from `ckpt_path` in place: weights, EMAs, optimizer, LR schedule, the
-    data generator and torch's global RNG. Returns (step, running loss, elapsed seconds, evaluations so far).
+    data generator and torch's global (CPU) RNG. Returns (step, running loss, elapsed seconds, evaluations so far).
+
+    The file is read onto the CPU (``map_location="cpu"``) and each state goes to its module's device, so a checkpoint written on a GPU resumes on the CPU and the other way round. Such a
+    cross-device resume continues the same batches but is not bit for bit (other kernels round differently; on CUDA
+    dropout draws from the CUDA generator, which the checkpoint does not hold); a resume on the device that wrote
+    the checkpoint is bit for bit on the CPU.
 
     Raises:
         SystemExit: if the checkpoint was written with other `sizes` (naming the stage's `options` to repeat)."""
-    ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     if ckpt["sizes"] != sizes:
         raise SystemExit(f"--resume: {ckpt_path} was written with {ckpt['sizes']}, this run has {sizes}; pass "
                          f"the same {options} / --unet-batch / --num-latents options, or drop --resume")
     for m, state in zip(modules, ckpt["modules"]):
         m.load_state_dict(state)
-    for ema, state in zip(emas, ckpt["emas"]):
+    for ema, state, m in zip(emas, ckpt["emas"], modules):  # one EMA per module, in the modules' order
         ema.load_state_dict(state)
+        ema.to(device=next(m.parameters()).device)
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     generator.set_state(ckpt["generator"])
@@ -633,10 +662,10 @@ def flow2_text_context(encoders, tok: torch.Tensor):
     ``TINY_MAX_SEQUENCE_LENGTH`` zero tokens in T5's place; pooled = both projections concatenated."""
     from diffalign.models.tiny_flow import TINY_MAX_SEQUENCE_LENGTH
 
-    out = [e(tok, output_hidden_states=True) for e in encoders]
+    out = [e(tok.to(e.device), output_hidden_states=True) for e in encoders]
     clip = torch.cat([o.hidden_states[-2] for o in out], dim=-1)
-    ctx = torch.cat([F.pad(clip, (0, 128 - clip.shape[-1])), torch.zeros(len(tok), TINY_MAX_SEQUENCE_LENGTH, 128)],
-                    dim=1)
+    pad = torch.zeros(len(tok), TINY_MAX_SEQUENCE_LENGTH, 128, device=clip.device)
+    ctx = torch.cat([F.pad(clip, (0, 128 - clip.shape[-1])), pad], dim=1)
     return ctx, torch.cat([o.text_embeds for o in out], dim=-1)
 
 
@@ -771,6 +800,11 @@ def train_strong_base(args, stage: StrongBase) -> bool:
     ``--<name>-eval-every`` steps the EMA weights, rounded to float16 as shipped, are evaluated and exported to
     ``<work>/<export_name>``.
 
+    ``--device`` (default cpu) holds the pipeline, the training and the evaluation; the latents cache and every
+    random draw of the batches stay on the CPU (drawn there by the seeded generator, then moved), so ``--device cpu``
+    is today's run bit for bit and a GPU run draws the same batches. Checkpoints resume across devices
+    (`load_stage_checkpoint`), not bit for bit.
+
     Raises:
         SystemExit: on ``--resume`` with other sizes than the checkpoint's (`load_stage_checkpoint`).
     """
@@ -780,6 +814,8 @@ def train_strong_base(args, stage: StrongBase) -> bool:
         return getattr(args, f"{stage.name}_{key}")
 
     work, name = Path(args.work), stage.name
+    device = torch.device(getattr(args, "device", "cpu"))
+    stage.pipe.to(device)
     modules = [getattr(stage.pipe, n).train() for n in stage.module_names]
     log(f"{name} params " + ", ".join(f"{n} {sum(p.numel() for p in m.parameters()) / 1e6:.3f}M"
                                       for n, m in zip(stage.module_names, modules)))
@@ -845,12 +881,13 @@ def train_strong_base(args, stage: StrongBase) -> bool:
         noise = torch.randn(lat.shape, generator=gen)
         sigma = compute_density_for_timestep_sampling("logit_normal", len(idx), logit_mean=0.0, logit_std=1.0,
                                                       generator=gen).clamp(1e-3, 1.0)
+        lat, noise, sigma = lat.to(device), noise.to(device), sigma.to(device)  # drawn on the CPU, as on any device
         s = sigma.view(-1, 1, 1, 1)
         pred = stage.forward((1 - s) * lat + s * noise, sigma, stage.condition(data, idx, drop))
         if edge_weights is None:
             loss = F.mse_loss(pred, noise - lat)
         else:  # weighted mean over the batch's latents, normalised by the mean weight (the loss keeps its scale)
-            w = edge_weights[idx]
+            w = edge_weights[idx].to(device)
             loss = ((pred - (noise - lat)) ** 2 * w).mean() / w.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -875,7 +912,7 @@ def train_strong_base(args, stage: StrongBase) -> bool:
     checkpoint(steps)
     save_ema(steps, final=True)
     (work / f"{name}_metrics.json").write_text(json.dumps(
-        {"steps": steps, "batch": args.unet_batch, "sizes": sizes,
+        {"steps": steps, "batch": args.unet_batch, "sizes": sizes, "device": str(device),
          "minutes": (elapsed + time.time() - t0) / 60, "final_loss": running,
          stage.metric: evals[-1]["heldout_accuracy"], "heldout_accuracy_by_step": evals},
         indent=2))
@@ -1045,7 +1082,15 @@ def main() -> None:
                    "flow2, flux2)")
     p.add_argument("--eval-images", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="flow2, flux2: where the models train and are evaluated (cpu, "
+                   "cuda, cuda:N); batches are still drawn on the CPU")
+    p.add_argument("--tf32", action="store_true", help="with a CUDA --device: allow TF32 matmuls and convolutions")
     args = p.parse_args()
+    if args.device != "cpu" and args.stage not in ("flow2", "flux2"):
+        p.error(f"--device {args.device}: only the flow2 and flux2 stages take --device; drop it for {args.stage}")
+    if resolve_device(args.device).type == "cuda" and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     for stage in ("flow2", "flux2"):
         if not getattr(args, f"{stage}_edge_weight") > 0:
             p.error(f"--{stage}-edge-weight must be > 0 (1: unweighted), got {getattr(args, f'{stage}_edge_weight')}")
