@@ -15,9 +15,13 @@ the checkpoint too if the archive would pass ``MAX_ARCHIVE_MB``, the device tool
 the last EMA evaluation, running loss, wall seconds, exit status. Run again with the same ``WORK_ROOT`` and every
 stage continues from its last checkpoint (a stage that finished its steps is not started again, only summarised).
 
-On the GPU machine (the device tool's ``run``; ``$OUT`` is its return folder, emptied before each call)::
+On the GPU machine (the device tool's ``run``; ``$OUT`` is its return folder, emptied before each call), which reaches
+no package index: first, here, ``bash scripts/device_wheels.sh`` (the packages its image lacks, as wheels in
+``.whl/``), then ``run`` with ``carry=[".whl"]``::
 
-    pip install -q -e .[dev] && TIME_LIMIT_S=$((540 - SECONDS)) python scripts/device_pretrain.py
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && TIME_LIMIT_S=$((540 - SECONDS)) \
+        python3 scripts/device_pretrain.py
 
 Settings (environment variables; defaults in brackets):
 
