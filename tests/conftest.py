@@ -44,7 +44,7 @@ def recorded_seconds_per_file(path: Path = DURATIONS) -> dict[str, float]:
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip() or line.startswith("#"):
             continue
-        fields = line.split()
+        fields = line.split(maxsplit=2)  # (a parametrized node id may hold spaces)
         if len(fields) != 3 or not fields[0].endswith("s") or fields[1] not in ("setup", "call", "teardown"):
             raise ValueError(f"{path}:{number}: {line!r} is not a pytest --durations line "
                              "('<seconds>s <setup|call|teardown> <node id>'); paste that section of a run's output")
