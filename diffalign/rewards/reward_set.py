@@ -308,9 +308,10 @@ def stop_on_reward_error(save_checkpoint: Callable[[], Path | None]) -> Iterator
 
     Raises:
         RewardError: the reward's error with the saved folder as ``checkpoint`` and in the message ("— checkpoint
-            saved to <folder>; fix or deselect the reward, then continue with output_dir=<its parent> resume=latest"); the message names the
-            reward, the step, the batch and the prompt(s) (the original error chained; re-raised as it is where this
-            process wrote no checkpoint). If saving itself fails, that error is raised from the reward's.
+            saved to <folder>; fix or deselect the reward, then continue with output_dir=<its parent> resume=latest");
+            the message names the reward, the step, the batch and the prompt(s) (the original error chained; re-raised
+            as it is where this process wrote no checkpoint). If saving itself fails, that error is raised from the
+            reward's.
     """
     try:
         yield
