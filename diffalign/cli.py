@@ -88,9 +88,12 @@ def _adopt_job_folder(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and HydraConfig.get().runtime.output_dir:
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.runtime.output_dir:
         with open_dict(cfg):
-            cfg.output_dir = HydraConfig.get().runtime.output_dir
+            cfg.output_dir = hydra_cfg.runtime.output_dir
 
 
 def _train_main(cfg: DictConfig) -> None:
