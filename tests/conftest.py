@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from pathlib import Path
 
@@ -180,6 +181,21 @@ def tiny_policy():
 def perturb_lora():
     """The `perturb_lora_(policy, std=0.2, seed=1)` helper, for tests that build their own policies."""
     return perturb_lora_
+
+
+def same_state(x, y) -> bool:
+    """Whether two checkpoint states (nested dicts / lists / tuples of tensors and plain values, as `torch.load` gives
+    them back) are equal bit for bit: tensors of one dtype with equal elements, containers of one type and length,
+    NaN equal to NaN (a metric of a run that tracks nothing), anything else by ``==``."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(same_state(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(same_state(a, b) for a, b in zip(x, y))
+    if isinstance(x, float) and math.isnan(x):
+        return isinstance(y, float) and math.isnan(y)
+    return x == y
 
 
 # ------------------------------------------------------------------------------------------------- config helpers

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import same_state
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {
@@ -119,14 +120,5 @@ def test_explicit_device_cpu_is_the_default_run_bit_for_bit(tmp_path):
     b = torch.load(tmp_path / "cpu" / "flow2_checkpoint.pt", weights_only=False)
     assert a["step"] == b["step"] == 3
     for key in ("modules", "emas", "optimizer", "scheduler", "generator", "torch_rng", "running", "sizes"):
-        assert _same(a[key], b[key]), key
+        assert same_state(a[key], b[key]), key
 
-
-def _same(x, y) -> bool:
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
-    return x == y

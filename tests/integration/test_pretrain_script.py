@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import same_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,15 +64,6 @@ def test_pretrain_script_runs_a_few_steps(tmp_path, monkeypatch, capsys):
     assert images.shape == (1, 3, 32, 32)
 
 
-def _same(x, y) -> bool:
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
-    return x == y
-
 
 @pytest.mark.slow
 def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch,
@@ -101,7 +93,7 @@ def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupt
     assert a["step"] == b["step"] == 5 and at_2["step"] == 2
     assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]] == [3]
     for key in set(a) - {"elapsed"}:
-        assert _same(a[key], b[key]), key
+        assert same_state(a[key], b[key]), key
     # the resumed half did train: every weight tensor moved between steps 2 and 5
     for before, after in zip(at_2["modules"], b["modules"]):
         for name, value in after.items():
@@ -139,7 +131,7 @@ def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_p
     assert a["step"] == b["step"] == 5 and at_2["step"] == 2
     assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]] == [3]
     for key in set(a) - {"elapsed"}:
-        assert _same(a[key], b[key]), key
+        assert same_state(a[key], b[key]), key
     for before, after in zip(at_2["modules"], b["modules"]):
         for name, value in after.items():
             if value.is_floating_point() and "position_ids" not in name:
@@ -198,7 +190,7 @@ def test_flux2_stage_resumes_bit_for_bit_and_its_ema_export_loads_as_model_tiny_
     assert loaded.keys() == dict(saved.named_parameters()).keys()
     assert all(torch.equal(loaded[n], v) for n, v in saved.named_parameters())
     trained_vae = AutoencoderKL.from_pretrained(tmp_path / "out" / "tiny_sd3" / "vae", torch_dtype=torch.float32)
-    assert _same(policy.pipe.vae.state_dict(), trained_vae.state_dict())
+    assert same_state(policy.pipe.vae.state_dict(), trained_vae.state_dict())
     # the resumed half: a new process, steps 4-5, the same checkpoint as the uninterrupted run
     assert "resumed from" in run("--work", str(tmp_path / "b"), "--flux2-stop-at", "5", "--resume")
     a = torch.load(tmp_path / "a" / "flux2_checkpoint.pt", weights_only=False)
@@ -206,7 +198,7 @@ def test_flux2_stage_resumes_bit_for_bit_and_its_ema_export_loads_as_model_tiny_
     assert a["step"] == b["step"] == 5 and a["sizes"]["edge_weight"] == 3.0
     assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]] == [3]
     for key in set(a) - {"elapsed"}:
-        assert _same(a[key], b[key]), key
+        assert same_state(a[key], b[key]), key
     for before, after in zip(at_3["modules"], b["modules"]):
         for name, value in after.items():
             if value.is_floating_point() and "position_ids" not in name:

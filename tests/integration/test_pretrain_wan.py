@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import same_state
 
 from tests.conftest import compose_cfg
 
@@ -47,23 +47,12 @@ def _run(args: list[str]) -> str:
     return res.stdout
 
 
-def _same(x, y) -> bool:
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
-    if isinstance(x, float) and math.isnan(x):  # (direction_sign of a run that tracks no object)
-        return isinstance(y, float) and math.isnan(y)
-    return x == y
-
 
 def _check_resumed(a_path: Path, b_path: Path, at_2: dict, steps: int) -> None:
     a, b = torch.load(a_path, weights_only=False), torch.load(b_path, weights_only=False)
     assert a["step"] == b["step"] == steps and at_2["step"] == 2
     for key in set(a) - {"elapsed"}:
-        assert _same(a[key], b[key]), key
+        assert same_state(a[key], b[key]), key
     for before, after in zip(at_2["modules"], b["modules"]):  # the resumed half did train
         moved = [n for n, v in after.items() if v.is_floating_point() and not torch.equal(before[n], v)]
         assert len(moved) > 0.9 * sum(v.is_floating_point() for v in after.values())
