@@ -121,4 +121,3 @@ def test_explicit_device_cpu_is_the_default_run_bit_for_bit(tmp_path):
     assert a["step"] == b["step"] == 3
     for key in ("modules", "emas", "optimizer", "scheduler", "generator", "torch_rng", "running", "sizes"):
         assert same_state(a[key], b[key]), key
-

@@ -64,7 +64,6 @@ def test_pretrain_script_runs_a_few_steps(tmp_path, monkeypatch, capsys):
     assert images.shape == (1, 3, 32, 32)
 
 
-
 @pytest.mark.slow
 def test_flux_stage_interrupted_and_resumed_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch,
                                                                                       capsys):
@@ -141,7 +140,6 @@ def test_flow2_stage_resumes_bit_for_bit_and_saves_a_loadable_ema_pipeline(tmp_p
                                                     max_sequence_length=8, lora_rank=4)
     assert policy.denoiser.config.num_layers == 1
     assert not (tmp_path / "out" / "tiny_sd3_wide").exists()  # nothing is shipped
-
 
 
 @pytest.mark.slow

@@ -47,7 +47,6 @@ def _run(args: list[str]) -> str:
     return res.stdout
 
 
-
 def _check_resumed(a_path: Path, b_path: Path, at_2: dict, steps: int) -> None:
     a, b = torch.load(a_path, weights_only=False), torch.load(b_path, weights_only=False)
     assert a["step"] == b["step"] == steps and at_2["step"] == 2
