@@ -14,6 +14,7 @@ the change over the two combined, √(s.e.²_runs + s.e.²_images) (`diffalign.e
     python experiments/verifier_drift_table.py --seeds 0,1 --pool clip_score runs/s0 runs/s1 runs/s2  # + the pooled row
     python experiments/verifier_drift_table.py --pool clip_score --control runs/c0 runs/s0 runs/s1  # + minus a control
     python experiments/verifier_drift_table.py --by-tag --control runs/c0 --control runs/c1 runs/s0 runs/s1  # per tag
+    python experiments/verifier_drift_table.py --failures position runs/s0  # which constraints the wrong images fail
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls
 
 
 def _tag_changes(path: str, seeds: set[int] | None) -> dict[str, list[float]]:
-    """One run's paired held-out accuracy changes (fine-tuned − base, per image: −1, 0 or 1), grouped by prompt tag."""
-    samples = Path(path) / "eval" / "samples.jsonl"
+    """One run's paired accuracy changes (fine-tuned − base, per image: −1, 0 or 1), grouped by prompt tag; a
+    ``diffalign-eval`` folder (``samples.jsonl`` at its top, one checkpoint against the base) reads the same way."""
+    samples = Path(path) / "samples.jsonl"
+    samples = samples if samples.is_file() else Path(path) / "eval" / "samples.jsonl"
     if not samples.is_file():
         return {}
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
@@ -171,7 +174,7 @@ def _tag_changes(path: str, seeds: set[int] | None) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for r in rows:
         k = (r["prompt_index"], r["seed"])
-        if r["variant"] == "finetuned" and k in base and (seeds is None or k[1] in seeds):
+        if r["variant"] != "base" and k in base and (seeds is None or k[1] in seeds):
             change = float(r["geneval_shapes/correct"]) - float(base[k]["geneval_shapes/correct"])
             out.setdefault(r.get("tag") or "untagged", []).append(change)
     return out
@@ -207,6 +210,37 @@ def by_tag(paths: list[str], seeds: set[int] | None = None, controls: list[str] 
         print(line)
 
 
+def failures(paths: list[str], tag: str, seeds: set[int] | None = None) -> None:
+    """For each run folder (or ``diffalign-eval`` folder) and variant, over the images of prompts tagged `tag` (``all``:
+    every image): how many are wrong, and how many images fail each kind of constraint (``count``, ``color``,
+    ``position``, ``no_extra``; an image failing two objects' counts is counted once), re-scored with
+    `diffalign.world.verifier.verify` on the saved images."""
+    from diffalign.world.prompts import all_prompts
+    from diffalign.world.verifier import parse_caption, verify
+
+    specs = {r["prompt"]: r for split in all_prompts().values() for r in split}
+    kinds = ("count", "color", "position", "no_extra")
+    print("run\tvariant\timages\twrong\t" + "\t".join(kinds))
+    for p in paths:
+        folder = Path(p) if (Path(p) / "samples.jsonl").is_file() else Path(p) / "eval"
+        if not (folder / "samples.jsonl").is_file():
+            continue
+        counts: dict[str, dict[str, int]] = {}
+        for line in (folder / "samples.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if (tag != "all" and r.get("tag") != tag) or (seeds is not None and r["seed"] not in seeds):
+                continue
+            image = np.asarray(Image.open(folder / r["image"]).convert("RGB"))
+            verdict = verify(image, specs.get(r["prompt"]) or parse_caption(r["prompt"]))
+            c = counts.setdefault(r["variant"], dict.fromkeys(("images", "wrong", *kinds), 0))
+            c["images"] += 1
+            c["wrong"] += not verdict.correct
+            for kind in {f.split("/")[0] for f in verdict.failed}:
+                c[kind] += 1
+        for variant, c in counts.items():
+            print(f"{Path(p).name}\t{variant}\t" + "\t".join(str(c[k]) for k in ("images", "wrong", *kinds)))
+
+
 def main(paths: list[str], seeds: set[int] | None = None) -> None:
     """Rows for run folders; a ``diffalign-eval`` folder (``samples.jsonl`` at its top) gives a row per variant."""
     cols = ["run", "overrides", "acc_base", "dense_base", "acc_change", "acc_se", "dense_change", "dense_se", "image_drift", "lost", "gained",
@@ -235,6 +269,8 @@ if __name__ == "__main__":
                         help="with --pool: a control run on the same images (e.g. random scores) to subtract; repeatable")
     parser.add_argument("--by-tag", action="store_true",
                         help="the paired accuracy change per prompt tag, pooled over the runs (and --control runs)")
+    parser.add_argument("--failures", metavar="TAG",
+                        help="per variant, the images of prompts with this tag (or 'all') failing each kind of constraint")
     parser.add_argument("paths", nargs="+", help="run folders (or diffalign-eval folders)")
     args = parser.parse_args()
     if args.flips:
@@ -243,6 +279,9 @@ if __name__ == "__main__":
     chosen = {int(s) for s in args.seeds.split(",")} if args.seeds else None
     if args.by_tag:
         by_tag(args.paths, chosen, args.control)
+        sys.exit(0)
+    if args.failures:
+        failures(args.paths, args.failures, chosen)
         sys.exit(0)
     main(args.paths, chosen)
     for column in args.pool:

@@ -53,3 +53,30 @@ def test_by_tag_pools_runs_and_subtracts_controls(tmp_path, capsys):
 def test_by_tag_without_a_verifier_evaluation_says_so(tmp_path, capsys):
     by_tag([str(tmp_path / "missing")])
     assert "no run with a verifier evaluation" in capsys.readouterr().out
+
+
+def test_failures_counts_each_kind_of_failed_constraint_once_per_image(tmp_path, capsys):
+    from PIL import Image
+    from verifier_drift_table import failures
+
+    from diffalign.world.prompts import all_prompts
+    from diffalign.world.render import render_spec
+
+    spec = next(r for r in all_prompts()["heldout"] if r["tag"] == "position")
+    folder = tmp_path / "run" / "eval"
+    (folder / "images").mkdir(parents=True)
+    rows = []
+    # base: a correct render; fine-tuned: a blank image (both objects missing: every count, colour and the relation
+    # fail, so one image each for count, color, position; nothing extra)
+    for variant, image in (("base", render_spec(spec, seed=0)), ("finetuned", render_spec(spec, seed=0) * 0 + 255)):
+        Image.fromarray(image.astype("uint8")).save(folder / "images" / f"{variant}.png")
+        rows.append({"variant": variant, "prompt": spec["prompt"], "seed": 0, "prompt_index": 0, "tag": "position",
+                     "image": f"images/{variant}.png"})
+    (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    failures([str(tmp_path / "run")], "position")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("\t") == ["run", "variant", "images", "wrong", "count", "color", "position", "no_extra"]
+    assert lines[1].split("\t") == ["run", "base", "1", "0", "0", "0", "0", "0"]
+    assert lines[2].split("\t") == ["run", "finetuned", "1", "1", "1", "1", "1", "0"]
+    failures([str(tmp_path / "run")], "counting")  # no image of that tag: no rows
+    assert capsys.readouterr().out.count("\n") == 1
