@@ -181,10 +181,10 @@ def _tag_changes(path: str, seeds: set[int] | None) -> dict[str, list[float]]:
 
 
 def by_tag(paths: list[str], seeds: set[int] | None = None, controls: list[str] = ()) -> None:
-    """Per prompt tag: the number of images per run, the mean over runs of the run's paired accuracy change ± its s.e. over runs, and with `controls` the controls'
-    mean change and the difference (s.e. of the difference of two independent means over runs). A split whose tags
-    carry unequal weight (the shapes world's held-out split: 80 of 117 prompts are ``position``) is read here tag by
-    tag."""
+    """Per prompt tag: the number of images per run, the mean over runs of the run's paired accuracy change ± its s.e.
+    over runs, and with `controls` the controls' mean change and the difference (s.e. of the difference of two
+    independent means over runs). A split whose tags carry unequal weight (the shapes world's held-out split: 80 of
+    117 prompts are ``position``) is read here tag by tag."""
     from diffalign.evaluation.bench import _mean_se
 
     runs = [c for c in (_tag_changes(p, seeds) for p in paths) if c]
@@ -195,6 +195,7 @@ def by_tag(paths: list[str], seeds: set[int] | None = None, controls: list[str] 
     tags = sorted({t for r in runs for t in r}, key=lambda t: -len(runs[0].get(t, [])))
     print(f"accuracy change by tag over {len(runs)} run(s)" + (f", minus {len(ctrl)} control(s)" if ctrl else ""))
     print("tag\timages\tchange\tse_runs" + ("\tcontrol\tse_control\tdifference\tse_difference" if ctrl else ""))
+
     def change(run: dict[str, list[float]], tag: str) -> float:
         values = [v for vs in run.values() for v in vs] if tag == "all" else run.get(tag, [])
         return float(np.mean(values)) if values else math.nan
@@ -266,7 +267,8 @@ if __name__ == "__main__":
     parser.add_argument("--pool", action="append", default=[], metavar="FIELD",
                         help="a per-image column of samples.jsonl (e.g. clip_score) to pool over the runs; repeatable")
     parser.add_argument("--control", action="append", default=[], metavar="RUN",
-                        help="with --pool: a control run on the same images (e.g. random scores) to subtract; repeatable")
+                        help="with --pool or --by-tag: a control run on the same images (e.g. random scores) to "
+                             "subtract; repeatable")
     parser.add_argument("--by-tag", action="store_true",
                         help="the paired accuracy change per prompt tag, pooled over the runs (and --control runs)")
     parser.add_argument("--failures", metavar="TAG",
