@@ -160,11 +160,15 @@ def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls
         print(f"  minus {len(against)} control run(s): {diff.mean():+.4f} ± {se:.4f} over images ({diff.mean() / se:.1f})")
 
 
+def _eval_dir(path: str) -> Path:
+    """The folder holding ``samples.jsonl``: a ``diffalign-eval`` folder itself, or a run folder's ``eval/``."""
+    return Path(path) if (Path(path) / "samples.jsonl").is_file() else Path(path) / "eval"
+
+
 def _tag_changes(path: str, seeds: set[int] | None) -> dict[str, list[float]]:
     """One run's paired accuracy changes (fine-tuned − base, per image: −1, 0 or 1), grouped by prompt tag; a
     ``diffalign-eval`` folder (``samples.jsonl`` at its top, one checkpoint against the base) reads the same way."""
-    samples = Path(path) / "samples.jsonl"
-    samples = samples if samples.is_file() else Path(path) / "eval" / "samples.jsonl"
+    samples = _eval_dir(path) / "samples.jsonl"
     if not samples.is_file():
         return {}
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
@@ -223,7 +227,7 @@ def failures(paths: list[str], tag: str, seeds: set[int] | None = None) -> None:
     kinds = ("count", "color", "position", "no_extra")
     print("run\tvariant\timages\twrong\t" + "\t".join(kinds))
     for p in paths:
-        folder = Path(p) if (Path(p) / "samples.jsonl").is_file() else Path(p) / "eval"
+        folder = _eval_dir(p)
         if not (folder / "samples.jsonl").is_file():
             continue
         counts: dict[str, dict[str, int]] = {}
