@@ -84,8 +84,11 @@ def flat_hparams(cfg: DictConfig) -> dict:
 def make_accelerator(cfg: DictConfig, gradient_accumulation_steps: int = 1) -> Accelerator:
     """The run's `Accelerator` (``trainer.mixed_precision``, ``trainer.log_with``, ``trainer.cpu``; logs under
     ``<output_dir>/logs``), one LR step per optimizer step on any number of processes; then seeds every RNG with
-    ``cfg.seed``."""
+    ``cfg.seed``. ``trainer.cudnn_attention=false`` turns cuDNN's scaled-dot-product attention off for the process
+    (``torch.backends.cuda.enable_cudnn_sdp(False)``)."""
     tr, output_dir = cfg.trainer, Path(cfg.output_dir)
+    if not tr.get("cudnn_attention", True):
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # an FSDP launch on CPU (accelerate drops FSDP there; diffalign.runtime.distributed)
     fsdp_plugin = fsdp_plugin_for(tr.cpu)
     accelerator = Accelerator(

@@ -40,6 +40,10 @@ class TrainerConfig:
     checkpointing_steps: int | None = 50
     keep_last: int = 2  # keep this many newest checkpoints; -1 keeps all
     cpu: bool = False  # force CPU even when a GPU is present
+    # false: torch.backends.cuda.enable_cudnn_sdp(False) for the run, so attention uses PyTorch's flash or
+    # memory-efficient kernel (cuDNN's attention backward failed at FLUX.1-dev's shapes on an H200 with torch 2.11 +
+    # CUDA 13.0: docs/guides/flux.md#memory)
+    cudnn_attention: bool = True
     # a non-finite loss or gradient skips that update (counted, logged as nonfinite_skips); after this many skips in a
     # row the run saves a checkpoint and stops with a message
     max_consecutive_nonfinite: int = 5

@@ -231,6 +231,47 @@ def test_every_family_has_its_published_config_and_model_config():
         assert (REPO / "diffalign" / "configs" / "model" / f"{spec['model']}.yaml").is_file(), family
 
 
+def test_a_family_whose_child_hits_a_cuda_fault_is_retried_once_with_cudnn_attention_off(monkeypatch):
+    """On the H200 the FLUX.1-dev child failed in cuDNN's attention backward (reported as a cuBLAS failure of the next
+    kernel); a CUDA fault poisons the process, so the check retries once in a new child with ``--no-cudnn-sdp`` and
+    notes it. Another failure, or one on a CPU, is not retried."""
+    import argparse
+    import json
+
+    gpu = _script("gpu_check")
+    calls = []
+    fault = "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx(...)`"
+
+    def fake_run(cmd, timeout, env=None):
+        calls.append(cmd)
+        if "--no-cudnn-sdp" in cmd:
+            return 0, "ROW " + json.dumps({"family": "flux1_dev", "train_step_s": 0.5}), ""
+        return 1, "", fault
+
+    monkeypatch.setattr(gpu, "run", fake_run)
+    args = argparse.Namespace(device="cuda", dtype="bfloat16", tiny=False)
+    row = gpu.part_real("flux1_dev", args, 300.0)
+    assert len(calls) == 2 and "--no-cudnn-sdp" not in calls[0] and calls[1][-1] == "--no-cudnn-sdp"
+    assert row["train_step_s"] == 0.5 and row["note"].startswith("cuDNN attention off") and "CUBLAS" in row["note"]
+    calls.clear()
+    row = gpu.part_real("flux1_dev", argparse.Namespace(device="cpu", dtype="float32", tiny=True), 300.0)
+    assert len(calls) == 1 and row["error"].startswith("exit 1:")
+    calls.clear()
+    monkeypatch.setattr(gpu, "run", lambda cmd, timeout, env=None: (calls.append(cmd), (1, "", "ValueError: x"))[1])
+    assert gpu.part_real("flux1_dev", args, 300.0)["error"] == "exit 1: ValueError: x" and len(calls) == 1
+
+
+def test_the_gpu_check_children_keep_the_callers_pythonpath(monkeypatch):
+    """On the GPU machine the wheels the image lacks are on PYTHONPATH: the children put the repo first and keep it."""
+    import os
+
+    gpu = _script("gpu_check")
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert gpu._pythonpath().split(os.pathsep) == [str(REPO), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu._pythonpath() == str(REPO)
+
+
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_part_on_cpu_at_tiny_shapes(tmp_path):
     """The whole path at the smallest shapes on CPU (float32: bf16 matmuls are slow on CPUs without bf16 units): the
