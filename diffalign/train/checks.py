@@ -177,6 +177,9 @@ def check_online_config(cfg, num_processes: int = 1) -> None:
                                             "Flow-GRPO use 16-24)")
     integer(on, "checkpointing_epochs", p, ge=0, nullable=True, hint="0 or null: only the final checkpoint")
     boolean(on, "shared_initial_noise", p)
+    boolean(on, "ema", p)
+    number(on, "ema_decay", p, ge=0, lt=1, hint="the EMA's decay cap; 0.9 in Flow-GRPO's and DGPO's code")
+    integer(on, "ema_update_interval", p, ge=1, hint="the EMA is updated every this many optimizer steps (8 in the code)")
     choice(on, "advantage_std", p, ADVANTAGE_STDS)
     choice(on, "advantage_std_correction", p, (0, 1),
            hint="0: population std (flow_grpo, DGPO); 1: sample std (DanceGRPO, ViPO)")

@@ -85,3 +85,9 @@ class OnlineConfig:
     tracker_buffer_size: int = 16  # DDPO's per-prompt statistics
     tracker_min_count: int = 16
     checkpointing_epochs: int | None = 10
+    # true: an EMA of the LoRA weights beside the trained ones, evaluated and exported as final/ (Flow-GRPO's and
+    # DGPO's released code: decay 0.9, every 8th optimizer step, d_t = min((1+t)/(10+t), decay);
+    # diffalign.train.ema); rollouts, the loss and the resumable checkpoint weights stay the live ones
+    ema: bool = False
+    ema_decay: float = 0.9
+    ema_update_interval: int = 8

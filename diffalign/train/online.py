@@ -53,7 +53,7 @@ from diffalign.rewards.reward_set import (
     stop_on_reward_error,
 )
 from diffalign.runtime.console import WarningCounts, console_summary, write
-from diffalign.runtime.distributed import main_process_work
+from diffalign.runtime.distributed import is_fsdp, main_process_work
 from diffalign.runtime.faults import NonFiniteGuard, StopSignals, resume_hint
 from diffalign.runtime.storage import write_text
 from diffalign.samplers.base import Sampler, build_sampler
@@ -68,6 +68,7 @@ from diffalign.train.common import (
     start_trackers,
     stop_if_requested,
 )
+from diffalign.train.ema import ParameterEma
 from diffalign.train.prepare import PreparedRun, prepare_run, run_lock_once
 
 
@@ -125,6 +126,7 @@ class _Run:
     updates: Updates
     checkpoints: Checkpoints
     sampler: Sampler  # the rollout sampler, built once from cfg.sampler
+    ema: ParameterEma | None = None  # online.ema: the LoRA's EMA, evaluated and exported as final/
     epoch: int = 0
     global_step: int = 0
     said: set = field(default_factory=set)
@@ -172,10 +174,17 @@ def _setup(prepared: PreparedRun) -> _Run:
         accelerator.print(evaluation_hint(cfg))
     guard = NonFiniteGuard(tr.get("max_consecutive_nonfinite", 5))
     updates = Updates(accelerator, policy, reference, guard, optimizer, lr_scheduler, params, tr.max_grad_norm)
+    ema = None
+    if on.get("ema", False):
+        if is_fsdp(accelerator):
+            raise ValueError("online.ema=true is not supported under FSDP (each process holds a shard of the LoRA); "
+                             "run without FSDP or with online.ema=false")
+        ema = ParameterEma(params, on.get("ema_decay", 0.9), on.get("ema_update_interval", 8))
     checkpoints = Checkpoints(accelerator, output_dir, policy, optimizer, lr_scheduler, tr.keep_last,
-                              {"reference_state": reference, **objective.checkpoint_states()})
+                              {"reference_state": reference, **objective.checkpoint_states(),
+                               **({"ema_state": ema} if ema is not None else {})})
     return _Run(cfg, accelerator, objective, policy, reference, rewards, eval_rewards, monitor, rows, advantages,
-                lr_scheduler, guard, updates, checkpoints, sp)
+                lr_scheduler, guard, updates, checkpoints, sp, ema)
 
 
 def _resume(run: _Run) -> list[dict]:
@@ -341,6 +350,8 @@ def _updates(run: _Run, data: OnlineEpoch) -> dict:
                     sums[k] = sums.get(k, 0.0) + float(v)
         run.global_step += 1
         run.objective.rollout_policy.after_update()
+        if run.ema is not None:
+            run.ema.after_update(run.global_step)
         run.updates.stop_if_exhausted(lambda: run.stop_with_checkpoint(run.epoch),
                                       f"epoch {run.epoch}, step {run.global_step}",
                                       f" (mid-epoch: it restarts epoch {run.epoch})")
@@ -353,19 +364,22 @@ def _finish(run: _Run, history: list[dict], *, train_seconds: float, t_start: fl
     if not (output_dir / f"checkpoint-{run.global_step}").exists():  # (every process: FSDP gathers)
         run.write_checkpoint(run.epoch)
     final_dir = output_dir / "final"
-    with main_process_work(accelerator, run.policy) as main:
-        if main:
-            save_final_lora(run.policy, final_dir)
-    if accelerator.is_main_process:
-        write_text(output_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in history))
-    results = {"epochs": run.epoch, "global_step": run.global_step, "train_seconds": train_seconds,
-               "final_lora": str(final_dir), "rollouts": run.epoch * on.groups_per_epoch * on.group_size,
-               "history_tail": history[-3:]}
-    with main_process_work(accelerator, run.policy, due=run.cfg.eval.enabled):
-        results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
-                                        lambda: run.checkpoints.before_stop(run.global_step,
-                                                                            lambda: run.trainer_state(run.epoch)),
-                                        tracker_step=run.epoch))
+    # online.ema: the EMA is the final LoRA and what is evaluated (the checkpoint above holds the live weights)
+    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        with main_process_work(accelerator, run.policy) as main:
+            if main:
+                save_final_lora(run.policy, final_dir)
+        if accelerator.is_main_process:
+            write_text(output_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+        results = {"epochs": run.epoch, "global_step": run.global_step, "train_seconds": train_seconds,
+                   "final_lora": str(final_dir), "rollouts": run.epoch * on.groups_per_epoch * on.group_size,
+                   "history_tail": history[-3:]}
+        with main_process_work(accelerator, run.policy, due=run.cfg.eval.enabled):
+            results.update(final_evaluation(run.cfg, accelerator, run.policy, run.eval_rewards, run.global_step,
+                                            lambda: run.checkpoints.before_stop(run.global_step,
+                                                                                lambda: run.trainer_state(run.epoch)),
+                                            tracker_step=run.epoch))
+    results["ema"] = run.ema is not None
     results["total_seconds"] = time.time() - t_start
     results["warnings"] = run.warnings.totals  # this process's (the main one's: summed over processes)
     if accelerator.is_main_process:
