@@ -369,6 +369,13 @@ def train_wan_vae(args, work: Path, world) -> Path:
     training; renders and random draws stay on the CPU (then moved), so ``--device cpu`` is bit for bit today's run.
     """
     out = work / "wan_vae"
+    metrics = work / "wan_vae_metrics.json"
+    if args.resume and (out / "config.json").exists() and metrics.exists() \
+            and json.loads(metrics.read_text()).get("steps") == args.wan_vae_steps:
+        # finished earlier: training it again from its last checkpoint would re-save it, and a new file invalidates
+        # the transformer stage's latents cache (keyed by the VAE file's time): minutes of re-encoding
+        log(f"wan vae: finished earlier ({args.wan_vae_steps} steps, {metrics}); not trained again")
+        return out
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     vae = build_wan_vae(args.wan_vae_dim, args.wan_z_dim).to(device).train()

@@ -68,9 +68,11 @@ def test_bad_input_is_rejected_with_the_field_named(override, field):
 
 
 def test_a_model_config_without_shipped_weights_names_the_path_to_set():
-    """``model=tiny_wan_t2v`` leaves the path ``???`` until its weights ship: the run is refused before any work, with
-    the field named (OmegaConf's own error came from the first code to read the node, after the checks)."""
-    cfg = compose_cfg(["recipe=tiny_flow_grpo", "model=tiny_wan_t2v", "reward=[video_motion]"])
+    """A model config whose path is ``???`` (as ``model=tiny_wan_t2v`` was until its weights shipped): the run is
+    refused before any work, with the field named (OmegaConf's own error came from the first code to read the node,
+    after the checks)."""
+    cfg = compose_cfg(["recipe=tiny_flow_grpo", "model=tiny_wan_t2v", "model.pretrained_model_name_or_path=???",
+                       "reward=[video_motion]"])
     with pytest.raises(ValueError, match=r"^model.pretrained_model_name_or_path is not set: .* pass "
                                          r"model.pretrained_model_name_or_path=<a diffusers folder or hub id>$"):
         validate_train_config(cfg)

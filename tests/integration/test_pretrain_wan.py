@@ -107,6 +107,23 @@ def trained(tmp_path_factory):
     return work, out
 
 
+def test_a_finished_vae_stage_is_not_trained_again_on_resume(trained, monkeypatch, capsys):
+    """``--wan-stage all --resume`` on a work folder whose VAE stage finished: the VAE is neither rebuilt nor re-saved
+    (the full run re-trained its last 25 steps from the checkpoint and re-saved it, which changed the file's time and so
+    re-encoded the 16,000-video latents cache), and the transformer stage goes on from its own state."""
+    work, _ = trained
+    weights = work / "wan_vae" / "diffusion_pytorch_model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    script = _script()
+    monkeypatch.setattr(script, "build_wan_vae", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rebuilt")))
+    args = script.argparse.Namespace(resume=True, wan_vae_steps=3)
+    assert script.train_wan_vae(args, work, None) == work / "wan_vae"
+    assert "finished earlier" in capsys.readouterr().out and weights.stat().st_mtime_ns == stamp
+    with pytest.raises(AssertionError, match="rebuilt"):  # another length: not the finished stage, not skipped
+        script.train_wan_vae(script.argparse.Namespace(resume=True, wan_vae_steps=4, device="cpu", seed=0,
+                                                       wan_vae_dim=8, wan_z_dim=4), work, None)
+
+
 @pytest.mark.slow
 def test_wan_transformer_stage_resumes_bit_for_bit(trained, tmp_path, monkeypatch, capsys):
     """On the trained VAE: five transformer steps in one go against two, a checkpoint, a new process with --resume,
