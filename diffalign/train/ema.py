@@ -24,7 +24,9 @@ import torch
 
 
 class ParameterEma:
-    """The EMA of `params` (the optimizer's trainable tensors, in order).
+    """The EMA of `params` (the optimizer's trainable tensors, in order), kept by diffusers' `EMAModel` (whose decay
+    without warm-up is exactly min((1 + t) / (10 + t), decay), the formula Flow-GRPO copied), updated every
+    `update_interval` optimizer steps.
 
     Args:
         params (`Iterable[torch.nn.Parameter]`): the trained parameters; copied at construction (the EMA starts at
@@ -37,52 +39,56 @@ class ParameterEma:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], decay: float = 0.9, update_interval: int = 8):
+        from diffusers.training_utils import EMAModel
+
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"online.ema_decay={decay} must be in [0, 1) (0.9 in Flow-GRPO's and DGPO's code)")
         if int(update_interval) != update_interval or update_interval < 1:
             raise ValueError(f"online.ema_update_interval={update_interval} must be an integer >= 1 (8 in the code)")
         self.params = list(params)
-        self.shadow = [p.detach().clone() for p in self.params]
-        self.decay, self.update_interval = float(decay), int(update_interval)
+        self.update_interval = int(update_interval)
+        self._ema = EMAModel(self.params, decay=float(decay), min_decay=0.0, update_after_step=0,
+                             use_ema_warmup=False)
+
+    @property
+    def shadow(self) -> list[torch.Tensor]:
+        """The EMA tensors, in the order of `params`."""
+        return self._ema.shadow_params
 
     def current_decay(self, step: int) -> float:
-        """d_t = min((1 + t) / (10 + t), decay) at `step` = t optimizer steps done."""
-        return min((1.0 + step) / (10.0 + step), self.decay)
+        """d_t = min((1 + t) / (10 + t), decay) at `step` = t ≥ 1 optimizer steps done (`EMAModel.get_decay` at its
+        counter t + 1)."""
+        return self._ema.get_decay(step + 1)
 
-    @torch.no_grad()
     def after_update(self, step: int) -> bool:
         """Called after each optimizer step with `step` = the steps done: ema ← ema + (1 − d_t)(θ − ema) when
         (step + 1) is a multiple of ``update_interval``. Returns whether it updated."""
         if (step + 1) % self.update_interval:
             return False
-        weight = 1.0 - self.current_decay(step)
-        for s, p in zip(self.shadow, self.params, strict=True):
-            s.add_(p.detach().to(s.dtype) - s, alpha=weight)
+        # EMAModel counts its own updates (+1 per call) and decays by that count; here every `update_interval`-th
+        # optimizer step updates it, with d_t of the optimizer's step t: set its counter so the call lands on t + 1
+        self._ema.optimization_step = step
+        self._ema.step(self.params)
         return True
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Runs the block with the EMA in the parameters (the live ones are put back after, also on an error)."""
-        live = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow, strict=True):
-                p.copy_(s)
+        self._ema.store(self.params)
+        self._ema.copy_to(self.params)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, v in zip(self.params, live, strict=True):
-                    p.copy_(v)
+            self._ema.restore(self.params)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shadow": [s.detach().clone() for s in self.shadow], "decay": self.decay,
-                "update_interval": self.update_interval}
+        return self._ema.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        shadow = state["shadow"]
+        shadow = state["shadow_params"]
         if len(shadow) != len(self.shadow) or any(a.shape != b.shape for a, b in zip(shadow, self.shadow)):
             raise ValueError("the checkpoint's online.ema weights do not match this run's trainable parameters (another "
                              "LoRA rank or target modules?); resume with the settings the run was started with")
-        with torch.no_grad():
-            for s, v in zip(self.shadow, shadow, strict=True):
-                s.copy_(v)
+        # (read back on the CPU: onto the devices and dtypes of this run's EMA, as EMAModel keeps the list it is given)
+        self._ema.load_state_dict({**state, "shadow_params": [v.to(s.device, s.dtype)
+                                                             for v, s in zip(shadow, self.shadow, strict=True)]})
