@@ -59,6 +59,9 @@ class Method:
     overrides: list[str] = field(default_factory=list)
     quick: list[str] = field(default_factory=list)  # what --quick adds
     rewards: tuple[str, ...] = ("brightness", "verifier", "control")
+    # a reward's own recipe, which replaces `recipe` and keeps its own held-out evaluation (EVAL's prompts and seeds
+    # do not apply): the GenEval-style recipes on the verifier, evaluated on the whole split with 8 seeds
+    recipes: dict[str, str] = field(default_factory=dict)
 
 
 ONLINE_QUICK = ["online.num_epochs=3", "online.groups_per_epoch=4", "online.checkpointing_epochs=null"]
@@ -69,7 +72,7 @@ TWENTY_SAMPLING_STEPS = ["data.sampler.num_inference_steps=20", "eval.sampler.nu
 
 METHODS: dict[str, Method] = {
     "ddpo": Method("tiny_ddpo", True, quick=ONLINE_QUICK),
-    "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK),
+    "flow_grpo": Method("tiny_flow_grpo", True, quick=ONLINE_QUICK, recipes={"verifier": "tiny_flow_grpo_geneval"}),
     # the Flow-GRPO recipe with another rollout sampler (docs/guides/samplers.md), all else equal: CPS (noise_level
     # 0.8, its released default) and MixGRPO's windowed SDE at the recipe's 10 steps (a 4-step window starting at
     # steps 0-7, moved by 1 every 2 epochs: the 20 epochs visit every start, 0 and 1 twice; MixGRPO: 25 steps, moved
@@ -79,7 +82,7 @@ METHODS: dict[str, Method] = {
                                                         "sampler.shift_interval=2"], quick=ONLINE_QUICK),
     "grpo_guard": Method("tiny_grpo_guard", True, quick=ONLINE_QUICK),  # tiny_flow_grpo with the guard alone
     "flow_grpo_flux": Method("tiny_flow_grpo_flux", True, quick=ONLINE_QUICK),  # the tiny FLUX-format model
-    "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK),
+    "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK, recipes={"verifier": "tiny_dgpo_geneval"}),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
     "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.optimizer.lr=3e-4", "online.num_epochs=20"],
@@ -114,6 +117,8 @@ IMAGE_KEY = {"brightness": "brightness", "verifier": "geneval_shapes/correct",  
 
 # held-out evaluation of every run: up to 8 prompts per tag (33; some tags have fewer), 2 seeds
 EVAL = ["eval.prompts_per_tag=8", "eval.seeds=[0,1]", "eval.reuse_base=true", "trainer.log_with=none"]
+# ... of a row with its reward's own recipe (`Method.recipes`): that recipe's prompts and seeds
+RECIPE_EVAL = ["eval.reuse_base=true", "trainer.log_with=none"]
 
 # --quick: one row per data flow (the families of the loops: online trajectories, online groups, pairs, winners), on
 # the brightness reward alone (the toy reward with the most headroom, so a few updates show a rise; the held-out
@@ -134,11 +139,13 @@ def run_overrides(method: Method, reward: str, seed: int, quick: bool) -> list[s
     """The ``diffalign-train`` overrides of one benchmark run."""
     spec = REWARDS[reward]
     data = [] if method.online else spec["offline_data"]  # offline: pairs ranked by the reward (verifier: as shipped)
-    evaluation = EVAL
+    evaluation, recipe = EVAL, method.recipe
+    if reward in method.recipes:  # the reward's own recipe, with its own held-out evaluation
+        evaluation, recipe = RECIPE_EVAL, method.recipes[reward]
     if quick:  # the method's own 20-step evaluation (offline rows) gives way to the quick one
         kept = [o for o in method.overrides if not o.startswith("eval.")]
         evaluation, method = QUICK_EVAL, Method(method.recipe, method.online, kept, method.quick, method.rewards)
-    out = [f"recipe={method.recipe}", *method.overrides, *spec["train"], f"eval_reward={spec['eval']}",
+    out = [f"recipe={recipe}", *method.overrides, *spec["train"], f"eval_reward={spec['eval']}",
            *data, *evaluation, f"seed={seed}"]
     if not method.online:  # every offline data set (ranked, failure, DDSPO pairs, winners) takes the seed too
         out.append(f"data.seed={seed}")
@@ -224,7 +231,8 @@ def summarize(results: dict) -> list[dict]:
     for (method, reward), runs in results.items():
         if not runs:
             continue
-        row = {"method": method, "reward": reward, "seeds": len(runs)}
+        row = {"method": method, "reward": reward, "seeds": len(runs),
+               "images": len(runs[0].get("image_gains") or {})}  # held-out images each run scored, paired
         for name in ("start", "end", "gain", "train_rise", "verifier_start", "verifier_end", "verifier_change",
                      "diversity_start", "diversity_end", "seconds", "rollouts"):
             values = [r[name] for r in runs if r.get(name) is not None and not math.isnan(r[name])]
@@ -267,16 +275,17 @@ def _images(row: dict, key: str = "gain_se_images") -> str:
 
 def markdown(rows: list[dict], command: str) -> str:
     lines = [(f"Generated by `{command}`. Mean ± s.e. over seeds; start/end = base/fine-tuned on held-out prompts "
-             "(up to 8 per tag, 33 prompts × 2 seeds); gain ± s.e. over seeds, then the s.e. over images of the seed-averaged "
+             "(images = the paired base/fine-tuned images of one run: up to 8 prompts per tag, 33 prompts × 2 seeds, "
+             "or a row recipe's own evaluation); gain ± s.e. over seeds, then the s.e. over images of the seed-averaged "
              "per-image gain; gain/s.e. = the gain over the two combined, √(s.e.² seeds + s.e.² images), conservative "
              "(one seed: the paired s.e. over its images); the verifier change likewise; train rise = mean training reward of the last 3 epochs − first 2 (online methods); held-out verifier "
              "acc. = geneval_shapes accuracy base → fine-tuned and its change ± s.e. (a hacking monitor on the brightness "
              "rows); diversity = the tiny CLIP's mean pairwise distance across seeds, base → fine-tuned."), "",
-             ("| method | reward | seeds | start → end | gain (gain/s.e.) | train rise | held-out verifier acc. | "
-             "verifier change | diversity | s per run |"), "|---|---|---|---|---|---|---|---|---|---|"]
+             ("| method | reward | seeds | images | start → end | gain (gain/s.e.) | train rise | held-out verifier acc. | "
+             "verifier change | diversity | s per run |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['reward']} | {r['seeds']} | {_fmt(r['start'])} → {_fmt(r['end'])} | "
+            f"| {r['method']} | {r['reward']} | {r['seeds']} | {r.get('images') or '–'} | {_fmt(r['start'])} → {_fmt(r['end'])} | "
             f"{_fmt(r['gain'], r['gain_se'])}{_images(r)} ({_fmt(r['gain_over_se'], digits=1)}) | "
             f"{_fmt(r['train_rise'], r['train_rise_se'])} | {_fmt(r['verifier_start'])} → {_fmt(r['verifier_end'])} | "
             f"{_fmt(r['verifier_change'], r['verifier_change_se'])}{_images(r, 'verifier_change_se_images')} | "
