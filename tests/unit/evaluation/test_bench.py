@@ -79,7 +79,7 @@ def test_a_run_is_read_back_and_seeds_are_summarised_by_hand(tmp_path):
     assert row["gain_se"] == pytest.approx(math.sqrt(((0.05**2) * 2) / 1) / math.sqrt(2))  # stdev/sqrt(n)
     assert row["gain_over_se"] == pytest.approx(0.15 / 0.05)
     table = markdown([row], "diffalign-bench --x")
-    assert "| vipo | brightness | 2 | 0.100 → 0.250 | 0.150 ± 0.050 (3.0) |" in table
+    assert "| vipo | brightness | 2 | – | 0.100 → 0.250 | 0.150 ± 0.050 (3.0) |" in table
     assert row["verifier_change"] == -0.25 and row["verifier_change_se"] == 0.0  # equal over the two seeds
     (one,) = summarize({("vipo", "brightness"): [a]})  # one seed: the paired s.e. over its images
     assert one["verifier_change_se"] == 0.06 and one["gain_se"] == 0.01
@@ -126,14 +126,14 @@ def test_list_prints_the_runs_without_running_them(capsys):
     assert line.endswith("trainer.optimizer.lr=5e-3")
 
 
-def _composed(name: str, tmp_path) -> dict:
-    """The benchmark's brightness run of entry `name`, seed 0, composed and checked as ``diffalign-train`` would."""
+def _composed(name: str, tmp_path, reward: str = "brightness") -> dict:
+    """The benchmark's `reward` run of entry `name`, seed 0, composed and checked as ``diffalign-train`` would."""
     from conftest import compose_cfg
     from omegaconf import OmegaConf
 
     from diffalign.train.prepare import check_run
 
-    overrides = run_overrides(METHODS[name], "brightness", 0, quick=False)
+    overrides = run_overrides(METHODS[name], reward, 0, quick=False)
     cfg = compose_cfg([*overrides, f"output_dir={tmp_path}"])
     check_run(cfg, overrides)
     return OmegaConf.to_container(cfg, resolve=False)
@@ -185,3 +185,32 @@ def _cfg(values: dict):
     from omegaconf import OmegaConf
 
     return OmegaConf.create(values)
+
+
+@pytest.mark.parametrize("name", ["dgpo", "flow_grpo"])
+def test_the_verifier_rows_of_dgpo_and_flow_grpo_run_their_geneval_recipe(name, tmp_path):
+    """The verifier rows run `tiny_<method>_geneval`: the brightness row's run with only the base (tiny_sd3_wide), the
+    budget (24 epochs x 24 prompts), the learning rate, the KL and the evaluation (the whole held-out split x 8 seeds,
+    not the other rows' 33 prompts x 2 seeds) changed; --quick keeps its smoke-test evaluation."""
+    overrides = run_overrides(METHODS[name], "verifier", 0, quick=False)
+    assert overrides[0] == f"recipe=tiny_{name}_geneval" and "reward=[geneval_shapes]" in overrides
+    assert not any(o.startswith(("eval.prompts_per_tag", "eval.seeds")) for o in overrides)
+    brightness, verifier = _composed(name, tmp_path), _composed(name, tmp_path, "verifier")
+    assert _differences(brightness, verifier) == {
+        "model.pretrained_model_name_or_path", "online.num_epochs", "online.groups_per_epoch",
+        "online.checkpointing_epochs", "method.beta_kl", "trainer.optimizer.lr", "eval.prompts_per_tag", "eval.seeds",
+        "reward.brightness", "reward.geneval_shapes", "eval_reward.brightness"}  # the rows' rewards
+    assert verifier["model"]["pretrained_model_name_or_path"] == "${diffalign_asset:tiny_sd3_wide}"
+    assert (verifier["online"]["num_epochs"], verifier["online"]["groups_per_epoch"]) == (24, 24)
+    assert (verifier["method"]["beta_kl"], verifier["trainer"]["optimizer"]["lr"]) == (0.2, 3e-3)
+    assert verifier["eval"]["prompts_per_tag"] is None and verifier["eval"]["seeds"] == list(range(8))
+    quick = run_overrides(METHODS[name], "verifier", 0, quick=True)
+    assert "eval.prompts_per_tag=2" in quick and "online.num_epochs=3" in quick
+
+
+def test_the_table_counts_each_rows_images(tmp_path):
+    per_image = {v: {(p, s): 0.5 for p in range(2) for s in range(2)} for v in ("base", "finetuned")}
+    _fake_run(tmp_path / "a", 0.4, 0.5, [0.4, 0.5], per_image=per_image)
+    row = summarize({("dgpo", "brightness"): [read_run(tmp_path / "a", "brightness", MeanEmbedder())]})[0]
+    assert row["images"] == 4  # 2 prompts x 2 seeds, each scored base and fine-tuned
+    assert "| dgpo | brightness | 1 | 4 |" in markdown([row], "cmd")
