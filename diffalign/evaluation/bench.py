@@ -31,7 +31,10 @@ Rewards: ``brightness`` (the toy reward with large headroom, `diffalign.rewards.
 on-policy pairs ranked by it, ``data=ranked_pairs``), ``verifier`` (``geneval_shapes`` on the train prompts), and, on
 request, ``control`` (`diffalign.rewards.random_control`, random scores with no signal: the same runs show what the
 updates alone do to the held-out verifier and diversity, to hold a brightness row's monitors against).
-DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only.
+DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only. The verifier
+rows of ``dgpo`` and ``flow_grpo`` run their GenEval-style recipes (``tiny_dgpo_geneval``, ``tiny_flow_grpo_geneval``:
+the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a stronger KL) with those recipes' own evaluation, the whole
+held-out split × 8 seeds (`Method.recipes`); the table gives each row's number of paired images.
 """
 
 from __future__ import annotations
