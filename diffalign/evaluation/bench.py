@@ -1,8 +1,8 @@
 """``diffalign-bench``: the miniature learning benchmark — does each method learn in the tiny world, and by how much?
 
 For every (method, reward, seed) it runs one ``diffalign-train`` job into ``<out>/runs/<method>-<reward>-s<seed>-<hash>``
-(the hash is of the run's overrides, so other settings get another folder; a finished run is not run again, one cut
-short continues with ``resume=latest``), then reads back:
+(the hash is of the run's composed config, `run_digest`, so other settings get another folder, an edited recipe file
+included; a finished run is not run again, one cut short continues with ``resume=latest``), then reads back:
 
 - the training reward per epoch (online methods, ``history.jsonl``): its rise, mean of the last 3 epochs − mean of the
   first 2;
@@ -136,6 +136,31 @@ QUICK_EVAL = ["eval.prompts_per_tag=2", "eval.seeds=[0,1]", "eval.sampler.num_in
 
 
 TRAIN = "import sys; sys.argv = ['diffalign-train'] + sys.argv[1:]; from diffalign.cli import train; train()"
+
+
+def run_digest(run_args: list[str]) -> str:
+    """The 8 hex digits in a benchmark run's folder name: a SHA-256 of the ``train`` config that `run_args` compose
+    from the shipped config files (unresolved, less ``output_dir`` and ``resume``, which do not change what is
+    trained). An edited recipe, model or method file therefore gets a new folder instead of reusing a finished run of
+    the old settings, and overrides that compose the same config (``online.num_epochs=24`` where the recipe already
+    says 24) share one. Asset weights are named, not read: a changed asset under the same name is not seen.
+
+    Raises:
+        hydra.errors.HydraException / omegaconf.errors.OmegaConfBaseException: when `run_args` do not compose
+            (`main` turns this into one line before any run starts).
+    """
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from diffalign.config.compose import CONFIG_DIR, setup_hydra
+
+    setup_hydra()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(run_args))
+    settings = OmegaConf.to_container(cfg, resolve=False)
+    for key in ("output_dir", "resume"):
+        settings.pop(key, None)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def run_overrides(method: Method, reward: str, seed: int, quick: bool) -> list[str]:
@@ -369,13 +394,22 @@ def main(argv: list[str] | None = None) -> int:
         (out / "runs" / ".write-test").unlink()
     except OSError as err:
         p.error(f"--out {args.out}: cannot write there ({err.strerror}); pass a writable folder")
+    # every run's settings composed before any run starts: a bad override is one line, not a failure per run; the
+    # folder name carries a hash of the composed settings, so other settings never reuse a finished run
+    planned = []
+    for m, r, s in jobs:
+        run_args = [*run_overrides(METHODS[m], r, s, args.quick), *args.overrides]
+        try:
+            planned.append((m, r, s, run_args, run_digest(run_args)))
+        except Exception as err:  # noqa: BLE001 - Hydra's and OmegaConf's composition errors, named in one line
+            from diffalign.config.composition import describe_composition_error
+
+            line = describe_composition_error(err, run_args) or str(err).splitlines()[0]
+            p.error(f"the {m}-{r}-s{s} run does not compose: {line}")
     embedder = ClipScore()
     results: dict[tuple[str, str], list[dict]] = {}
     failures = []
-    for m, r, s in tqdm(jobs, desc="bench", unit="run"):
-        run_args = [*run_overrides(METHODS[m], r, s, args.quick), *args.overrides]
-        # the folder name carries a hash of the run's settings: other settings never reuse a finished run
-        digest = hashlib.sha256(json.dumps(run_args).encode()).hexdigest()[:8]
+    for m, r, s, run_args, digest in tqdm(planned, desc="bench", unit="run"):
         run_dir = out / "runs" / f"{m}-{r}-s{s}-{digest}"
         if not (run_dir / "results.json").is_file():
             run_dir.mkdir(parents=True, exist_ok=True)

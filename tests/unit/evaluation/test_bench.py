@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffalign.evaluation.bench import METHODS, main, markdown, read_run, run_overrides, summarize
+from diffalign.evaluation.bench import METHODS, main, markdown, read_run, run_digest, run_overrides, summarize
 
 
 def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
@@ -214,3 +214,39 @@ def test_the_table_counts_each_rows_images(tmp_path):
     row = summarize({("dgpo", "brightness"): [read_run(tmp_path / "a", "brightness", MeanEmbedder())]})[0]
     assert row["images"] == 4  # 2 prompts x 2 seeds, each scored base and fine-tuned
     assert "| dgpo | brightness | 1 | 4 |" in markdown([row], "cmd")
+
+
+def test_a_run_folder_is_named_by_its_composed_settings_so_an_edited_recipe_never_reuses_a_finished_run(
+        tmp_path, monkeypatch):
+    """The folder hash follows what the run trains: an override equal to the recipe's own value keeps the folder,
+    ``output_dir`` does not enter it, another value changes it, and so does the same value written into a copy of the
+    recipe file (with the overrides unchanged, the old hash of the overrides alone kept the stale folder)."""
+    import shutil
+
+    from diffalign.config import compose
+
+    args = run_overrides(METHODS["dgpo"], "verifier", 0, quick=False)
+    digest = run_digest(args)
+    assert len(digest) == 8 and int(digest, 16) >= 0
+    assert run_digest([*args, "online.num_epochs=24"]) == digest  # the recipe's own value
+    assert run_digest([*args, f"output_dir={tmp_path}"]) == digest
+    longer = run_digest([*args, "online.num_epochs=48"])
+    assert longer != digest
+    edited = tmp_path / "configs"
+    shutil.copytree(compose.CONFIG_DIR, edited)
+    recipe = edited / "recipe" / "tiny_dgpo_geneval.yaml"
+    text = recipe.read_text()
+    assert "  num_epochs: 24\n" in text
+    recipe.write_text(text.replace("  num_epochs: 24\n", "  num_epochs: 48\n"))
+    monkeypatch.setattr(compose, "CONFIG_DIR", str(edited))
+    assert run_digest(args) == longer
+
+
+def test_an_override_that_does_not_compose_is_one_line_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--methods", "dgpo", "--rewards", "brightness", "--seeds", "0", "--out", str(tmp_path),
+              "online.num_epochz=3"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "dgpo-brightness-s0" in err and "online.num_epochz" in err and "num_epochs" in err
+    assert not any((tmp_path / "runs").iterdir())  # nothing ran
