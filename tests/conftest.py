@@ -201,6 +201,24 @@ def same_state(x, y) -> bool:
 # ------------------------------------------------------------------------------------------------- config helpers
 
 
+def load_script(name: str, module_name: str | None = None):
+    """``scripts/<name>.py`` executed as a fresh module (each call a new one, as running the script would be),
+    registered in ``sys.modules`` under `module_name` (default `name`: a script's dataclasses look their module up by
+    name), with ``scripts/`` on ``sys.path`` for a script that imports another."""
+    import importlib.util
+    import sys
+
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    module_name = module_name or name
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def compose_cfg(overrides: list[str], name: str = "train"):
     """The config `name` (``train`` or ``evaluate``) composed with `overrides`, as ``diffalign-train`` would."""
     setup_hydra()

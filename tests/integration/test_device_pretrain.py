@@ -1,7 +1,6 @@
 """scripts/device_pretrain.py (the GPU machine's one command) on the CPU with tiny sizes, and ``--device`` of the
 pretraining scripts: an explicit ``--device cpu`` is the default run bit for bit; a bad one is refused first."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import same_state
+from conftest import load_script, same_state
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {
@@ -34,10 +33,7 @@ def _device_script(tmp_path: Path, **env) -> subprocess.CompletedProcess:
 
 
 def _world():
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", ROOT / "scripts" / "pretrain_tiny_world.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("pretrain_tiny_world")
 
 
 @pytest.mark.slow

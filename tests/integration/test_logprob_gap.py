@@ -8,19 +8,12 @@ shows the measurement can fail: a bf16-autocast recompute of an fp32 rollout is 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 
 RATIO_TOLERANCE = 1e-5
 
-_spec = importlib.util.spec_from_file_location("logprob_gap", Path(__file__).resolve().parents[2] / "scripts" /
-                                               "logprob_gap.py")
-logprob_gap = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("logprob_gap", logprob_gap)  # (its dataclass resolves its module by name)
-_spec.loader.exec_module(logprob_gap)
+logprob_gap = load_script("logprob_gap")
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ diffusers' `UNetMotionModel` built from the shipped tiny image UNet, and `TextTo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 from diffusers import DDIMScheduler, UNet2DConditionModel, UNetMotionModel
 
 from diffalign.config.compose import asset_path
@@ -22,10 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_video", REPO / "scripts" / "pretrain_tiny_video.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pretrain_tiny_video")
 
 
 @pytest.fixture(scope="module")

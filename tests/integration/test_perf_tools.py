@@ -6,25 +6,18 @@ the GPU check's throughput against its own step time; no timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPTS = REPO / "scripts"
 
 
 def _script(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 # ----------------------------------------------------------------------------------------------- peer loop

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import same_state
+from conftest import load_script, same_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _main(args: list[str], monkeypatch, capsys) -> str:
     """``scripts/pretrain_tiny_world.py <args>`` in this process (its ``main``; a child's start is not what the run is
     checked for): what it printed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", ROOT / "scripts" / "pretrain_tiny_world.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("pretrain_tiny_world")
     monkeypatch.setattr(sys, "argv", ["pretrain_tiny_world.py", *args])
     capsys.readouterr()
     script.main()
@@ -205,12 +201,7 @@ def test_flux2_stage_resumes_bit_for_bit_and_its_ema_export_loads_as_model_tiny_
 
 
 def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_world", ROOT / "scripts" / "pretrain_tiny_world.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("pretrain_tiny_world")
 
 
 def test_edge_blocks_of_a_square_and_of_the_flow2_renders():

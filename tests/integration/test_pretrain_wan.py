@@ -3,7 +3,6 @@ few steps, resume bit for bit, and the export loads through ``model=tiny_wan_t2v
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import same_state
+from conftest import load_script, same_state
 
 from tests.conftest import compose_cfg
 
@@ -24,10 +23,7 @@ SMALL = ["--arch", "wan", "--threads", "1", "--wan-vae-dim", "8", "--wan-vae-bat
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_video", ROOT / "scripts" / "pretrain_tiny_video.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pretrain_tiny_video")
 
 
 def _main(args: list[str], monkeypatch, capsys) -> str:

@@ -6,16 +6,11 @@ results) otherwise."""
 
 from __future__ import annotations
 
-import importlib.util
-
-from conftest import REPO
+from conftest import REPO, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("mutation_script", REPO / "scripts" / "mutation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mutation", "mutation_script")
 
 
 def test_keep_with_only_forgets_which_tests_ran_each_function_and_keeps_the_results(tmp_path, monkeypatch):

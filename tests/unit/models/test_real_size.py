@@ -9,14 +9,13 @@ stand-ins)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, load_script
 
 from diffalign.models.base import add_trainable_lora
 
@@ -26,10 +25,7 @@ ARCH = REPO / "configs" / "arch"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_real_size", REPO / "scripts" / "bench_real_size.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_real_size")
 
 
 def _arch(name: str) -> dict:

@@ -64,14 +64,10 @@ def test_shipped_wide_base_is_the_pretraining_runs_step_4000_ema():
     ("EMA held-out verifier accuracy 0.684", docs/results/tiny_world.md): the script's own evaluation (117 held-out
     prompts, one image each, seed = prompt index, 20 steps, CFG 4.5) on the shipped float16 files gives its 80 of 117
     correct images (tiny_sd3's run logged 37)."""
-    import importlib.util
-
+    from conftest import load_script
     from diffusers import StableDiffusion3Pipeline
 
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_world",
-                                                  Path(__file__).parents[3] / "scripts" / "pretrain_tiny_world.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("pretrain_tiny_world")
     pipe = StableDiffusion3Pipeline.from_pretrained(asset_path("tiny_sd3_wide"), text_encoder_3=None,
                                                     tokenizer_3=None, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)

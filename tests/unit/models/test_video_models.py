@@ -9,7 +9,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
-from conftest import step_sampler
+from conftest import load_script, step_sampler
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from diffalign.models.tiny_video import build_tiny_t2v_policy, build_tiny_wan_pipeline, build_tiny_wan_policy
@@ -181,7 +181,6 @@ def test_evaluation_of_a_video_model_writes_one_file_of_f_frames_per_video(fmt, 
 @pytest.mark.slow
 def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path, monkeypatch):
     """``scripts/pretrain_tiny_video.py`` (its ``main``, run in this process: a child's start is not what is checked)."""
-    import importlib.util
     import sys
 
     from conftest import REPO
@@ -189,9 +188,7 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path, 
     from diffalign.config.compose import asset_path
     from diffalign.models.text_to_video import TextToVideoPolicy
 
-    spec = importlib.util.spec_from_file_location("pretrain_tiny_video", REPO / "scripts" / "pretrain_tiny_video.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("pretrain_tiny_video")
     out = tmp_path / "tiny_t2v"
     monkeypatch.setattr(sys, "argv", ["pretrain_tiny_video.py", "--steps", "2", "--batch", "2", "--num-videos", "8",
                                       "--eval-seeds", "0", "--eval-prompts", "2", "--eval-steps", "2", "--out",
