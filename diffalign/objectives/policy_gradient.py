@@ -47,6 +47,34 @@ SQRT_DT_STD = ("flow_sde", "dance_sde", "window_sde")
 """Flow SDEs whose step std is c_k·sqrt(σ_k − σ_{k+1}) (``kl_form="code"`` divides by that square root)."""
 
 
+def kl_to_reference(policy, trajectory: Trajectory, k: int, step, reference, kl_form: str = "code") -> torch.Tensor:
+    """The KL term of the module docstring for transition `k`: mean_i of mean_elements (μθ − μref)² / (2 s_i²), the
+    released Flow-GRPO form (``flow_grpo/scripts/train_sd3.py``), with s_i the step std (``kl_form="exact"``) or, on the
+    flow SDEs, the step std over √(σ_k − σ_{k+1}) (``"code"``). Shared by Flow-GRPO/DDPO/GRPO-Guard and ViPO's option.
+
+    Args:
+        step (`DDIMStepOutput` or `FlowStepOutput`): θ's recomputed step of transition `k`: ``mean`` `(B, C, *grid)`
+            and ``std`` (a scalar or `(B, 1)`: one per row).
+        reference (`ReferenceStrategy`): whose ``use(policy)`` context gives μref (the frozen base, by default).
+
+    Returns:
+        A scalar tensor (≥ 0, in nats per latent element).
+
+    Raises:
+        ValueError: when `reference` is None.
+    """
+    if reference is None:
+        raise ValueError("method.beta_kl > 0 needs a reference; the loop passed none.")
+    with torch.no_grad(), reference.use(policy):
+        ref = recompute_step(policy, trajectory, k)
+    std = torch.as_tensor(step.std, device=step.mean.device).float()
+    if kl_form == "code" and trajectory.sampler in SQRT_DT_STD:
+        sig = trajectory.sigmas.to(step.mean.device)
+        std = std / torch.sqrt(sig[k] - sig[k + 1])
+    diff = (step.mean - ref.mean).float().pow(2).reshape(len(step.mean), -1).mean(dim=1)
+    return (diff / (2 * std.reshape(-1) ** 2)).mean()
+
+
 def check_stochastic_sampler(cfg) -> None:
     """A policy-gradient method trains on stored step log-probs, so it needs stochastic rollouts that keep them.
 
@@ -477,16 +505,7 @@ class ClippedPolicyGradient(StoredTransitionMethod):
             loss = loss * weight
         kl = torch.zeros((), device=loss.device)
         if self.beta_kl > 0:
-            if reference is None:
-                raise ValueError("method.beta_kl > 0 needs a reference; the loop passed none.")
-            with torch.no_grad(), reference.use(policy):
-                ref = recompute_step(policy, trajectory, k)
-            std = torch.as_tensor(step.std, device=loss.device).float()
-            if self.kl_form == "code" and trajectory.sampler in SQRT_DT_STD:
-                sig = trajectory.sigmas.to(loss.device)
-                std = std / torch.sqrt(sig[k] - sig[k + 1])
-            diff = (step.mean - ref.mean).float().pow(2).reshape(len(adv), -1).mean(dim=1)
-            kl = (diff / (2 * std.reshape(-1) ** 2)).mean()
+            kl = kl_to_reference(policy, trajectory, k, step, reference, self.kl_form)
             loss = loss + self.beta_kl * kl
         metrics = {
             "loss": loss.detach(),

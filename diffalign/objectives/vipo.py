@@ -10,7 +10,9 @@ $$A_i^p=\operatorname{clip}(M_i(p)\,A_i,\pm5),\qquad
 
 with ρ^p the *local* likelihood ratio of the stochastic step at position p: the Gaussian log-density summed over the
 latent channels only (``reduction="per_position"``; the rollout stores `(B, K, *grid)` log-probs). No KL and no
-reference (β = 0, as DanceGRPO). With ``advantage_per_reward`` (the Wan script with the VideoAlign VQ and MQ rewards)
+reference in the released code (β = 0, as DanceGRPO); ``beta_kl`` > 0 adds Flow-GRPO's KL to the frozen base,
++ β_KL · mean_i mean_elements (μθ − μref)² / (2 s²) (`diffalign.objectives.policy_gradient.kl_to_reference`), a
+diffalign option for runs whose updates alone cost the verifier (docs/results/video.md). With ``advantage_per_reward`` (the Wan script with the VideoAlign VQ and MQ rewards)
 each selected reward gets its own group advantage and map, and the loss is Σ_r c_r 𝓛(A_r·M) with c_r the reward's
 ``weight`` (1.0 each in the released script). ``reduction="scalar_weighted"`` reproduces the released FLUX script, which
 mean-reduces the log-prob to one scalar per sample: its per-pixel loss is plain GRPO with A_i replaced by
@@ -35,6 +37,7 @@ from diffalign.objectives.policy_gradient import (
     TIMESTEP_SELECTIONS,
     StoredTransitionMethod,
     TransitionUnit,
+    kl_to_reference,
     transition_plan,
 )
 from diffalign.samplers.rollout import recompute_step
@@ -44,6 +47,7 @@ from diffalign.vipo.psm import PerceptualStructuring, advantage_maps, check_psm_
 
 REDUCTIONS = ("per_position", "scalar_weighted")
 MAPS = ("psm", "ones")
+KL_FORMS = ("code", "exact")
 
 
 @config_schema("method", "vipo")
@@ -70,6 +74,8 @@ class ViPOConfig:
     timestep_selection: str = "random"  # random: one random 60% for the batch | per_sample: one per sample [CODE] | first
     smoothing_padding: str = "reflect"  # scipy.ndimage.gaussian_filter's mode 'reflect' [CODE] | replicate (earlier)
     smoothing_truncate: float = 4.0     # kernel radius int(truncate * sigma + 0.5): scipy's default [CODE] | 3 earlier
+    beta_kl: float = 0.0                # KL to the frozen base: none in the released code [CODE]; > 0 is Flow-GRPO's
+    kl_form: str = "code"               # that KL's std: code (Flow-GRPO's released form) | exact (the step std)
     logprob_check: str = "stop"         # train/rollout consistency alarm (epoch's first update): stop|warn|off
     logprob_tolerance: float = LOGPROB_TOLERANCE  # max |recomputed - stored| log-prob (docs/guides/reliability.md)
 
@@ -104,14 +110,17 @@ class ViPO(StoredTransitionMethod):
         smoothing_padding (`str`): the smoothings' border handling (released code:
             `scipy.ndimage.gaussian_filter`, i.e. "reflect").
         smoothing_truncate (`float`): the smoothings' kernel radius in σ (scipy's default 4).
+        beta_kl (`float`): weight of the KL to the reference (0: none, the released code); added once per loss, for
+            every reward's term together.
+        kl_form (`str`): "code" or "exact", as Flow-GRPO's (`diffalign.objectives.policy_gradient.kl_to_reference`).
         logprob_check (`str`): the train/rollout consistency alarm
             (`diffalign.objectives.policy_gradient.StoredTransitionMethod`): "stop", "warn" or "off".
         logprob_tolerance (`float`): its tolerance on |Δ log π| (per position here).
 
     Raises:
         ValueError: for a non-positive clip range, an unknown reduction/map/timestep selection/aggregation/
-            orientation/smoothing padding/backbone form, a fraction outside (0, 1], a non-positive truncate or advantage
-            clip, fewer than 1 component or a negative smoothing sigma.
+            orientation/smoothing padding/backbone form/KL form, a fraction outside (0, 1], a non-positive truncate or
+            advantage clip, fewer than 1 component, a negative smoothing sigma or a negative β_KL.
     """
 
     data_flow = "online_trajectories"
@@ -141,12 +150,17 @@ class ViPO(StoredTransitionMethod):
         if config.advantage_clip is not None and config.advantage_clip <= 0:
             raise ValueError(f"method.advantage_clip={config.advantage_clip} must be > 0 (5 in the released code) or "
                              "null.")
+        if config.beta_kl < 0:
+            raise ValueError(f"method.beta_kl={config.beta_kl} must be >= 0 (0: no KL, the released ViPO code).")
+        if config.kl_form not in KL_FORMS:
+            raise ValueError(f"method.kl_form={config.kl_form!r} must be one of {KL_FORMS}.")
         if config.map == "psm" and isinstance(config.backbone, str):
             check_backbone_spec(config.backbone)  # (the backbone itself loads at the first epoch)
         self.clip_range, self.reduction = config.clip_range, config.reduction
         self.timestep_fraction, self.timestep_selection = config.timestep_fraction, config.timestep_selection
         self.detach_unconditional = config.detach_unconditional
         self.advantage_clip, self.map = config.advantage_clip, config.map
+        self.beta_kl, self.kl_form = config.beta_kl, config.kl_form
         self._psm_args = {name: getattr(config, name) for name in (
             "backbone", "num_components", "aggregation", "orientation", "spatial_sigma", "temporal_sigma",
             "smoothing_padding", "smoothing_truncate")}
@@ -224,7 +238,11 @@ class ViPO(StoredTransitionMethod):
                 `prepare_epoch`; without it (or before `prepare_epoch`) the maps are computed for this minibatch.
 
         Returns:
-            (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, adv_map_abs``).
+            (scalar loss, detached metrics ``loss, ratio, clipfrac, approx_kl, adv_map_abs``, and ``kl`` when
+            ``beta_kl`` > 0).
+
+        Raises:
+            ValueError: when ``beta_kl`` > 0 and `reference` is None, or the maps and log-probs do not match.
         """
         if rows is not None and self.advantage_maps is not None:
             adv_map = self.advantage_maps[torch.as_tensor(rows).cpu()]
@@ -256,11 +274,16 @@ class ViPO(StoredTransitionMethod):
             clipped = -adv * ratio.clamp(1 - self.clip_range, 1 + self.clip_range)
             term = torch.maximum(unclipped, clipped).mean()
             loss = loss + (float(self.reward_coefficients[r]) * term if per_reward else term)
+        kl = None
+        if self.beta_kl > 0:
+            kl = kl_to_reference(policy, trajectory, k, step, reference, self.kl_form)
+            loss = loss + self.beta_kl * kl
         metrics = {
             "loss": loss.detach(),
             "ratio": ratio.detach().mean(),
             "clipfrac": ((ratio.detach() - 1).abs() > self.clip_range).float().mean(),
             "approx_kl": (0.5 * (step.log_prob.detach() - old) ** 2).mean(),
             "adv_map_abs": adv_map.abs().mean(),
+            **({"kl": kl.detach()} if kl is not None else {}),
         }
         return loss, metrics

@@ -246,9 +246,69 @@ def test_scalar_weighted_uses_the_mean_of_the_clipped_advantage_map():
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_the_kl_option_with_all_ones_maps_equals_flow_grpos_kl_exactly(family):
+    """``beta_kl`` > 0 adds Flow-GRPO's KL to the frozen base: with the all-ones map and the scalar reduction, ViPO is
+    `ClippedPolicyGradient` with the same β_KL, loss and gradients bit for bit; the KL is positive (θ ≠ the base)."""
+    from diffalign.reference.frozen_base import FrozenBaseReference
+
+    policy, eta = policy_for(family)
+    perturb(policy)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta,
+                                                 sde_type="dance" if family == "flow" else None), generator=gens)
+    perturb(policy, 0.01)
+    adv = torch.tensor([1.2, -0.7, 0.3, -2.0])
+    grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=0.3, detach_unconditional=True)
+    vipo = ViPO(clip_range=1e-2, reduction="scalar_weighted", map="ones", beta_kl=0.3)
+    vipo.prepare_epoch(policy, traj, adv)
+    rows = torch.tensor([2, 0, 3])
+    results = []
+    for objective, kwargs in [(grpo, {}), (vipo, {"rows": rows})]:
+        for p in policy.trainable_parameters():
+            p.grad = None
+        loss, metrics = objective(policy, traj.index(rows), adv[rows], 2, reference=FrozenBaseReference(), **kwargs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in policy.trainable_parameters()], metrics))
+    assert float(results[1][2]["kl"]) > 0
+    assert torch.equal(results[0][2]["kl"], results[1][2]["kl"])
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_the_kl_option_adds_beta_times_the_released_kl_to_the_per_position_loss():
+    """Per position, loss(β) − loss(0) = β · mean_i mean_elements (μθ − μref)² / (2 s²) with the code form's s (the
+    step std over √Δσ on the DanceGRPO SDE), computed here from θ's and the base's step outputs; β = 0 needs no
+    reference and reports no KL; a positive β without one is refused."""
+    from test_policy_gradient_kl import released_kl
+
+    from diffalign.reference.frozen_base import FrozenBaseReference
+
+    policy, eta = policy_for("flow")
+    perturb(policy)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=3, guidance_scale=4.5, noise=eta,
+                                                 sde_type="dance"), generator=gens, reduction="per_position")
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    losses = {}
+    for beta in (0.0, 0.25):
+        vipo = ViPO(beta_kl=beta)
+        vipo.prepare_epoch(policy, traj, adv)
+        losses[beta], metrics = vipo(policy, traj, adv, 1, rows=torch.arange(4),
+                                     reference=FrozenBaseReference() if beta else None)
+        assert ("kl" in metrics) == (beta > 0)
+    kl = released_kl(policy, traj, "code")  # (its transition K is 1, the one trained here)
+    assert kl > 0
+    torch.testing.assert_close(losses[0.25] - losses[0.0], 0.25 * kl, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match=r"^method\.beta_kl > 0 needs a reference"):
+        ViPO(beta_kl=0.1)(policy, traj, adv, 1)
+
+
 def test_bad_vipo_options_raise():
     for kwargs, match in [({"reduction": "max"}, "reduction"), ({"map": "sam"}, "map"), ({"clip_range": 0},
-                          "clip_range"), ({"timestep_fraction": 0}, "timestep_fraction")]:
+                          "clip_range"), ({"timestep_fraction": 0}, "timestep_fraction"),
+                          ({"beta_kl": -0.1}, r"method\.beta_kl=-0\.1 must be >= 0"),
+                          ({"kl_form": "sum"}, r"method\.kl_form='sum' must be one of")]:
         with pytest.raises(ValueError, match=match):
             ViPO(**kwargs)
     with pytest.raises(ValueError, match="aggregation"):
