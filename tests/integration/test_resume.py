@@ -85,6 +85,29 @@ def test_online_loop_resumes_exactly(case, tmp_path):
     assert last_a["loss"] == last_b["loss"] and last_a["reward/mean"] == last_b["reward/mean"]
 
 
+@pytest.mark.parametrize("case", ["dgpo_sd", "flow_grpo_sd"])
+def test_a_finished_online_run_extended_to_more_epochs_equals_a_run_of_that_many(case, tmp_path):
+    """``online.num_epochs=<more> output_dir=<a finished run> resume=latest`` continues it: with the default constant
+    LR schedule every stream is seeded by (seed, epoch), so 2 epochs then 1 more end bit for bit where 3 epochs end
+    (how the GenEval recipes' 48-epoch runs continued their 24-epoch ones, docs/results/tiny_world.md)."""
+    from diffalign.train.online import train
+
+    full = train(compose_cfg(CASES[case] + online_overrides(tmp_path / "a", epochs=3)))
+    train(compose_cfg(CASES[case] + online_overrides(tmp_path / "b", epochs=2)))
+    extended = train(compose_cfg(CASES[case] + online_overrides(tmp_path / "b", epochs=3) + ["resume=latest"]))
+    assert extended["global_step"] == full["global_step"]
+    step = full["global_step"]
+    assert_same_files(tmp_path / "a" / f"checkpoint-{step}", tmp_path / "b" / f"checkpoint-{step}",
+                      ["pytorch_lora_weights.safetensors", "optimizer.safetensors"])
+    states = [json.loads((tmp_path / run / f"checkpoint-{step}" / "trainer_state.json").read_text()) for run in "ab"]
+    assert states[0].pop("lineage") != states[1].pop("lineage")  # (two runs: each its own lineage id)
+    assert states[0] == states[1]
+    assert_same_files(tmp_path / "a" / "final", tmp_path / "b" / "final", ["pytorch_lora_weights.safetensors"])
+    history = [[{k: v for k, v in json.loads(line).items() if not k.endswith("seconds")}  # (wall times differ)
+                for line in (tmp_path / run / "history.jsonl").read_text().splitlines()] for run in "ab"]
+    assert len(history[0]) == 3 and history[0] == history[1]
+
+
 def test_resume_from_an_earlier_checkpoint_of_the_folder_is_refused_and_branching_elsewhere_continues_it(tmp_path):
     """``resume=<checkpoint-1>`` into a folder that holds checkpoint-2 and -3 (issue 19, a raw FileExistsError at the
     first save before): refused before any model loads, by validation and by the loop, naming the later checkpoints
