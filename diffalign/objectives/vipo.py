@@ -12,7 +12,9 @@ with ρ^p the *local* likelihood ratio of the stochastic step at position p: the
 latent channels only (``reduction="per_position"``; the rollout stores `(B, K, *grid)` log-probs). No KL and no
 reference in the released code (β = 0, as DanceGRPO); ``beta_kl`` > 0 adds Flow-GRPO's KL to the frozen base,
 + β_KL · mean_i mean_elements (μθ − μref)² / (2 s²) (`diffalign.objectives.policy_gradient.kl_to_reference`), a
-diffalign option for runs whose updates alone cost the verifier (docs/results/video.md). With ``advantage_per_reward`` (the Wan script with the VideoAlign VQ and MQ rewards)
+diffalign option for runs whose updates alone cost the verifier (docs/results/video.md).
+
+With ``advantage_per_reward`` (the Wan script with the VideoAlign VQ and MQ rewards)
 each selected reward gets its own group advantage and map, and the loss is Σ_r c_r 𝓛(A_r·M) with c_r the reward's
 ``weight`` (1.0 each in the released script). ``reduction="scalar_weighted"`` reproduces the released FLUX script, which
 mean-reduces the log-prob to one scalar per sample: its per-pixel loss is plain GRPO with A_i replaced by
