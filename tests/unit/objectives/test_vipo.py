@@ -191,26 +191,34 @@ def test_advantage_maps_keep_the_sign_of_each_sample_everywhere_and_clip():
         assert (torch.sign(nz) == s).all()
 
 
-@pytest.mark.parametrize("family", ["flow", "ddim"])
-def test_all_ones_map_with_scalar_reduction_equals_grpo_exactly(family):
+def grpo_and_ones_vipo(family: str, beta_kl: float = 0.0, sde_type: str | None = None, reference=None) -> list:
+    """(loss, gradients, metrics) of `ClippedPolicyGradient` and of ViPO with all-ones maps and the scalar reduction,
+    both with `beta_kl`, on the same minibatch (rows 2, 0, 3) of a perturbed policy's rollouts (θ ≠ θ_old, so the
+    ratio and the clip are active)."""
     policy, eta = policy_for(family)
     perturb(policy)
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta),
-                   generator=gens)
+    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta,
+                                                 sde_type=sde_type), generator=gens)
     perturb(policy, 0.01)  # θ ≠ θ_old so the ratio and the clip are active
     adv = torch.tensor([1.2, -0.7, 0.3, -2.0])
-    grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=0.0, detach_unconditional=True)
-    vipo = ViPO(clip_range=1e-2, reduction="scalar_weighted", map="ones")
+    grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=beta_kl, detach_unconditional=True)
+    vipo = ViPO(clip_range=1e-2, reduction="scalar_weighted", map="ones", beta_kl=beta_kl)
     vipo.prepare_epoch(policy, traj, adv)
     rows = torch.tensor([2, 0, 3])
     results = []
     for objective, kwargs in [(grpo, {}), (vipo, {"rows": rows})]:
         for p in policy.trainable_parameters():
             p.grad = None
-        loss, metrics = objective(policy, traj.index(rows), adv[rows], 2, **kwargs)
+        loss, metrics = objective(policy, traj.index(rows), adv[rows], 2, reference=reference, **kwargs)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in policy.trainable_parameters()], metrics))
+    return results
+
+
+@pytest.mark.parametrize("family", ["flow", "ddim"])
+def test_all_ones_map_with_scalar_reduction_equals_grpo_exactly(family):
+    results = grpo_and_ones_vipo(family)
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
     assert results[0][2]["clipfrac"] == results[1][2]["clipfrac"]
@@ -252,24 +260,7 @@ def test_the_kl_option_with_all_ones_maps_equals_flow_grpos_kl_exactly(family):
     `ClippedPolicyGradient` with the same β_KL, loss and gradients bit for bit; the KL is positive (θ ≠ the base)."""
     from diffalign.reference.frozen_base import FrozenBaseReference
 
-    policy, eta = policy_for(family)
-    perturb(policy)
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    traj = rollout(policy, PROMPTS, step_sampler(policy, num_inference_steps=4, guidance_scale=4.5, noise=eta,
-                                                 sde_type="dance" if family == "flow" else None), generator=gens)
-    perturb(policy, 0.01)
-    adv = torch.tensor([1.2, -0.7, 0.3, -2.0])
-    grpo = ClippedPolicyGradient(clip_range=1e-2, beta_kl=0.3, detach_unconditional=True)
-    vipo = ViPO(clip_range=1e-2, reduction="scalar_weighted", map="ones", beta_kl=0.3)
-    vipo.prepare_epoch(policy, traj, adv)
-    rows = torch.tensor([2, 0, 3])
-    results = []
-    for objective, kwargs in [(grpo, {}), (vipo, {"rows": rows})]:
-        for p in policy.trainable_parameters():
-            p.grad = None
-        loss, metrics = objective(policy, traj.index(rows), adv[rows], 2, reference=FrozenBaseReference(), **kwargs)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in policy.trainable_parameters()], metrics))
+    results = grpo_and_ones_vipo(family, 0.3, "dance" if family == "flow" else None, FrozenBaseReference())
     assert float(results[1][2]["kl"]) > 0
     assert torch.equal(results[0][2]["kl"], results[1][2]["kl"])
     assert torch.equal(results[0][0], results[1][0])
