@@ -490,15 +490,20 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     EMA weights are evaluated and saved (float32) with the VAE as a `WanPipeline` in `--out`. Returns
     False when stopped early. ``--device`` holds the pipeline, training and evaluation; the latents cache and the
     random draws stay on the CPU (then moved), so ``--device cpu`` is bit for bit today's run; a checkpoint resumes
-    on another device, not bit for bit (`load_stage_checkpoint`)."""
+    on another device, not bit for bit (`load_stage_checkpoint`). With `--wan-init` the transformer and text encoder
+    start from a folder this stage saved and its VAE is used (the latents re-encoded in this ``--work``); the EMAs start
+    at those weights and the optimizer and schedule are fresh: a second stage of training."""
     from diffusers import AutoencoderKLWan
     from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling
 
     from diffalign.models.wan import WanPolicy
 
-    vae_dir = work / "wan_vae"
+    init = Path(args.wan_init) if args.wan_init else None
+    vae_dir = init / "vae" if init else work / "wan_vae"
     if not (vae_dir / "config.json").exists():
-        raise SystemExit(f"--wan-stage transformer: no trained VAE in {vae_dir}; run --wan-stage vae first (same --work)")
+        raise SystemExit(f"--wan-init {init}: no VAE in {vae_dir}; pass a WanPipeline folder this script saved (--out)"
+                         if init else
+                         f"--wan-stage transformer: no trained VAE in {vae_dir}; run --wan-stage vae first (same --work)")
     device = torch.device(args.device)
     vae = AutoencoderKLWan.from_pretrained(vae_dir).eval().requires_grad_(False).to(device)
     torch.manual_seed(args.seed)
@@ -506,6 +511,19 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     text_encoder = build_wan_text_encoder(tokenizer, args.wan_text_width)
     transformer = build_wan_transformer(vae.config.z_dim, args.wan_text_width, args.wan_width, args.wan_layers,
                                         args.wan_heads)
+    if init:  # a continuation: the saved weights (float32), strict, so other --wan-* sizes fail here, named
+        from diffusers import WanTransformer3DModel
+        from transformers import UMT5EncoderModel
+
+        for module, cls, sub in ((transformer, WanTransformer3DModel, "transformer"),
+                                 (text_encoder, UMT5EncoderModel, "text_encoder")):
+            try:  # from_pretrained restores the text encoder's tied embeddings, which its file stores once
+                module.load_state_dict(cls.from_pretrained(init / sub).state_dict(), strict=True)
+            except (RuntimeError, OSError) as e:
+                raise SystemExit(f"--wan-init {init}: its {sub} does not load into a model of --wan-width "
+                                 f"{args.wan_width} / --wan-layers {args.wan_layers} / --wan-heads {args.wan_heads} / "
+                                 f"--wan-text-width {args.wan_text_width}; pass the sizes it was trained with "
+                                 f"({str(e).splitlines()[0][:200]})") from None
     pipe = build_wan_pipeline(vae, text_encoder, transformer, tokenizer, args.flow_shift).to(device)
     modules = [transformer, text_encoder]
     log(f"wan transformer {sum(p.numel() for p in transformer.parameters()) / 1e6:.3f}M params, text encoder "
@@ -560,6 +578,8 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     sizes = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "num_videos": args.num_videos,
              "frames": args.frames, "width": args.wan_width, "layers": args.wan_layers, "heads": args.wan_heads,
              "text_width": args.wan_text_width, "flow_shift": args.flow_shift}
+    if init:  # only then, so checkpoints of from-scratch runs still resume
+        sizes["init"] = str(init.resolve())
     ckpt_path = work / "wan_checkpoint.pt"
     resumable = {"modules": modules, "emas": emas, "optimizer": opt, "scheduler": sched, "generator": gen}
     start, running, elapsed, evals = 0, None, 0.0, []
@@ -655,10 +675,16 @@ def train_wan_transformer(args, work: Path, world) -> bool:
     pipe.save_pretrained(out, safe_serialization=True)
     vae_metrics = json.loads((work / "wan_vae_metrics.json").read_text()) if (work / "wan_vae_metrics.json").exists() \
         else None
+    first = None
+    if init and (init / "pretrain_metrics.json").exists():  # the continued run's VAE and its first stage's record
+        first = json.loads((init / "pretrain_metrics.json").read_text())
+        vae_metrics = first.get("vae")
+        first = {"folder": str(init), "steps": first.get("steps"), "lr": first.get("args", {}).get("lr"),
+                 "heldout": first.get("heldout"), "init": first.get("init")}
     (out / "pretrain_metrics.json").write_text(json.dumps(
         {"arch": "wan", "device": str(device), "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
          "train_minutes": train_minutes, "final_running_loss": running, "heldout": held, "probe": final["probe"],
-         "text_gap": final["text_gap"], "evals": evals, "vae": vae_metrics,
+         "text_gap": final["text_gap"], "evals": evals, "vae": vae_metrics, "init": first,
          "transformer_params": sum(p.numel() for p in transformer.parameters()), "args": vars(args)}, indent=2))
     log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 2**20:.1f} MB)")
     return True
@@ -763,6 +789,12 @@ def main() -> None:
     wan.add_argument("--device", default="cpu", help="where the models train and are evaluated (cpu, cuda, cuda:N); "
                      "batches are still drawn on the CPU")
     wan.add_argument("--tf32", action="store_true", help="with a CUDA --device: allow TF32 matmuls and convolutions")
+    wan.add_argument("--wan-init", default=None,
+                     help="--wan-stage transformer: continue training from a WanPipeline folder this script saved "
+                          "(its transformer, text encoder and VAE; the latents are re-encoded in --work, a new folder) "
+                          "with a fresh optimizer and a new warm-up + cosine schedule over --steps at --lr: a second "
+                          "stage after a run's cosine has decayed (a warm restart, Loshchilov & Hutter 2017, "
+                          "arXiv:1608.03983)")
     wan.add_argument("--stop-at", type=int, default=0,
                      help="checkpoint and stop the stage being run after this step (0: never)")
     args = p.parse_args()
@@ -770,7 +802,12 @@ def main() -> None:
         args.frames = args.frames or 9
         args.out = args.out or str(Path(args.work) / "tiny_wan_t2v")
         if args.inflate or args.init:
-            raise SystemExit("--arch wan trains from scratch: drop --inflate / --init")
+            raise SystemExit("--arch wan trains from scratch or continues with --wan-init: drop --inflate / --init")
+        if args.wan_init and args.wan_stage != "transformer":
+            raise SystemExit(f"--wan-init continues the transformer stage: pass --wan-stage transformer "
+                             f"(not {args.wan_stage})")
+        if args.wan_init and Path(args.out).resolve() == Path(args.wan_init).resolve():
+            raise SystemExit(f"--out {args.out} is the --wan-init folder: pass another --out (it is replaced at the end)")
         main_wan(args)
         return
     if args.device != "cpu":

@@ -170,3 +170,29 @@ def test_the_export_loads_as_model_tiny_wan_t2v_and_samples(trained):
     metrics = json.loads((work / "tiny_wan_t2v" / "pretrain_metrics.json").read_text())
     assert metrics["arch"] == "wan" and metrics["vae"]["steps"] == 3 and metrics["steps"] == 3
     assert set(metrics["vae"]["heldout_reconstructions"]) == {"accuracy", "direction_sign", "psnr_db", "n"}
+
+
+def test_wan_init_continues_from_a_saved_folder(trained, tmp_path, monkeypatch, capsys):
+    """``--wan-init`` starts the transformer stage from a saved WanPipeline: at ``--lr 0`` (AdamW then moves nothing,
+    weight decay included) two more steps save exactly the folder's transformer and text encoder (so the weights load
+    strictly and the EMAs start at them) with its VAE; the metrics name the first stage. Other sizes stop before any
+    work, naming the flags."""
+    from safetensors.torch import load_file
+
+    work, _ = trained
+    first = work / "tiny_wan_t2v"
+    out = tmp_path / "continued"
+    args = SMALL + ["--wan-stage", "transformer", "--steps", "2", "--lr", "0", "--work", str(tmp_path / "w"),
+                    "--wan-init", str(first), "--out", str(out)]
+    _main(args, monkeypatch, capsys)
+    for sub, name in (("transformer", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"),
+                      ("vae", "diffusion_pytorch_model.safetensors")):
+        a, b = load_file(first / sub / name), load_file(out / sub / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    metrics = json.loads((out / "pretrain_metrics.json").read_text())
+    assert metrics["init"]["folder"] == str(first) and metrics["init"]["steps"] == 3 and metrics["vae"]["steps"] == 3
+    wide = [a if a != "32" or args[i - 1] != "--wan-width" else "64" for i, a in enumerate(args)]
+    with pytest.raises(SystemExit, match="--wan-init .* does not load into a model of --wan-width 64"):
+        _main(wide, monkeypatch, capsys)
+    with pytest.raises(SystemExit, match="pass --wan-stage transformer"):
+        _main([a if a != "transformer" else "all" for a in args], monkeypatch, capsys)
