@@ -34,7 +34,7 @@ updates alone do to the held-out verifier and diversity, to hold a brightness ro
 DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only. The verifier
 rows of ``dgpo`` and ``flow_grpo`` run their GenEval-style recipes (``tiny_dgpo_geneval``, ``tiny_flow_grpo_geneval``:
 the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a stronger KL) with those recipes' own evaluation, the whole
-held-out split × 8 seeds (`Method.recipes`); the table gives each row's number of paired images.
+held-out split × 32 seeds (`Method.recipes`); the table gives each row's number of paired images.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Method:
     quick: list[str] = field(default_factory=list)  # what --quick adds
     rewards: tuple[str, ...] = ("brightness", "verifier", "control")
     # a reward's own recipe, which replaces `recipe` and keeps its own held-out evaluation (EVAL's prompts and seeds
-    # do not apply): the GenEval-style recipes on the verifier, evaluated on the whole split with 8 seeds
+    # do not apply): the GenEval-style recipes on the verifier, evaluated on the whole split with 32 seeds
     recipes: dict[str, str] = field(default_factory=dict)
 
 

@@ -190,7 +190,7 @@ def _cfg(values: dict):
 @pytest.mark.parametrize("name", ["dgpo", "flow_grpo"])
 def test_the_verifier_rows_of_dgpo_and_flow_grpo_run_their_geneval_recipe(name, tmp_path):
     """The verifier rows run `tiny_<method>_geneval`: the brightness row's run with only the base (tiny_sd3_wide), the
-    budget (24 epochs x 24 prompts), the learning rate, the KL and the evaluation (the whole held-out split x 8 seeds,
+    budget (24 epochs x 24 prompts), the learning rate, the KL and the evaluation (the whole held-out split x 32 seeds,
     not the other rows' 33 prompts x 2 seeds) changed; --quick keeps its smoke-test evaluation."""
     overrides = run_overrides(METHODS[name], "verifier", 0, quick=False)
     assert overrides[0] == f"recipe=tiny_{name}_geneval" and "reward=[geneval_shapes]" in overrides
@@ -203,7 +203,7 @@ def test_the_verifier_rows_of_dgpo_and_flow_grpo_run_their_geneval_recipe(name, 
     assert verifier["model"]["pretrained_model_name_or_path"] == "${diffalign_asset:tiny_sd3_wide}"
     assert (verifier["online"]["num_epochs"], verifier["online"]["groups_per_epoch"]) == (24, 24)
     assert (verifier["method"]["beta_kl"], verifier["trainer"]["optimizer"]["lr"]) == (0.2, 3e-3)
-    assert verifier["eval"]["prompts_per_tag"] is None and verifier["eval"]["seeds"] == list(range(8))
+    assert verifier["eval"]["prompts_per_tag"] is None and verifier["eval"]["seeds"] == list(range(32))
     quick = run_overrides(METHODS[name], "verifier", 0, quick=True)
     assert "eval.prompts_per_tag=2" in quick and "online.num_epochs=3" in quick
 
