@@ -6,7 +6,8 @@ means, the mean fraction of zero-variance groups, the last epoch's KL to the bas
 approximate KL of the updates; the change of each evaluation reward it finds (brightness, clip_score), paired over the
 images. ``--pool FIELD`` adds, over the runs given (seeds of one setting, scored on the same images), the mean paired
 change of a per-image column with its s.e. over runs, the s.e. over images of the run-averaged per-image change, and
-the change over the two combined, √(s.e.²_runs + s.e.²_images) (`diffalign.evaluation.bench`'s convention and code).
+the change over the s.e. of a mean over runs crossed with images (`diffalign.evaluation.bench.crossed_se`, the
+benchmark's convention and code).
 
     python experiments/verifier_drift_table.py runs/v/runs/*-s0-*      # one row per finished run
     python experiments/verifier_drift_table.py --flips runs/v/runs/*/  # per image: how many runs lost / fixed it
@@ -137,10 +138,10 @@ def _gains(paths: list[str], field: str, seeds: set[int] | None) -> list[dict[st
 
 def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls: list[str] = ()) -> None:
     """Over runs scored on the same images (e.g. seeds of one setting): the mean paired change of ``field`` ± its s.e.
-    over runs, the s.e. over images of the run-averaged per-image change, and the change over the two combined; with
+    over runs, the s.e. over images of the run-averaged per-image change, and the change over `crossed_se`; with
     `controls` (e.g. random-score runs on the same images), the change minus the controls' run-averaged change, with
     the s.e. over images of that per-image difference."""
-    from diffalign.evaluation.bench import _image_se, _mean_se
+    from diffalign.evaluation.bench import _image_se, _mean_se, crossed_se
 
     gains = _gains(paths, field, seeds)
     if not gains:
@@ -148,7 +149,7 @@ def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls
         return
     mean, se_runs = _mean_se([float(np.mean(list(g.values()))) for g in gains])
     se_images = _image_se(gains) if len(gains) > 1 else math.nan
-    combined = math.hypot(se_runs, se_images)
+    combined = crossed_se(gains) if len(gains) > 1 else math.nan
     print(f"pooled {field} over {len(gains)} runs, {len(gains[0])} images: change {mean:+.4f} ± {se_runs:.4f} over runs "
           f"({mean / se_runs:.1f}); ± {se_images:.4f} over images, runs averaged ({mean / se_images:.1f}); combined "
           f"± {combined:.4f} ({mean / combined:.1f})")

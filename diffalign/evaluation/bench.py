@@ -15,11 +15,11 @@ included; a finished run is not run again, one cut short continues with ``resume
 
 Over the seeds, each figure is a mean ± its standard error (std over seeds / √n). Every seed scores the same held-out
 images, so the s.e. over seeds leaves out which images were drawn: the gain also gets the s.e. over images of the
-seed-averaged per-image gain (paired, base vs fine-tuned), and the gain is given in units of the two combined,
-√(s.e.²_seeds + s.e.²_images). Under a random seed effect, a random image effect and a residual, the variance of
-the grand mean is σ²_seed/S + σ²_image/I + σ²_res/(SI); the two squared s.e. estimate σ²_seed/S + σ²_res/(SI) and
-σ²_image/I + σ²_res/(SI), so their sum counts the residual twice: a conservative s.e. (one seed: the paired s.e. over
-its images alone). The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
+seed-averaged per-image gain (paired, base vs fine-tuned), and the gain is given in units of the s.e. of a grand
+mean over seeds crossed with images (`crossed_se`). Under a random seed effect, a random image effect and a
+residual, that variance is σ²_seed/S + σ²_image/I + σ²_res/(SI); the two squared s.e. estimate σ²_seed/S +
+σ²_res/(SI) and σ²_image/I + σ²_res/(SI), so their sum would count the residual twice; `crossed_se` estimates each
+component once, from the S × I table of per-image gains (one seed: the paired s.e. over its images alone). The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
 to ``<out>/curves.png``, and each run's sample grids stay in its ``eval/`` folder (linked from the table).
 
     diffalign-bench --quick                              # 4 runs: one method per data flow, a few epochs/steps,
@@ -268,14 +268,52 @@ def summarize(results: dict) -> list[dict]:
         if len(runs) == 1:  # one seed: the paired s.e. over its images instead
             row["gain_se"] = runs[0].get("gain_se") or row["gain_se"]
             row["verifier_change_se"] = runs[0].get("verifier_change_se") or row["verifier_change_se"]
-        row["gain_se_images"] = _image_se([r.get("image_gains") or {} for r in runs]) if len(runs) > 1 else math.nan
-        combined = math.hypot(row["gain_se"], row["gain_se_images"]) if not math.isnan(row["gain_se_images"]) \
-            else row["gain_se"]
+        image_gains = [r.get("image_gains") or {} for r in runs]
+        row["gain_se_images"] = _image_se(image_gains) if len(runs) > 1 else math.nan
+        row["gain_se_combined"] = crossed_se(image_gains) if len(runs) > 1 else math.nan
+        if math.isnan(row["gain_se_combined"]):  # one seed, or runs scored on different images
+            row["gain_se_combined"] = row["gain_se"] if math.isnan(row["gain_se_images"]) \
+                else math.hypot(row["gain_se"], row["gain_se_images"])
+        combined = row["gain_se_combined"]
         row["gain_over_se"] = row["gain"] / combined if combined and combined > 0 else math.nan
         row["verifier_change_se_images"] = (_image_se([r.get("verifier_image_gains") or {} for r in runs])
                                             if len(runs) > 1 else math.nan)
         rows.append(row)
     return rows
+
+
+def crossed_se(gains: list[dict[str, float]]) -> float:
+    """The s.e. of the grand mean gain of S runs (seeds) that scored the same I ≥ 2 images, under a two-way crossed
+    random-effects model g_si = μ + a_s + b_i + e_si (seed, image, residual; one observation per cell).
+
+    From the ANOVA mean squares of the S × I table, MS_seed = I Σ_s (ḡ_s − ḡ)² / (S − 1), MS_image = S Σ_i (ḡ_i − ḡ)² /
+    (I − 1) and MS_res = Σ_si (g_si − ḡ_s − ḡ_i + ḡ)² / ((S − 1)(I − 1)), whose expectations are σ²_res + I σ²_seed,
+    σ²_res + S σ²_image and σ²_res (Searle, Casella & McCulloch 1992, *Variance Components*, §4.7), the components
+    σ̂²_seed = max(0, (MS_seed − MS_res) / I) and σ̂²_image = max(0, (MS_image − MS_res) / S) (truncated at 0, the usual
+    ANOVA estimator's fix) give Var(ḡ) = σ̂²_seed / S + σ̂²_image / I + MS_res / (SI). Untruncated this is
+    (MS_seed + MS_image − MS_res) / (SI): the sum of the squared s.e. over seeds and over images (each MS / (SI)) minus
+    the residual's share, which that sum counts twice.
+
+    Args:
+        gains: one ``{image: gain}`` per run (`image_gains`).
+
+    Returns:
+        The s.e. (units of the gain), or NaN unless S ≥ 2 runs all scored the same I ≥ 2 images.
+    """
+    keys = sorted(gains[0]) if gains else []
+    if len(gains) < 2 or len(keys) < 2 or any(set(g) != set(keys) for g in gains):
+        return math.nan
+    table = [[g[k] for k in keys] for g in gains]
+    n_s, n_i = len(table), len(keys)
+    mean = statistics.fmean(v for row in table for v in row)
+    seed_means = [statistics.fmean(row) for row in table]
+    image_means = [statistics.fmean(row[i] for row in table) for i in range(n_i)]
+    ms_seed = n_i * sum((m - mean) ** 2 for m in seed_means) / (n_s - 1)
+    ms_image = n_s * sum((m - mean) ** 2 for m in image_means) / (n_i - 1)
+    ms_res = sum((table[s][i] - seed_means[s] - image_means[i] + mean) ** 2
+                 for s in range(n_s) for i in range(n_i)) / ((n_s - 1) * (n_i - 1))
+    var_seed, var_image = max(0.0, (ms_seed - ms_res) / n_i), max(0.0, (ms_image - ms_res) / n_s)
+    return math.sqrt(var_seed / n_s + var_image / n_i + ms_res / (n_s * n_i))
 
 
 def _image_se(gains: list[dict[str, float]]) -> float:
@@ -305,8 +343,9 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [(f"Generated by `{command}`. Mean ± s.e. over seeds; start/end = base/fine-tuned on held-out prompts "
              "(images = the paired base/fine-tuned images of one run: up to 8 prompts per tag, 33 prompts × 2 seeds, "
              "or a row recipe's own evaluation); gain ± s.e. over seeds, then the s.e. over images of the seed-averaged "
-             "per-image gain; gain/s.e. = the gain over the two combined, √(s.e.² seeds + s.e.² images), conservative "
-             "(one seed: the paired s.e. over its images); the verifier change likewise; train rise = mean training reward of the last 3 epochs − first 2 (online methods); held-out verifier "
+             "per-image gain; gain/s.e. = the gain over the s.e. of a mean over seeds crossed with images (each variance "
+             "component counted once: `diffalign.evaluation.bench.crossed_se`; one seed: the paired s.e. over its "
+             "images); the verifier change ± s.e. over seeds, then over images; train rise = mean training reward of the last 3 epochs − first 2 (online methods); held-out verifier "
              "acc. = geneval_shapes accuracy base → fine-tuned and its change ± s.e. (a hacking monitor on the brightness "
              "rows); diversity = the tiny CLIP's mean pairwise distance across seeds, base → fine-tuned."), "",
              ("| method | reward | seeds | images | start → end | gain (gain/s.e.) | train rise | held-out verifier acc. | "

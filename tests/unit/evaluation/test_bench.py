@@ -6,11 +6,22 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from diffalign.evaluation.bench import METHODS, main, markdown, read_run, run_digest, run_overrides, summarize
+from diffalign.evaluation.bench import (
+    METHODS,
+    _image_se,
+    crossed_se,
+    main,
+    markdown,
+    read_run,
+    run_digest,
+    run_overrides,
+    summarize,
+)
 
 
 def test_every_method_gets_its_recipe_the_reward_and_a_cheap_evaluation():
@@ -90,7 +101,10 @@ def test_the_gain_gets_the_s_e_over_images_and_its_ratio_uses_both_s_e(tmp_path)
     """Two seeds score the same 4 images. Per-image gains (fine-tuned − base), by hand:
     seed a: +0.2, +0.2, +0.0, +0.4 (mean 0.2); seed b: +0.0, +0.2, +0.2, +0.2 (mean 0.15).
     Seed-averaged per image: 0.1, 0.2, 0.1, 0.3 → mean 0.175, stdev √(((−.075)² + .025² + (−.075)² + .125²)/3)
-    = √(0.0275/3), s.e. over images = that / 2. S.e. over seeds: |0.2 − 0.15| / 2 = 0.025."""
+    = √(0.0275/3), s.e. over images = that / 2. S.e. over seeds: |0.2 − 0.15| / 2 = 0.025.
+    The crossed s.e.: MS_seed = 4 (0.025² + 0.025²) = 0.005; MS_image = 2 × 0.0275 / 3; residuals g − ḡ_s − ḡ_i + ḡ
+    = ±0.075, ∓0.025, ∓0.125, ±0.075 in each seed, so MS_res = 2 × 0.0275 / 3 too; σ̂²_seed = max(0, (0.005 −
+    0.0183) / 4) = 0, σ̂²_image = 0, Var = MS_res / 8 = 0.0275 / 12."""
     base = {(0, 0): 0.1, (0, 1): 0.2, (1, 0): 0.3, (1, 1): 0.0}
     ft_a = {(0, 0): 0.3, (0, 1): 0.4, (1, 0): 0.3, (1, 1): 0.4}
     ft_b = {(0, 0): 0.1, (0, 1): 0.4, (1, 0): 0.5, (1, 1): 0.2}
@@ -102,7 +116,8 @@ def test_the_gain_gets_the_s_e_over_images_and_its_ratio_uses_both_s_e(tmp_path)
     se_images = math.sqrt(0.0275 / 3) / 2
     assert row["gain"] == pytest.approx(0.175) and row["gain_se"] == pytest.approx(0.025)
     assert row["gain_se_images"] == pytest.approx(se_images)
-    assert row["gain_over_se"] == pytest.approx(0.175 / math.sqrt(0.025**2 + se_images**2))
+    assert row["gain_se_combined"] == pytest.approx(math.sqrt(0.0275 / 12))
+    assert row["gain_over_se"] == pytest.approx(0.175 / math.sqrt(0.0275 / 12))
     assert f"0.175 ± 0.025, ± {se_images:.3f} images (" in markdown([row], "diffalign-bench --x")
     assert math.isnan(row["verifier_change_se_images"])  # the fake samples carry no per-image verifier field
     (one,) = summarize({("vipo", "brightness"): [a]})  # one seed: its own paired s.e., no images column
@@ -110,6 +125,33 @@ def test_the_gain_gets_the_s_e_over_images_and_its_ratio_uses_both_s_e(tmp_path)
     c = dict(b, image_gains={"p0_s0": 0.1})  # runs that scored different images: no s.e. over images
     (mixed,) = summarize({("vipo", "brightness"): [a, c]})
     assert math.isnan(mixed["gain_se_images"]) and mixed["gain_over_se"] == pytest.approx(0.175 / 0.025)
+
+
+def test_crossed_se_by_hand():
+    """Seeds (1, 0, 0) and (1, 1, 0): ḡ = 0.5, seed means 1/3, 2/3, image means 1, 0.5, 0. MS_seed = 3 (2/36) = 1/6,
+    MS_image = 2 (0.25 + 0 + 0.25) / 2 = 1/2, residuals ±1/6, ∓1/3, ±1/6 → MS_res = (4/36 + 2/9) / 2 = 1/6;
+    σ̂²_seed = 0, σ̂²_image = (1/2 − 1/6) / 2 = 1/6; Var = (1/6) / 3 + (1/6) / 6 = 1/12 (the summed squared s.e.
+    would give 1/36 + 1/12 = 1/9). Runs that scored other images, or one run: NaN."""
+    gains = [{"a": 1.0, "b": 0.0, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 0.0}]
+    assert crossed_se(gains) == pytest.approx(math.sqrt(1 / 12))
+    assert math.isnan(crossed_se(gains[:1])) and math.isnan(crossed_se([gains[0], {"a": 1.0, "b": 0.0}]))
+
+
+def test_crossed_se_matches_the_variance_of_the_mean_that_the_summed_s_e_overstate():
+    """3000 tables drawn from g = a_s + b_i + e_si (σ 0.6, 0.3, 1; S = 3, I = 12): the true Var(ḡ) = 0.36/3 + 0.09/12
+    + 1/36. The mean squared `crossed_se` is within 6 % of it (it is unbiased but for the truncation at 0, which only
+    raises it); the summed squared s.e. over seeds and over images overstate it by σ²_res/(SI) = 0.028 in expectation."""
+    rng = np.random.default_rng(0)
+    n_s, n_i, sd_seed, sd_image, sd_res = 3, 12, 0.6, 0.3, 1.0
+    true = sd_seed**2 / n_s + sd_image**2 / n_i + sd_res**2 / (n_s * n_i)
+    crossed, summed = [], []
+    for _ in range(3000):
+        g = rng.normal(0, sd_seed, (n_s, 1)) + rng.normal(0, sd_image, (1, n_i)) + rng.normal(0, sd_res, (n_s, n_i))
+        gains = [{str(i): float(g[s, i]) for i in range(n_i)} for s in range(n_s)]
+        crossed.append(crossed_se(gains) ** 2)
+        summed.append(np.var(g.mean(1), ddof=1) / n_s + _image_se(gains) ** 2)
+    assert np.mean(crossed) == pytest.approx(true, rel=0.06)
+    assert np.mean(summed) > 1.12 * true
 
 
 def test_list_prints_the_runs_without_running_them(capsys):
