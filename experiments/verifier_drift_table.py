@@ -136,6 +136,23 @@ def _gains(paths: list[str], field: str, seeds: set[int] | None) -> list[dict[st
     return [g for g in gains if g]
 
 
+def prompt_clustered(gains: list[dict[str, float]]) -> str:
+    """The s.e. of the run-averaged mean change with the images clustered by prompt (``p<prompt>_s<seed>``): the s.e.
+    over prompts of each prompt's mean change, the images of one prompt counted as one draw. It is the s.e. to read when
+    the question is about new prompts rather than new seeds of these prompts; a ratio to the per-image s.e. well above
+    1 says the images of a prompt move together (design effect 1 + (m − 1)ρ for m images per prompt)."""
+    keys = sorted(set(gains[0]).intersection(*gains[1:]))
+    by_prompt: dict[str, list[float]] = {}
+    for k in keys:
+        by_prompt.setdefault(k.rsplit("_s", 1)[0], []).append(float(np.mean([g[k] for g in gains])))
+    means = [float(np.mean(v)) for v in by_prompt.values()]
+    if len(means) < 2:
+        return "clustered by prompt: fewer than 2 prompts"
+    se = statistics.stdev(means) / math.sqrt(len(means))
+    mean = float(np.mean([float(np.mean(v)) for v in by_prompt.values()]))
+    return f"clustered by prompt ({len(means)} prompts): {mean:+.4f} ± {se:.4f} ({mean / se:.1f})"
+
+
 def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls: list[str] = ()) -> None:
     """Over runs scored on the same images (e.g. seeds of one setting): the mean paired change of ``field`` ± its s.e.
     over runs, the s.e. over images of the run-averaged per-image change, and the change over `crossed_se`; with
@@ -152,7 +169,7 @@ def pooled(paths: list[str], field: str, seeds: set[int] | None = None, controls
     combined = crossed_se(gains) if len(gains) > 1 else math.nan
     print(f"pooled {field} over {len(gains)} runs, {len(gains[0])} images: change {mean:+.4f} ± {se_runs:.4f} over runs "
           f"({mean / se_runs:.1f}); ± {se_images:.4f} over images, runs averaged ({mean / se_images:.1f}); combined "
-          f"± {combined:.4f} ({mean / combined:.1f})")
+          f"± {combined:.4f} ({mean / combined:.1f}); {prompt_clustered(gains)}")
     against = _gains(list(controls), field, seeds)
     if against and all(set(g) == set(gains[0]) for g in against):
         keys = sorted(gains[0])

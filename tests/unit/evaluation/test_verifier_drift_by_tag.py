@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "experiments"))  # experiments/verifier_drift_table.py
-from verifier_drift_table import by_tag
+from verifier_drift_table import by_tag, prompt_clustered
 
 
 def _run(folder: Path, changes: dict[str, list[tuple[bool, bool]]]) -> str:
@@ -80,3 +80,12 @@ def test_failures_counts_each_kind_of_failed_constraint_once_per_image(tmp_path,
     assert lines[2].split("\t") == ["run", "finetuned", "1", "1", "1", "1", "1", "0"]
     failures([str(tmp_path / "run")], "counting")  # no image of that tag: no rows
     assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_prompt_clustered_se_by_hand():
+    """Two runs, 3 prompts x 2 seeds. Run-averaged per image: p0 (1, 1), p1 (0, 0.5), p2 (0, -0.5): prompt means 1,
+    0.25, -0.25, mean 1/3, stdev √(((2/3)² + (1/12)² + (7/12)²) / 2) = √(0.7917 / 2) = 0.6292, s.e. 0.6292 / √3 =
+    0.3632, ratio 0.9."""
+    a = {"p0_s0": 1.0, "p0_s1": 1.0, "p1_s0": 0.0, "p1_s1": 1.0, "p2_s0": 0.0, "p2_s1": 0.0}
+    b = {"p0_s0": 1.0, "p0_s1": 1.0, "p1_s0": 0.0, "p1_s1": 0.0, "p2_s0": 0.0, "p2_s1": -1.0}
+    assert prompt_clustered([a, b]) == "clustered by prompt (3 prompts): +0.3333 ± 0.3632 (0.9)"
