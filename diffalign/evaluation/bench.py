@@ -19,8 +19,9 @@ seed-averaged per-image gain (paired, base vs fine-tuned), and the gain is given
 mean over seeds crossed with images (`crossed_se`). Under a random seed effect, a random image effect and a
 residual, that variance is σ²_seed/S + σ²_image/I + σ²_res/(SI); the two squared s.e. estimate σ²_seed/S +
 σ²_res/(SI) and σ²_image/I + σ²_res/(SI), so their sum would count the residual twice; `crossed_se` estimates each
-component once, from the S × I table of per-image gains (one seed: the paired s.e. over its images alone). The table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves
-to ``<out>/curves.png``, and each run's sample grids stay in its ``eval/`` folder (linked from the table).
+component once, from the S × I table of per-image gains (one seed: the paired s.e. over its images alone). The
+table goes to ``<out>/bench.md``, every number to ``<out>/bench.json``, the reward curves to ``<out>/curves.png``, and
+each run's sample grids stay in its ``eval/`` folder (linked from the table).
 
     diffalign-bench --quick                              # 4 runs: one method per data flow, a few epochs/steps,
                                                          # brightness, seed 0, a small evaluation (a smoke test)
@@ -288,9 +289,9 @@ def crossed_se(gains: list[dict[str, float]]) -> float:
 
     From the ANOVA mean squares of the S × I table, MS_seed = I Σ_s (ḡ_s − ḡ)² / (S − 1), MS_image = S Σ_i (ḡ_i − ḡ)² /
     (I − 1) and MS_res = Σ_si (g_si − ḡ_s − ḡ_i + ḡ)² / ((S − 1)(I − 1)), whose expectations are σ²_res + I σ²_seed,
-    σ²_res + S σ²_image and σ²_res (Searle, Casella & McCulloch 1992, *Variance Components*, §4.7), the components
-    σ̂²_seed = max(0, (MS_seed − MS_res) / I) and σ̂²_image = max(0, (MS_image − MS_res) / S) (truncated at 0, the usual
-    ANOVA estimator's fix) give Var(ḡ) = σ̂²_seed / S + σ̂²_image / I + MS_res / (SI). Untruncated this is
+    σ²_res + S σ²_image and σ²_res (the ANOVA estimation of balanced data; Searle, Casella & McCulloch 1992,
+    *Variance Components*), the components σ̂²_seed = max(0, (MS_seed − MS_res) / I) and σ̂²_image = max(0, (MS_image −
+    MS_res) / S) (truncated at 0, the usual ANOVA estimator's fix) give Var(ḡ) = σ̂²_seed / S + σ̂²_image / I + MS_res / (SI). Untruncated this is
     (MS_seed + MS_image − MS_res) / (SI): the sum of the squared s.e. over seeds and over images (each MS / (SI)) minus
     the residual's share, which that sum counts twice.
 
