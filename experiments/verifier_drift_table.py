@@ -148,8 +148,7 @@ def prompt_clustered(gains: list[dict[str, float]]) -> str:
     means = [float(np.mean(v)) for v in by_prompt.values()]
     if len(means) < 2:
         return "clustered by prompt: fewer than 2 prompts"
-    se = statistics.stdev(means) / math.sqrt(len(means))
-    mean = float(np.mean([float(np.mean(v)) for v in by_prompt.values()]))
+    mean, se = statistics.fmean(means), statistics.stdev(means) / math.sqrt(len(means))
     return f"clustered by prompt ({len(means)} prompts): {mean:+.4f} ± {se:.4f} ({mean / se:.1f})"
 
 

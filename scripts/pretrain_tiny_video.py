@@ -677,10 +677,10 @@ def train_wan_transformer(args, work: Path, world) -> bool:
         else None
     first = None
     if init and (init / "pretrain_metrics.json").exists():  # the continued run's VAE and its first stage's record
-        first = json.loads((init / "pretrain_metrics.json").read_text())
-        vae_metrics = first.get("vae")
-        first = {"folder": str(init), "steps": first.get("steps"), "lr": first.get("args", {}).get("lr"),
-                 "heldout": first.get("heldout"), "init": first.get("init")}
+        earlier = json.loads((init / "pretrain_metrics.json").read_text())
+        vae_metrics = earlier.get("vae")
+        first = {"folder": str(init), "steps": earlier.get("steps"), "lr": earlier.get("args", {}).get("lr"),
+                 "heldout": earlier.get("heldout"), "init": earlier.get("init")}
     (out / "pretrain_metrics.json").write_text(json.dumps(
         {"arch": "wan", "device": str(device), "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
          "train_minutes": train_minutes, "final_running_loss": running, "heldout": held, "probe": final["probe"],

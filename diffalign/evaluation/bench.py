@@ -271,11 +271,10 @@ def summarize(results: dict) -> list[dict]:
             row["verifier_change_se"] = runs[0].get("verifier_change_se") or row["verifier_change_se"]
         image_gains = [r.get("image_gains") or {} for r in runs]
         row["gain_se_images"] = _image_se(image_gains) if len(runs) > 1 else math.nan
-        row["gain_se_combined"] = crossed_se(image_gains) if len(runs) > 1 else math.nan
-        if math.isnan(row["gain_se_combined"]):  # one seed, or runs scored on different images
-            row["gain_se_combined"] = row["gain_se"] if math.isnan(row["gain_se_images"]) \
-                else math.hypot(row["gain_se"], row["gain_se_images"])
-        combined = row["gain_se_combined"]
+        combined = crossed_se(image_gains) if len(runs) > 1 else math.nan
+        if math.isnan(combined):  # one seed, or runs scored on different images: the s.e. over seeds (or images) alone
+            combined = row["gain_se"]
+        row["gain_se_combined"] = combined
         row["gain_over_se"] = row["gain"] / combined if combined and combined > 0 else math.nan
         row["verifier_change_se_images"] = (_image_se([r.get("verifier_image_gains") or {} for r in runs])
                                             if len(runs) > 1 else math.nan)
