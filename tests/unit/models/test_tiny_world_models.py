@@ -278,7 +278,7 @@ def test_the_shipped_wan_base_reads_the_direction_word():
     the transformer's velocity error (target ε − x0 at σ = 0.6, x_σ = (1 − σ) x0 + σ ε, Wan's normalised latents) is
     lower with the true caption than with the direction word swapped (left↔right, up↔down) — a model that ignores the
     word, as the UNet3D tiny_t2v did (swap gap ≤ 0.35 %), has no such gap. Computed here from the policy's own
-    modules (here +370 % on 16 train videos); the pretraining's probe measured +231 % on its 32."""
+    modules (here +435 % on 16 train videos); the pretraining's probe measured +281 % on its 32."""
     import torch.nn.functional as F
 
     from diffalign.models.wan import WanPolicy
