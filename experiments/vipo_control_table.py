@@ -27,27 +27,31 @@ import json
 import statistics
 from pathlib import Path
 
+from compare_vipo import ARMS  # the arms' names, as compare_vipo.py writes its runs' folders
+
 from diffalign.evaluation.bench import crossed_se
 
-ARMS = ("vipo", "grpo")
+SCORES = ("accuracy", "dense")
 
 
-def per_video(out: Path, reward: str, score: str) -> dict[str, dict[tuple[int, int], float]]:
-    """``{variant: {(prompt_index, seed): value}}`` from ``<out>/eval/samples.jsonl``; `score` "accuracy" reads
-    ``<reward>/correct`` as 0/1, "dense" reads ``<reward>`` (the dense score in [0, 1])."""
+def per_video(out: Path, reward: str) -> dict[str, dict[str, dict[tuple[int, int], float]]]:
+    """``{score: {variant: {(prompt_index, seed): value}}}`` from ``<out>/eval/samples.jsonl``, read once: score
+    "accuracy" is ``<reward>/correct`` as 0/1, "dense" is ``<reward>`` (the dense score in [0, 1])."""
     path = Path(out) / "eval" / "samples.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path}: not found; pass the --out folder of a finished compare_vipo.py run")
-    table: dict[str, dict[tuple[int, int], float]] = {}
+    tables: dict[str, dict[str, dict[tuple[int, int], float]]] = {score: {} for score in SCORES}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        value = float(r[f"{reward}/correct"]) if score == "accuracy" else float(r[reward])
-        table.setdefault(r["variant"], {})[(r["prompt_index"], r["seed"])] = value
-    return table
+        key = (r["prompt_index"], r["seed"])
+        tables["accuracy"].setdefault(r["variant"], {})[key] = float(r[f"{reward}/correct"])
+        tables["dense"].setdefault(r["variant"], {})[key] = float(r[reward])
+    return tables
 
 
 def seeds_of(table: dict) -> list[int]:
-    return sorted({int(v.split("-s")[1].split("/")[0]) for v in table if v.startswith(f"{ARMS[0]}-s")})
+    first = next(iter(ARMS))
+    return sorted({int(v.split("-s")[1].split("/")[0]) for v in table if v.startswith(f"{first}-s")})
 
 
 def contrasts(verifier: dict, control: dict) -> dict[str, dict[str, float]]:
@@ -96,8 +100,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args()
     result = {}
-    for score in ("accuracy", "dense"):
-        v, c = per_video(args.verifier, args.reward, score), per_video(args.control, args.reward, score)
+    verifier, control = per_video(args.verifier, args.reward), per_video(args.control, args.reward)
+    for score in SCORES:
+        v, c = verifier[score], control[score]
         result[score] = contrasts(v, c)
         base = statistics.fmean(v["base"].values())
         print(f"## {args.reward} {score}: base {base:.3f} on {len(v['base'])} videos")

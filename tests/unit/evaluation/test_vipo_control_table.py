@@ -31,8 +31,8 @@ def _write(out: Path, runs: dict, base: dict = BASE) -> Path:
 
 
 def test_contrasts_by_hand(tmp_path):
-    v = per_video(_write(tmp_path / "v", VERIFIER), "video_motion", "dense")
-    c = per_video(_write(tmp_path / "c", CONTROL), "video_motion", "dense")
+    v = per_video(_write(tmp_path / "v", VERIFIER), "video_motion")["dense"]
+    c = per_video(_write(tmp_path / "c", CONTROL), "video_motion")["dense"]
     out = contrasts(v, c)
     # vipo verifier − base: seed 0 (+0.2, 0), seed 1 (0, +0.2). Seed means and video means are all 0.1, so the s.e.
     # over seeds and over videos are 0; the residuals are ±0.1, MS_res = 0.04 / 1 df, Var = 0.04 / (2·2): s.e. 0.1.
@@ -50,15 +50,15 @@ def test_contrasts_by_hand(tmp_path):
     assert out["grpo verifier − control"]["mean"] == pytest.approx(0.0, abs=1e-12)
     assert out["vipo − grpo (control)"]["per_seed"] == pytest.approx([0.0, 0.0], abs=1e-12)
     # the accuracy reads <reward>/correct: vipo verifier − base is (+1, 0) and (0, +1) over base (0, 0)
-    acc = contrasts(per_video(tmp_path / "v", "video_motion", "accuracy"),
-                    per_video(tmp_path / "c", "video_motion", "accuracy"))
+    acc = contrasts(per_video(tmp_path / "v", "video_motion")["accuracy"],
+                    per_video(tmp_path / "c", "video_motion")["accuracy"])
     assert acc["vipo verifier − base"]["mean"] == pytest.approx(0.5)
 
 
 def test_evaluations_of_different_base_videos_are_refused(tmp_path):
-    v = per_video(_write(tmp_path / "v", VERIFIER), "video_motion", "dense")
-    c = per_video(_write(tmp_path / "c", CONTROL, base={"A": 0.5, "B": 0.4}), "video_motion", "dense")
+    v = per_video(_write(tmp_path / "v", VERIFIER), "video_motion")["dense"]
+    c = per_video(_write(tmp_path / "c", CONTROL, base={"A": 0.5, "B": 0.4}), "video_motion")["dense"]
     with pytest.raises(SystemExit, match="base videos differ"):
         contrasts(v, c)
     with pytest.raises(SystemExit, match="not found"):
-        per_video(tmp_path / "missing", "video_motion", "dense")
+        per_video(tmp_path / "missing", "video_motion")
