@@ -33,9 +33,11 @@ on-policy pairs ranked by it, ``data=ranked_pairs``), ``verifier`` (``geneval_sh
 request, ``control`` (`diffalign.rewards.random_control`, random scores with no signal: the same runs show what the
 updates alone do to the held-out verifier and diversity, to hold a brightness row's monitors against).
 DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only. The verifier
-rows of ``dgpo`` and ``flow_grpo`` run their GenEval-style recipes (``tiny_dgpo_geneval``, ``tiny_flow_grpo_geneval``:
-the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a stronger KL) with those recipes' own evaluation, the whole
-held-out split × 32 seeds (`Method.recipes`); the table gives each row's number of paired images.
+rows of ``dgpo``, ``flow_grpo`` and ``flow_grpo_flux`` run their GenEval-style recipes (``tiny_dgpo_geneval``,
+``tiny_flow_grpo_geneval``: the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a stronger KL;
+``tiny_flow_grpo_flux_geneval``: the same settings on the stronger FLUX base ``tiny_flux_wide``) with those recipes'
+own evaluation, the whole held-out split × 32 seeds (`Method.recipes`); the table gives each row's number of paired
+images.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ METHODS: dict[str, Method] = {
     "flow_grpo_window": Method("tiny_flow_grpo", True, ["sampler=window_sde", "sampler.num_inference_steps=10",
                                                         "sampler.shift_interval=2"], quick=ONLINE_QUICK),
     "grpo_guard": Method("tiny_grpo_guard", True, quick=ONLINE_QUICK),  # tiny_flow_grpo with the guard alone
-    "flow_grpo_flux": Method("tiny_flow_grpo_flux", True, quick=ONLINE_QUICK),  # the tiny FLUX-format model
+    # the tiny FLUX-format model; on the verifier, the stronger FLUX base with the SD3 GenEval recipe's settings
+    "flow_grpo_flux": Method("tiny_flow_grpo_flux", True, quick=ONLINE_QUICK,
+                             recipes={"verifier": "tiny_flow_grpo_flux_geneval"}),
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK, recipes={"verifier": "tiny_dgpo_geneval"}),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08

@@ -250,6 +250,18 @@ def test_the_verifier_rows_of_dgpo_and_flow_grpo_run_their_geneval_recipe(name, 
     assert "eval.prompts_per_tag=2" in quick and "online.num_epochs=3" in quick
 
 
+def test_the_flux_verifier_row_is_flow_grpos_geneval_row_on_the_stronger_flux_base(tmp_path):
+    """`flow_grpo_flux`'s verifier row runs `tiny_flow_grpo_flux_geneval`: Flow-GRPO's verifier row (the SD3 GenEval
+    recipe: budget, learning rate, KL, 32-seed evaluation) with only the model changed, to `tiny_flux_wide`."""
+    overrides = run_overrides(METHODS["flow_grpo_flux"], "verifier", 0, quick=False)
+    assert overrides[0] == "recipe=tiny_flow_grpo_flux_geneval"
+    sd3, flux = _composed("flow_grpo", tmp_path, "verifier"), _composed("flow_grpo_flux", tmp_path, "verifier")
+    changed = _differences(sd3, flux)
+    assert "model._target_" in changed and all(k.startswith("model.") for k in changed)
+    assert flux["model"]["pretrained_model_name_or_path"] == "${diffalign_asset:tiny_flux_wide}"
+    assert flux["model"]["_target_"] == "diffalign.models.flux.FluxPolicy.from_pretrained"
+
+
 def test_the_table_counts_each_rows_images(tmp_path):
     per_image = {v: {(p, s): 0.5 for p in range(2) for s in range(2)} for v in ("base", "finetuned")}
     _fake_run(tmp_path / "a", 0.4, 0.5, [0.4, 0.5], per_image=per_image)
