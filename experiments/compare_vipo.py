@@ -14,7 +14,8 @@ the same held-out prompts and per-image seeds, and the script reports per arm th
 Usage::
 
     python experiments/compare_vipo.py --seeds 0 1 2 --epochs 30 --out runs/compare_vipo
-    python experiments/compare_vipo.py --recipe tiny_vipo_video --out runs/compare_vipo_video  # video, motion verifier
+    python experiments/compare_vipo.py --recipe tiny_vipo_wan --model tiny_wan_t2v --reward video_motion \
+        --metric mean --out runs/compare_vipo_video  # video: the Wan-format base, the motion verifier
 """
 
 from __future__ import annotations

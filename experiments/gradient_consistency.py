@@ -14,7 +14,7 @@ Reading: random advantages give gradients with cosine ≈ 0 between epochs (n Ad
 √n steps' worth); a reward whose gradient has a component that repeats from epoch to epoch (signal, or a bias of the
 credit assignment) gives cosines > 0 and moves the weights about n steps' worth.
 
-    python experiments/gradient_consistency.py recipe=tiny_vipo_video method.map=ones method.reduction=scalar_weighted
+    python experiments/gradient_consistency.py recipe=tiny_vipo_wan method.map=ones method.reduction=scalar_weighted
     python experiments/gradient_consistency.py recipe=tiny_vipo_image reward=[brightness] --epochs 3
 """
 

@@ -64,7 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CHILD_ENV = dict(os.environ)
 
-RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_video",
+RECIPES = ["tiny_flow_grpo", "tiny_ddpo", "tiny_dgpo", "tiny_vipo_image", "tiny_diffusion_nft", "tiny_vipo_wan",
            "tiny_flow_grpo_flux"]
 PHASES = ("rollout", "reward", "advantages", "update")
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}

@@ -47,7 +47,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "tiny_vipo_image": ("online", ["recipe=tiny_vipo_image", *ONLINE]),
     "tiny_vipo_image_per_reward": ("online", ["recipe=tiny_vipo_image", "reward=[geneval_shapes,brightness]",
                                               "method.advantage_per_reward=true", *ONLINE]),
-    "tiny_vipo_video": ("online", ["recipe=tiny_vipo_video", *ONLINE]),
+    "tiny_vipo_wan": ("online", ["recipe=tiny_vipo_wan", *ONLINE]),
     "tiny_diffusion_nft": ("online", ["recipe=tiny_diffusion_nft", *ONLINE]),
     "tiny_dpo": ("preference", ["recipe=tiny_dpo", "data.num_prompts=2", "data.samples_per_prompt=2",
                                 "data.sampler.num_inference_steps=4", *OFFLINE]),

@@ -1,4 +1,5 @@
-"""Pretrains the tiny world's text-to-video model (UNet3D, `TextToVideoSDPipeline` format) and ships it.
+"""Pretrains a tiny text-to-video model of the tiny world: a UNet3D (`TextToVideoSDPipeline` format), or with
+``--arch wan`` the shipped Wan-format base (`model=tiny_wan_t2v`).
 
 Data: videos of the video world (`diffalign.world.video`, 8 frames of 32×32, objects moving left/right/up/down or
 staying still) for random train captions (`video_train`) and seeds, encoded frame by frame with the shipped tiny
@@ -10,10 +11,13 @@ fixed seed 0. The EMA weights are saved as a `TextToVideoSDPipeline` in float16 
 ``torch_dtype=torch.float32``) and evaluated with the motion verifier (`reward=[video_motion]`) on the held-out
 video prompts (28 prompts × 4 seeds, DDIM 20 steps, CFG 4).
 
-The shipped model (`model=tiny_t2v`) is the image model inflated (``--inflate``)::
+The UNet3D base that shipped as ``model=tiny_t2v`` until the Wan-format base superseded it (retired; its measured
+rows are in docs/results/video.md) is the image model inflated (``--inflate``); the folder (default ``runs/tiny_t2v``)
+is a complete pipeline, its VAE included, that `TextToVideoPolicy.from_pretrained` loads
+(docs/results/tiny_world.md#the-retired-unet3d-video-base)::
 
     OMP_NUM_THREADS=2 python scripts/pretrain_tiny_video.py --inflate --threads 2 --steps 3000 --num-videos 16000 \
-        --lr 1e-3 --spatial-lr 1e-4 --out diffalign/assets/tiny_t2v
+        --lr 1e-3 --spatial-lr 1e-4 --out runs/tiny_t2v
 
 Diagnostics (docs/results/video.md, "why the tiny video model has not learned the direction of motion"): ``--eval-every
 N`` evaluates the EMA weights every N steps on the held-out prompts (strict accuracy, dense score, and the fraction of
@@ -717,7 +721,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=None, help="video frames (default 8; --arch wan: 9, Wan's 1 + 4k)")
     p.add_argument("--channels", type=int, nargs=2, default=[24, 48])
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--out", default=None, help="where the pipeline is saved (default diffalign/assets/tiny_t2v; "
+    p.add_argument("--out", default=None, help="where the pipeline is saved (default runs/tiny_t2v; "
                                                 "--arch wan: <--work>/tiny_wan_t2v)")
     p.add_argument("--eval-seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default: all 28)")
@@ -730,7 +734,7 @@ def main() -> None:
                         "text encoder extended to the video vocabulary")
     p.add_argument("--arch", choices=["unet3d", "motion", "wan"], default="unet3d",
                    help="with --inflate: unet3d = diffusers' UNet3DConditionModel (temporal convolutions + temporal "
-                        "attentions without frame positions; the shipped model); motion = an AnimateDiff-style "
+                        "attentions without frame positions; the retired tiny_t2v); motion = an AnimateDiff-style "
                         "UNetMotionModel (temporal attentions with sinusoidal frame positions, no temporal "
                         "convolutions), see inflate_motion_model; wan = a Wan-format base trained from scratch (no "
                         "--inflate): a tiny AutoencoderKLWan, then WanTransformer3DModel + umT5 (see --wan-stage)")
@@ -752,7 +756,7 @@ def main() -> None:
                         "word is the only clue (the ε-loss there is small, so uniform sampling gives it little weight)")
     p.add_argument("--high-t-min", type=int, default=600)
     p.add_argument("--loss-weighting", choices=["eps", "v"], default="eps",
-                   help="eps = the plain ε-MSE (the shipped model); v = each sample's ε-MSE times (1 + SNR_t) / SNR_t, "
+                   help="eps = the plain ε-MSE (the retired tiny_t2v); v = each sample's ε-MSE times (1 + SNR_t) / SNR_t, "
                         "i.e. the v-prediction loss of the same ε-model (Salimans & Ho 2022, arXiv:2202.00512, "
                         "v = α ε − σ x0), which weights the high-noise steps where an object's path is decided by "
                         "up to 215× instead of ~1×; divided by its mean over t so the loss keeps its scale")
@@ -813,7 +817,7 @@ def main() -> None:
     if args.device != "cpu":
         raise SystemExit(f"--device {args.device}: only --arch wan takes --device; drop it for --arch {args.arch}")
     args.frames = args.frames or 8
-    args.out = args.out or str(ASSETS / "tiny_t2v")
+    args.out = args.out or "runs/tiny_t2v"
     if not 0 <= args.t_min < 1000:
         raise ValueError(f"--t-min {args.t_min}: the training timesteps are 0..999; pass a value in [0, 999]")
     if args.max_loss_weight < 0 or (args.max_loss_weight and args.loss_weighting != "v"):
@@ -999,10 +1003,7 @@ def main() -> None:
     log(f"held-out motion accuracy {held['accuracy']:.3f} ± {held['se']:.3f} dense {held['dense']:.3f} direction "
         f"{held['direction_sign']:.3f} {held['per_tag']}; text gap {text_gap:.3f}; probe {probe}")
     out = Path(args.out)
-    pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
-    if out.resolve() == (ASSETS / "tiny_t2v").resolve():  # the shipped model stores no VAE of its own:
-        shutil.rmtree(out / "vae")  # model=tiny_t2v loads tiny_sd3's, the same weights (model.vae); any other --out
-        # folder stays a complete pipeline that TextToVideoSDPipeline.from_pretrained loads alone
+    pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)  # a complete pipeline, its VAE included
     metrics = {"init": args.init, "steps": args.steps, "batch": args.batch, "num_videos": args.num_videos, "frames": args.frames,
                "channels": args.channels, "train_minutes": train_minutes, "loss_curve": curve,
                "unet_params": sum(p.numel() for p in unet.parameters()), "heldout": held, "probe": probe, "text_gap": text_gap,

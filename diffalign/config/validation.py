@@ -322,7 +322,7 @@ def validate_reward_modality(cfg: DictConfig) -> None:
             if model == "image":
                 raise ValueError(f"{field}=[...{name}...]: {name} scores videos (B, F, C, H, W) but model="
                                  f"{cfg.model._target_} makes images; pick an image reward (e.g. {field}=[geneval_shapes]"
-                                 " or [clip_score]) or a video model (e.g. model=tiny_t2v)")
+                                 " or [clip_score]) or a video model (e.g. model=tiny_wan_t2v)")
             raise ValueError(f"{field}=[...{name}...]: {name} scores images (B, C, H, W) but model="
                              f"{cfg.model._target_} makes videos; wrap it per frame ({field}=[per_frame] "
                              f"{field}.per_frame.image_reward={name}) or pick a video reward (video_motion, "

@@ -106,8 +106,8 @@ class TextToVideoPolicy(StableDiffusionPolicy):
 
         Args:
             vae (`str`, *optional*): a local `AutoencoderKL` folder loaded instead of the pipeline's ``vae/``
-                (`load_vae_folder`). The shipped tiny text-to-video model (`model=tiny_t2v`) has no VAE of its own and
-                uses tiny_sd3's (``${diffalign_asset:tiny_sd3/vae}``, the same tiny world VAE, byte for byte).
+                (`load_vae_folder`), e.g. for a pipeline folder saved without a VAE of its own that shares another
+                model's (``${diffalign_asset:tiny_sd3/vae}``: the tiny world VAE).
 
         Raises:
             ValueError: for an unknown `torch_dtype`, a local path that is not a pipeline folder, or a `vae` that is

@@ -289,12 +289,13 @@ def test_eval_command_builds_the_adapter_the_checkpoint_was_trained_with(tmp_pat
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["reward=[video_motion]"], r"reward=\[...video_motion...\]: video_motion scores videos .* makes images"),
+    (["reward=[video_motion]"], (r"reward=\[...video_motion...\]: video_motion scores videos .* makes images; .* "
+                                 r"or a video model \(e.g. model=tiny_wan_t2v\)")),  # the hint: a shipped model
     (["model=tiny_random", "reward=[geneval_shapes,temporal_consistency]"], "temporal_consistency scores videos"),
     (["model=tiny_sd3", "eval_reward=[per_frame]"], r"eval_reward=\[...per_frame...\]"),
-    (["recipe=tiny_vipo_video", "reward=[geneval_shapes]"], "makes videos; wrap it per frame"),
-    (["recipe=tiny_vipo_video", "eval_reward=[clip_score]"], "eval_reward.per_frame.image_reward=clip_score"),
-    (["recipe=tiny_vipo_video", "monitor.every=1", "monitor.prompts=heldout"], "monitor.prompts=video_heldout"),
+    (["recipe=tiny_vipo_wan", "reward=[geneval_shapes]"], "makes videos; wrap it per frame"),
+    (["recipe=tiny_vipo_wan", "eval_reward=[clip_score]"], "eval_reward.per_frame.image_reward=clip_score"),
+    (["recipe=tiny_vipo_wan", "monitor.every=1", "monitor.prompts=heldout"], "monitor.prompts=video_heldout"),
     (["monitor.every=1", "monitor.prompts=video_heldout"], "monitor.prompts=heldout"),
 ])
 def test_reward_of_the_other_modality_is_refused_before_any_model_loads(overrides, match, tmp_path):
@@ -305,9 +306,9 @@ def test_reward_of_the_other_modality_is_refused_before_any_model_loads(override
 
 
 @pytest.mark.parametrize("overrides", [
-    ["recipe=tiny_vipo_video"],
-    ["recipe=tiny_vipo_video", "monitor.every=5"],
-    ["recipe=tiny_vipo_video", "reward=[per_frame,temporal_consistency]"],
+    ["recipe=tiny_vipo_wan"],
+    ["recipe=tiny_vipo_wan", "monitor.every=5"],
+    ["recipe=tiny_vipo_wan", "reward=[per_frame,temporal_consistency]"],
     ["model=tiny_wan_random", "reward=[video_motion]", "eval.enabled=false", "data=shapes_pairs"],
     ["model=tiny_sd3", "reward=[geneval_shapes,clip_score]"],
 ])

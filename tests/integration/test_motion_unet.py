@@ -68,7 +68,7 @@ def test_inflated_motion_unet_is_the_image_unet_per_frame_at_step_0(motion):
 def test_frame_positions_are_what_breaks_time_symmetry(motion):
     """Temporal self-attention without positions is permutation-equivariant over frames, so reversing the input
     frames reverses the output exactly; with AnimateDiff's sinusoidal frame positions it does not (the arrow of time
-    the shipped UNet3D's position-free temporal attentions lack, docs/methods/vipo.md)."""
+    diffusers' UNet3D's position-free temporal attentions lack, docs/methods/vipo.md)."""
     unet, _, _, _, _ = motion
     unet = UNetMotionModel.from_config(unet.config)
     unet.load_state_dict(motion[0].state_dict())

@@ -99,7 +99,7 @@ def test_sample_std_and_eps_of_the_released_vipo_code_by_hand():
     ("dgpo_sd35_geneval", 0, 1e-4),       # DGPO ships flow_grpo's stat tracker
     ("vipo_wan", 1, 1e-8),                # [CODE train_vipo_wan_fsdp.py: group_rewards.std() + 1e-8]
     ("tiny_vipo_image", 1, 1e-8),
-    ("tiny_vipo_video", 1, 1e-8),
+    ("tiny_vipo_wan", 1, 1e-8),
 ])
 def test_recipes_set_the_released_std_and_eps(recipe, correction, eps, tmp_path):
     from conftest import compose_cfg

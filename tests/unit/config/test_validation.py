@@ -231,12 +231,12 @@ def test_validation_refuses_an_unwritable_folder_without_os_access(tmp_path, mon
 # ---------------------------------------------------------------------------------- a sampler of the model's family
 
 SAMPLERS = {"ddim": "eps", "flow_sde": "flow", "dance_sde": "flow", "dpm_ode": "any", "euler_ode": "flow"}
-MODELS = {"tiny_sd": "eps", "tiny_random": "eps", "sd15": "eps", "sd21": "eps", "tiny_t2v": "eps",
-          "tiny_t2v_random": "eps", "sdxl": "eps", "tiny_sdxl_random": "eps", "tiny_sd3": "flow",
-          "tiny_flow_random": "flow", "sd35_medium": "flow", "tiny_wan_random": "flow", "wan21_t2v": "flow",
+MODELS = {"tiny_sd": "eps", "tiny_random": "eps", "sd15": "eps", "sd21": "eps", "tiny_t2v_random": "eps",
+          "sdxl": "eps", "tiny_sdxl_random": "eps", "tiny_sd3": "flow", "tiny_flow_random": "flow",
+          "sd35_medium": "flow", "tiny_wan_random": "flow", "tiny_wan_t2v": "flow", "wan21_t2v": "flow",
           "tiny_flux_random": "flow", "tiny_flux": "flow", "flux1_dev": "flow", "tiny_wan22_random": "flow",
           "wan22_t2v_a14b": "flow"}
-VIDEO = ("tiny_t2v", "tiny_t2v_random", "tiny_wan_random", "wan21_t2v", "tiny_wan22_random", "wan22_t2v_a14b")
+VIDEO = ("tiny_t2v_random", "tiny_wan_random", "tiny_wan_t2v", "wan21_t2v", "tiny_wan22_random", "wan22_t2v_a14b")
 
 
 @functools.cache
@@ -245,7 +245,7 @@ def _online_base(stochastic: bool, video: bool):
     DGPO for an ODE solver; a video reward and prompts for a video model."""
     method = ["method=flow_grpo"] if stochastic else ["method=dgpo", "method.timestep_max_index=2",
                                                        "method.timesteps_per_epoch=2"]
-    extra = ["model=tiny_t2v", "reward=[video_motion]", "online.prompts=video_train", "eval.enabled=false"] if video \
+    extra = ["model=tiny_t2v_random", "reward=[video_motion]", "online.prompts=video_train", "eval.enabled=false"] if video \
         else []
     return compose_cfg(["output_dir=unused", *method, *extra, "trainer.batch_size=8", "online.group_size=8"])
 

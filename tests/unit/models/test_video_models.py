@@ -197,11 +197,12 @@ def test_video_pretraining_script_runs_and_writes_a_loadable_pipeline(tmp_path, 
     script.main()
     metrics = json.loads((out / "pretrain_metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["heldout"]["n"] == 2
-    assert (out / "vae").exists()  # only the shipped tiny_t2v drops its VAE (it loads tiny_sd3's); any other --out
-    # folder is a complete pipeline (the shipped case is pinned in test_tiny_world_models.py)
-    policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4, vae=asset_path("tiny_sd3/vae"))
+    assert (out / "vae").exists()  # a complete pipeline: it loads alone (its own VAE, tiny_sd's) ...
+    policy = TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4)
     assert policy.latent_shape == (4, 8, 8, 8) and policy.dtype == torch.float32
     assert len(policy.tokenizer) == 28  # the video tokenizer (motion words)
+    # ... or with another folder's VAE as model.vae (tiny_sd3's: the same tiny world VAE, stored in float16)
+    TextToVideoPolicy.from_pretrained(str(out), num_frames=8, lora_rank=4, vae=asset_path("tiny_sd3/vae"))
 
 
 def test_training_logs_hold_one_video_of_f_frames_per_monitor_prompt(tmp_path):
@@ -241,19 +242,37 @@ def test_disable_dropout_makes_a_training_forward_deterministic():
     assert disable_dropout(net) == 0
 
 
-def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode():
-    """The shipped UNet3D has dropout 0.1 in its temporal convolutions (diffusers' UNet3D blocks); in training mode
-    it made the recomputed log-probs differ from the rollout's by up to 4.5 nats per position before any update.
-    The policy switches the dropout off, so the ratio π_θ / π_old is 1 there (the check of `method.logprob_check`)."""
+def saved_unet3d_folder(folder):
+    """A tiny random UNet3D `TextToVideoSDPipeline` saved as a folder (`save_pretrained`, the format
+    `scripts/pretrain_tiny_video.py` writes). Its temporal convolutions' last layers are drawn at random: diffusers
+    starts them at zero, which would hide the dropout in front of them (a trained model's are not zero)."""
+    from diffusers.models.resnet import TemporalConvLayer
+
+    from diffalign.models.tiny_video import build_tiny_t2v_pipeline
+
+    pipe = build_tiny_t2v_pipeline(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in pipe.unet.modules():
+            if isinstance(layer, TemporalConvLayer):
+                layer.conv4[-1].weight.copy_(0.1 * torch.randn(layer.conv4[-1].weight.shape, generator=gen))
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def test_a_saved_unet3d_policy_recomputes_the_rollouts_log_probs_in_training_mode(tmp_path):
+    """diffusers' UNet3D has dropout 0.1 in its temporal convolutions; in training mode it made the recomputed
+    log-probs of the tiny UNet3D base (model=tiny_t2v, since retired) differ from the rollout's by up to 4.5 nats per
+    position before any update. A policy loaded from a folder switches the dropout off, so the ratio π_θ / π_old is 1
+    there (the check of `method.logprob_check`)."""
     from diffusers import UNet3DConditionModel
 
-    from diffalign.config.compose import asset_path
     from diffalign.models.text_to_video import TextToVideoPolicy
 
-    raw = UNet3DConditionModel.from_pretrained(asset_path("tiny_t2v"), subfolder="unet")
+    folder = saved_unet3d_folder(tmp_path / "t2v")
+    raw = UNet3DConditionModel.from_pretrained(folder, subfolder="unet")
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in raw.modules())  # what the policy must undo
-    policy = TextToVideoPolicy.from_pretrained(asset_path("tiny_t2v"), num_frames=8, lora_rank=4,
-                                               vae=asset_path("tiny_sd3/vae"))
+    policy = TextToVideoPolicy.from_pretrained(str(folder), num_frames=4, lora_rank=4)
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.denoiser.modules())
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     policy.denoiser.eval()
@@ -263,3 +282,20 @@ def test_shipped_video_policy_recomputes_the_rollouts_log_probs_in_training_mode
     for k in range(3):
         step = recompute_step(policy, traj, k, reduction="per_position")
         torch.testing.assert_close(step.log_prob.detach(), traj.log_probs[:, k], rtol=0, atol=1e-3)
+
+
+def test_a_unet3d_folder_without_a_vae_loads_with_model_vae(tmp_path):
+    """`model.vae` (`TextToVideoPolicy.from_pretrained(..., vae=<folder>)`): a pipeline folder stored without a VAE of
+    its own loads with one from elsewhere (the retired model=tiny_t2v did so with tiny_sd3's); a path that is not a VAE
+    folder is refused before anything loads, naming the field."""
+    import shutil
+
+    from diffalign.models.text_to_video import TextToVideoPolicy
+
+    folder = saved_unet3d_folder(tmp_path / "t2v")
+    shutil.move(folder / "vae", tmp_path / "vae")
+    policy = TextToVideoPolicy.from_pretrained(str(folder), num_frames=4, lora_rank=None, vae=tmp_path / "vae")
+    expected = build_tiny_t2v_policy(num_frames=4, lora_rank=None).vae.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in policy.vae.state_dict().items())
+    with pytest.raises(ValueError, match=r"model.vae='/no/such/vae' is not a VAE folder"):
+        TextToVideoPolicy.from_pretrained(str(folder), vae="/no/such/vae")

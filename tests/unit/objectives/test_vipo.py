@@ -324,7 +324,7 @@ def test_vipo_runs_in_the_online_loop(case, tmp_path):
     assert 0 < history[0]["vipo/map_mean"] <= 1 and history[0]["vipo/map_fallback"] < 1
 
 
-@pytest.mark.parametrize("recipe", ["tiny_vipo_image", "tiny_vipo_video", "vipo_wan"])
+@pytest.mark.parametrize("recipe", ["tiny_vipo_image", "tiny_vipo_wan", "vipo_wan"])
 def test_vipo_recipes_compose(recipe, tmp_path):
     from conftest import compose_cfg
 
