@@ -33,9 +33,10 @@ on-policy pairs ranked by it, ``data=ranked_pairs``), ``verifier`` (``geneval_sh
 request, ``control`` (`diffalign.rewards.random_control`, random scores with no signal: the same runs show what the
 updates alone do to the held-out verifier and diversity, to hold a brightness row's monitors against).
 DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarked on the verifier only. The verifier
-rows of ``dgpo``, ``flow_grpo`` and ``flow_grpo_flux`` run their GenEval-style recipes (``tiny_dgpo_geneval``,
-``tiny_flow_grpo_geneval``: the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a stronger KL;
-``tiny_flow_grpo_flux_geneval``: the same settings on the stronger FLUX base ``tiny_flux_wide``) with those recipes'
+rows of ``dgpo``, ``flow_grpo``, ``dgpo_flux`` and ``flow_grpo_flux`` run their GenEval-style recipes
+(``tiny_dgpo_geneval``, ``tiny_flow_grpo_geneval``: the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a
+stronger KL; ``tiny_dgpo_flux_geneval``, ``tiny_flow_grpo_flux_geneval``: the same settings on the stronger FLUX base
+``tiny_flux_wide``) with those recipes'
 own evaluation, the whole held-out split × 32 seeds (`Method.recipes`); the table gives each row's number of paired
 images.
 """
@@ -91,6 +92,8 @@ METHODS: dict[str, Method] = {
     "flow_grpo_flux": Method("tiny_flow_grpo_flux", True, quick=ONLINE_QUICK,
                              recipes={"verifier": "tiny_flow_grpo_flux_geneval"}),
     "dgpo": Method("tiny_dgpo", True, quick=ONLINE_QUICK, recipes={"verifier": "tiny_dgpo_geneval"}),
+    # DGPO on the tiny FLUX-format model; on the verifier, the stronger FLUX base with the SD3 GenEval recipe's settings
+    "dgpo_flux": Method("tiny_dgpo_flux", True, quick=ONLINE_QUICK, recipes={"verifier": "tiny_dgpo_flux_geneval"}),
     "diffusion_nft": Method("tiny_diffusion_nft", True, quick=ONLINE_QUICK),
     # the SD model's verifier is more fragile: the recipe's lr 1e-3 cost 0.32 of its accuracy on brightness, 3e-4 0.08
     "dgpo_sd": Method("tiny_dgpo", True, ["model=tiny_sd", "trainer.optimizer.lr=3e-4", "online.num_epochs=20"],

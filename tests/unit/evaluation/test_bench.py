@@ -250,16 +250,19 @@ def test_the_verifier_rows_of_dgpo_and_flow_grpo_run_their_geneval_recipe(name, 
     assert "eval.prompts_per_tag=2" in quick and "online.num_epochs=3" in quick
 
 
-def test_the_flux_verifier_row_is_flow_grpos_geneval_row_on_the_stronger_flux_base(tmp_path):
-    """`flow_grpo_flux`'s verifier row runs `tiny_flow_grpo_flux_geneval`: Flow-GRPO's verifier row (the SD3 GenEval
-    recipe: budget, learning rate, KL, 32-seed evaluation) with only the model changed, to `tiny_flux_wide`."""
-    overrides = run_overrides(METHODS["flow_grpo_flux"], "verifier", 0, quick=False)
-    assert overrides[0] == "recipe=tiny_flow_grpo_flux_geneval"
-    sd3, flux = _composed("flow_grpo", tmp_path, "verifier"), _composed("flow_grpo_flux", tmp_path, "verifier")
-    changed = _differences(sd3, flux)
-    assert "model._target_" in changed and all(k.startswith("model.") for k in changed)
-    assert flux["model"]["pretrained_model_name_or_path"] == "${diffalign_asset:tiny_flux_wide}"
-    assert flux["model"]["_target_"] == "diffalign.models.flux.FluxPolicy.from_pretrained"
+@pytest.mark.parametrize("name", ["flow_grpo", "dgpo"])
+def test_the_flux_rows_are_the_sd3_rows_on_the_flux_models(name, tmp_path):
+    """`<method>_flux`'s rows are `<method>`'s with only the model changed: on brightness to `tiny_flux`, on the
+    verifier (`tiny_<method>_flux_geneval`: the SD3 GenEval recipe's budget, learning rate, KL and 32-seed
+    evaluation) to the stronger FLUX base `tiny_flux_wide`."""
+    overrides = run_overrides(METHODS[f"{name}_flux"], "verifier", 0, quick=False)
+    assert overrides[0] == f"recipe=tiny_{name}_flux_geneval"
+    for reward, asset in (("brightness", "tiny_flux"), ("verifier", "tiny_flux_wide")):
+        sd3, flux = _composed(name, tmp_path, reward), _composed(f"{name}_flux", tmp_path, reward)
+        changed = _differences(sd3, flux)
+        assert "model._target_" in changed and all(k.startswith("model.") for k in changed)
+        assert flux["model"]["pretrained_model_name_or_path"] == f"${{diffalign_asset:{asset}}}"
+        assert flux["model"]["_target_"] == "diffalign.models.flux.FluxPolicy.from_pretrained"
 
 
 def test_the_table_counts_each_rows_images(tmp_path):
