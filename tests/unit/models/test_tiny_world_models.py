@@ -128,24 +128,30 @@ def test_shipped_wide_flux_base_is_the_pretraining_runs_final_ema():
     assert round(script.eval_flux(pipe, 117) * 117) == 40
 
 
-def test_a_short_flux_runs_lora_loads_in_flux_pipeline(tmp_path):
-    """One Flow-GRPO epoch of `recipe=tiny_flow_grpo_flux` (shrunk) on the shipped tiny FLUX: its saved LoRA loads in
-    diffusers' `FluxPipeline` (`load_lora_weights`) and gives the trained policy's zero-noise images."""
+@pytest.mark.parametrize("recipe,name,extra", [
+    ("tiny_flow_grpo_flux", "tiny_flux", []),
+    # (DGPO's trained timesteps drawn from the 4 steps of the shrunk run)
+    ("tiny_dgpo_flux_geneval", "tiny_flux_wide", ["method.timestep_max_index=2", "method.timesteps_per_epoch=2"]),
+])
+def test_a_short_flux_runs_lora_loads_in_flux_pipeline(recipe, name, extra, tmp_path):
+    """One epoch of a tiny FLUX recipe (shrunk: Flow-GRPO on tiny_flux, DGPO's GenEval recipe on tiny_flux_wide): its
+    saved LoRA loads in diffusers' `FluxPipeline` (`load_lora_weights`) and gives the trained policy's zero-noise
+    images."""
     from conftest import online_overrides
 
     from diffalign.samplers.rollout import rollout
     from diffalign.train.online import train
 
     # (brightness: a reward whose advantages are never all zero, so the adapter surely moves)
-    cfg = compose_cfg(["recipe=tiny_flow_grpo_flux", "reward=[brightness]"] + online_overrides(tmp_path, epochs=1))
+    cfg = compose_cfg([f"recipe={recipe}", "reward=[brightness]"] + online_overrides(tmp_path, epochs=1) + extra)
     assert train(cfg)["epochs"] == 1
-    pipe = _shipped_flux_pipeline()
+    pipe = _shipped_flux_pipeline(name)
     call = {"num_inference_steps": 4, "height": 32, "width": 32, "max_sequence_length": 12, "true_cfg_scale": 4.5,
             "negative_prompt": [""], "output_type": "pt"}
     base = pipe(["a red circle"], generator=torch.Generator().manual_seed(0), **call).images
     pipe.load_lora_weights(str(tmp_path / "final"))
     adapted = pipe(["a red circle"], generator=torch.Generator().manual_seed(0), **call).images
-    policy = _shipped_flux_policy()
+    policy = _shipped_flux_policy(name)
     policy.load_lora_weights(tmp_path / "final")
     ours = rollout(policy, ["a red circle"], step_sampler(policy, num_inference_steps=4, guidance_scale=4.5,
                                                           noise=0.0), generator=[torch.Generator().manual_seed(0)])
