@@ -36,9 +36,8 @@ DDSPO uses no reward (its pairs come from degraded prompts), so it is benchmarke
 rows of ``dgpo``, ``flow_grpo``, ``dgpo_flux`` and ``flow_grpo_flux`` run their GenEval-style recipes
 (``tiny_dgpo_geneval``, ``tiny_flow_grpo_geneval``: the stronger base ``tiny_sd3_wide``, 24 prompts per epoch, a
 stronger KL; ``tiny_dgpo_flux_geneval``, ``tiny_flow_grpo_flux_geneval``: the same settings on the stronger FLUX base
-``tiny_flux_wide``) with those recipes'
-own evaluation, the whole held-out split × 32 seeds (`Method.recipes`); the table gives each row's number of paired
-images.
+``tiny_flux_wide``) with those recipes' own evaluation, the whole held-out split × 32 seeds (`Method.recipes`); the
+table gives each row's number of paired images.
 """
 
 from __future__ import annotations
